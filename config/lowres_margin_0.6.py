@@ -1,0 +1,5 @@
+# Stop Jostling logit thresholding, margin 0.6: logits below z[target] - 0.6 are removed from training CE (SPEC section 1).
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+margin = 0.6
+out_dir = "out/lowres_margin_0.6"

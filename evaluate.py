@@ -1,0 +1,129 @@
+"""
+Evaluate a saved checkpoint the way SPEC.md section 1 defines it, and write metrics.json:
+
+    python evaluate.py out/lowres_baseline/best.pt            # prints and writes metrics.json beside it
+
+The validation split is cut into non-overlapping blocks of block_size tokens and scored twice,
+as is (HR) and with every id shifted into the low-resource language (LR), with the full softmax
+over both languages and no thresholding. Per language: PPL, PPL_best over temperatures (with
+T_best), accuracy, Recall@5, MRR and the isotropy I(W) of that language's output-embedding rows;
+plus I(W) of all rows and the cross-language "translation" figures of the embedding.
+train.py calls evaluate_checkpoint() on best.pt at the end of every run.
+"""
+
+import argparse
+import json
+import os
+
+import numpy as np
+import torch
+
+import metrics
+from model import GPT, GPTConfig
+from utils import choose_device, save_json
+
+
+def load_model(path, device="cpu"):
+    checkpoint = torch.load(path, map_location=device, weights_only=False)
+    model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
+    model.load_state_dict(checkpoint["model"])
+    model.eval()
+    return model, checkpoint
+
+
+def val_blocks(data_dir, block_size):
+    """Non-overlapping (inputs, targets) blocks covering the whole val split: block i reads
+    tokens [i*T, (i+1)*T) and predicts [i*T+1, (i+1)*T+1)."""
+    data = torch.from_numpy(np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64))
+    n_blocks = (len(data) - 1) // block_size
+    x = data[: n_blocks * block_size].view(n_blocks, block_size)
+    y = data[1: n_blocks * block_size + 1].view(n_blocks, block_size)
+    return x, y
+
+
+@torch.no_grad()
+def predict(model, x, device, batch_size=256):
+    """Float32 logits (N*T, V) on the CPU for all blocks x (N, T)."""
+    out = [model(x[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)]
+    return torch.cat(out).reshape(-1, model.config.vocab_size)
+
+
+def prediction_metrics(logits, targets):
+    ppl_best, t_best = metrics.best_temperature_perplexity(logits, targets)
+    return {"ppl": metrics.perplexity(logits, targets), "ppl_best": ppl_best, "t_best": t_best,
+            **metrics.rank_metrics(logits, targets)}
+
+
+@torch.no_grad()
+def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
+    x, y = val_blocks(data_dir, model.config.block_size)
+    W = model.output_embedding().detach().float().cpu()
+    if not low_resource:
+        return {"val": {**prediction_metrics(predict(model, x, device), y.reshape(-1)),
+                        "isotropy": metrics.isotropy(W)}}
+    shift = len(itos)
+    result = {}
+    for lang, offset in (("hr", 0), ("lr", shift)):
+        logits = predict(model, x + offset, device)
+        result[lang] = {**prediction_metrics(logits, (y + offset).reshape(-1)),
+                        "isotropy": metrics.isotropy(W[offset:offset + shift])}
+    result["isotropy_all"] = metrics.isotropy(W)
+    E = model.input_embedding().detach().float().cpu()
+    result["translations"] = metrics.translation_metrics(E, itos, shift)
+    return result
+
+
+def evaluate_checkpoint(path, device="cpu"):
+    model, checkpoint = load_model(path, device)
+    config = checkpoint["config"]
+    result = evaluate_model(model, config["data_dir"], config["low_resource"], checkpoint["meta"]["itos"], device)
+    result["checkpoint"] = {"path": path, "iter": checkpoint["iter_num"], "val_loss": checkpoint["best_val_loss"]}
+    return result
+
+
+def marginalization_report(parts, train_data, shift, itos):
+    """Stop Jostling's gradient ratios for the low-resource rows, rarest first.
+    parts (S, 3, V): per training step, the norms of each embedding row's gradient from its use
+    as input, as target and as non-target (metrics.embedding_gradient_parts)."""
+    V = parts.size(-1)
+    ratios = metrics.marginalization_ratios(parts[:, 0], parts[:, 1], parts[:, 2])
+    counts = torch.bincount(train_data, minlength=shift)  # LR windows reuse the same text
+    rows = []
+    for i in sorted(range(shift), key=lambda i: (counts[i].item(), i)):
+        r = shift + i if V == 2 * shift else i
+        rows.append({"char": itos[i], "id": r, "train_count": counts[i].item(),
+                     "ratio_of_average": ratios["ratio_of_average"][r].item(),
+                     "average_of_ratio": ratios["average_of_ratio"][r].item()})
+    roa = torch.tensor([row["ratio_of_average"] for row in rows])
+    aor = torch.tensor([row["average_of_ratio"] for row in rows])
+    return {"steps": parts.size(0),
+            "mean_ratio_of_average": roa.nanmean().item(), "mean_average_of_ratio": aor.nanmean().item(),
+            "n_ratio_of_average_below_1": int((roa < 1).sum()), "n_average_of_ratio_below_1": int((aor < 1).sum()),
+            "tokens_rarest_first": rows}
+
+
+def format_metrics(result):
+    keys = ["ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy"]
+    langs = [k for k in ("hr", "lr", "val") if k in result]
+    lines = ["metric       " + "".join(f"{lang:>10}" for lang in langs)]
+    for key in keys:
+        lines.append(f"{key:<13}" + "".join(f"{result[lang][key]:>10.4f}" for lang in langs))
+    if "translations" in result:
+        t = result["translations"]
+        lines.append(f"isotropy_all {result['isotropy_all']:.4f} | twin in top-3: {t['twin_top3_fraction']:.3f} "
+                     f"| 12 cases: {t['cases_12']} | letters: {t['cases_letters']}/{t['cases_letters_total']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("checkpoint", help="path to a checkpoint written by train.py (best.pt or ckpt.pt)")
+    parser.add_argument("--out", default=None, help="where to write the metrics (default: metrics.json beside it)")
+    parser.add_argument("--device", default="auto")
+    args = parser.parse_args()
+    if not os.path.exists(args.checkpoint):
+        raise SystemExit(f"error: no checkpoint at {args.checkpoint}")
+    result = evaluate_checkpoint(args.checkpoint, choose_device(args.device))
+    save_json(result, args.out or os.path.join(os.path.dirname(args.checkpoint), "metrics.json"))
+    print(format_metrics(result))
+    print(json.dumps(result["checkpoint"]))

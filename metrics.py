@@ -1,0 +1,303 @@
+"""
+Evaluation metrics for representation-level language-model losses.
+
+Every function here is a pure function of tensors: no model, no file I/O.
+They are kept small and vectorised so that each one can be read next to the
+formula in its docstring (and checked against a slow Python loop in
+tests/test_metrics.py).
+
+Contents
+    rank_metrics                  accuracy, recall@5 and mean reciprocal rank
+    perplexity                    exp(mean negative log-likelihood)
+    best_temperature_perplexity   perplexity after the best single temperature
+    isotropy                      I(W) of Mu & Viswanath (2018)
+    translation_metrics           twin / 12-case neighbour counts of an embedding
+    embedding_gradient_part_vectors, embedding_gradient_parts
+                                  the three pieces of a tied embedding's gradient
+    marginalization_ratios        "Stop Jostling" ratios of those pieces
+"""
+
+import math
+import string
+
+import torch
+import torch.nn.functional as F
+
+# -----------------------------------------------------------------------------
+# next-token prediction quality
+
+
+def rank_metrics(logits, targets):
+    """
+    Rank-based scores of next-token predictions.
+
+    logits (N, V) float, targets (N,) long.
+        rank_t = 1 + #{v : logits[t, v] > logits[t, targets_t]}
+    Only STRICTLY larger logits push the target down, so a tie with another
+    token counts in the target's favour (rank 1 if it ties for the maximum).
+        accuracy    = mean_t [rank_t == 1]
+        recall_at_5 = mean_t [rank_t <= 5]
+        mrr         = mean_t 1 / rank_t        (mean reciprocal rank)
+    Unlike perplexity these only look at the ORDER of the logits, so they are
+    blind to calibration (multiplying all logits by a constant > 0 changes
+    nothing) - a useful second opinion when a loss changes the logit scale.
+    Returns python floats.
+    """
+    target_logit = logits.gather(1, targets.view(-1, 1))          # (N, 1)
+    rank = 1 + (logits > target_logit).sum(dim=1)                  # (N,)
+    rank = rank.double()
+    return {
+        "accuracy": (rank == 1).double().mean().item(),
+        "recall_at_5": (rank <= 5).double().mean().item(),
+        "mrr": (1.0 / rank).mean().item(),
+    }
+
+
+def perplexity(logits, targets):
+    """
+    Perplexity = exp( -1/N sum_t log softmax(logits_t)[targets_t] ).
+
+    The exponential of the mean cross-entropy (in nats): the effective number
+    of tokens the model is "choosing between" at each step. Computed in
+    float64 so that the mean over many tokens does not lose digits.
+    """
+    logp = F.log_softmax(logits.double(), dim=-1)
+    nll = -logp.gather(1, targets.view(-1, 1)).mean()
+    return math.exp(nll.item())
+
+
+def default_temperatures():
+    """T in {0.01, 0.02, ..., 2.00}: 200 values, rounded so they print cleanly."""
+    return [round(k * 0.01, 2) for k in range(1, 201)]
+
+
+@torch.no_grad()
+def best_temperature_perplexity(logits, targets, temperatures=None, max_block_elems=2**22):
+    """
+    Perplexity after the best single temperature:
+        PPL_best = min_T exp( mean_t NLL_t(T) ),
+        NLL_t(T) = logsumexp_v(z_tv / T) - z_t,y / T.
+    A loss that only trains the representation (not the logit scale) may
+    leave a model whose ranking is fine but whose logits are badly scaled;
+    rescaling by 1/T removes that calibration error, so PPL_best compares the
+    information in the logits rather than their temperature.
+
+    Implementation: subtract the row max m_t first (d = z - m <= 0); since
+    z_y - m = d_y the m/T terms cancel and NLL_t(T) = logsumexp(d_t/T) - d_ty/T.
+    The sum over v of exp(d/T) is >= 1 (the max entry gives exp(0)) and never
+    overflows, even for T = 0.01. Work is done on (T, n, V) blocks, chunked
+    over N so that a block holds at most `max_block_elems` float32 numbers
+    (2**22 -> 16 MB, one buffer reused; cache-sized blocks are also the
+    fastest); per-token terms are summed over N in float64.
+    Returns (ppl_best, t_best) as python floats; on ties the smallest T wins.
+    """
+    if temperatures is None:
+        temperatures = default_temperatures()
+    temps = torch.as_tensor(temperatures, dtype=torch.float64, device=logits.device).flatten()
+    inv_t32 = (1.0 / temps).float().view(-1, 1, 1)                 # (T, 1, 1)
+    n_temps = temps.numel()
+
+    z = logits.float()
+    N, V = z.shape
+    d = z - z.max(dim=1, keepdim=True).values                      # (N, V), <= 0
+    d_target_sum = d.gather(1, targets.view(-1, 1)).double().sum()  # sum_t d_ty
+    lse_sum = torch.zeros_like(temps)                              # sum_t logsumexp(d_t/T)
+
+    chunk = max(1, max_block_elems // (n_temps * V))
+    buf = z.new_empty(n_temps, min(chunk, N), V)                   # reused block
+    for start in range(0, N, chunk):
+        rows = d[start:start + chunk]
+        block = buf[:, :rows.shape[0]]                             # (T, n, V)
+        torch.mul(rows.unsqueeze(0), inv_t32, out=block)
+        # exp(-80) ~ 2e-35 is invisible next to the max term exp(0) = 1 in
+        # float32, and clamping avoids exp's slow path for huge negative inputs
+        block.clamp_(min=-80.0).exp_()
+        lse_sum += block.sum(dim=2).log_().double().sum(dim=1)     # (T,)
+
+    mean_nll = (lse_sum - d_target_sum / temps) / N                # (T,)
+    best = int(torch.argmin(mean_nll))
+    return math.exp(mean_nll[best].item()), float(temps[best].item())
+
+
+# -----------------------------------------------------------------------------
+# geometry of the embedding matrix
+
+
+def isotropy(W):
+    """
+    Isotropy I(W) of Mu & Viswanath (2018), "All-but-the-top".
+
+    W (n, C): rows w are (output) embedding vectors. With the partition function
+        Z(a) = sum_w exp(w^T a)
+    a perfectly isotropic set of vectors has Z(a) constant over unit vectors a,
+    so I(W) = min_a Z(a) / max_a Z(a) is 1, and it tends to 0 when the vectors
+    crowd into a narrow cone (the "representation degeneration" of
+    tied-embedding LMs). As in the paper, a ranges over the eigenvectors of
+    W^T W - but an eigenvector's sign is arbitrary and Z(a) != Z(-a), so we
+    use both u and -u to make the value well defined.
+    Computed in float64 via log Z(a) = logsumexp_w(w^T a), so large norms do
+    not overflow:   I = exp( min_a log Z(a) - max_a log Z(a) )   in (0, 1].
+    """
+    W = W.detach().double()
+    _, U = torch.linalg.eigh(W.T @ W)                              # columns = eigenvectors
+    A = torch.cat([U, -U], dim=1)                                  # (C, 2C)
+    log_z = torch.logsumexp(W @ A, dim=0)                          # (2C,)
+    return math.exp((log_z.min() - log_z.max()).item())
+
+
+def _stoi(itos):
+    """char -> index, for itos given as a list/str or as a dict {index: char}."""
+    items = itos.items() if isinstance(itos, dict) else enumerate(itos)
+    return {ch: i for i, ch in items}
+
+
+def _case_count(top3, i_upper, i_lower, shift):
+    """
+    12-case count for one letter. The four rows A_HR, a_HR, A_LR, a_LR each
+    have three partners (the other three rows: capitalisation, translation,
+    both); count how many partners appear in the row's top-3 neighbours.
+    """
+    rows = [i_upper, i_lower, i_upper + shift, i_lower + shift]
+    count = 0
+    for r in rows:
+        neighbours = set(top3[r].tolist())
+        count += sum(p in neighbours for p in rows if p != r)
+    return count
+
+
+def translation_metrics(E, itos, shift):
+    """
+    Does an embedding of a two-language character vocabulary align the languages?
+
+    E (2*shift, C): row i < shift is character itos[i] in the high-resource
+    (HR) language and row i + shift is the same character in the low-resource
+    (LR) language - its "twin". Similarity is cosine; the top-3 neighbours of
+    a row are the 3 most similar OTHER rows (self is set to -inf and we take
+    torch.topk(cos, 3); exact ties are broken by torch.topk's internal order,
+    which is unspecified - with real, continuous embeddings ties do not occur).
+
+    Returns
+      twin_top3_fraction : fraction of all 2*shift rows whose twin (i +- shift)
+                           is among their top-3 neighbours.
+      cases_12           : the "Stop Jostling" 12-case count for the letter A:
+                           for each of A_HR, a_HR, A_LR, a_LR count how many of
+                           its 3 partners (capitalisation, translation, both)
+                           are among its top-3 neighbours -> integer 0..12.
+                           None if 'A' or 'a' is not in itos.
+      cases_letters      : the same count summed over every letter that has
+      cases_letters_total  both cases in itos; total = 12 * #letters (312 for 26).
+    A model that learned "same character in the other language" and "same
+    letter in the other case" scores near 1.0 / 12 / the total.
+    """
+    E = E.detach().double()
+    assert E.shape[0] == 2 * shift, "E must have 2*shift rows"
+    En = F.normalize(E, dim=1)
+    cos = En @ En.T
+    cos.fill_diagonal_(float("-inf"))                              # exclude self
+    top3 = torch.topk(cos, 3, dim=1).indices                       # (2*shift, 3)
+
+    rows = torch.arange(2 * shift)
+    twins = (rows + shift) % (2 * shift)                           # i +- shift
+    twin_hit = (top3 == twins.view(-1, 1)).any(dim=1)
+    twin_frac = twin_hit.double().mean().item()
+
+    stoi = {ch: i for ch, i in _stoi(itos).items() if 0 <= i < shift}
+    cases_12 = None
+    if "A" in stoi and "a" in stoi:
+        cases_12 = _case_count(top3, stoi["A"], stoi["a"], shift)
+
+    cases_letters, n_letters = 0, 0
+    for up in string.ascii_uppercase:
+        lo = up.lower()
+        if up in stoi and lo in stoi:
+            cases_letters += _case_count(top3, stoi[up], stoi[lo], shift)
+            n_letters += 1
+
+    return {
+        "twin_top3_fraction": twin_frac,
+        "cases_12": cases_12,
+        "cases_letters": cases_letters,
+        "cases_letters_total": 12 * n_letters,
+    }
+
+
+# -----------------------------------------------------------------------------
+# "Stop Jostling" marginalization analysis of a tied embedding's gradient
+
+
+@torch.no_grad()
+def embedding_gradient_part_vectors(idx, targets, hidden, grad_logits, grad_embedding, vocab_size):
+    """
+    Split the gradient of a weight-tied embedding W (V, C) into three parts.
+
+    With tying, row W_i is used twice: as the input embedding of token i and
+    as the output vector in logits_t = hidden_t @ W^T. Hence, for every row i,
+        dL/dW_i =  sum_{t: idx_t = i}       dL/demb_t                  (1) input use
+                 + sum_{t: targets_t = i}   dL/dlogits[t,i] * hidden_t (2) target
+                 + sum_{t: targets_t != i}  dL/dlogits[t,i] * hidden_t (3) non-target
+    Under cross-entropy, (2) pulls W_i toward contexts where i is the answer,
+    while (3) pushes every token that is NOT the answer away - for rare tokens
+    that is almost every step, which is the "marginalization" that drives
+    embeddings of rare tokens into one direction.
+
+    idx, targets (N,) long (flattened batch x time); hidden (N, C) final
+    normed state feeding the head; grad_logits (N, V); grad_embedding (N, C).
+    Positions with target == -1 (ignored by the loss) are masked out of (2)
+    and (3). Returns three (V, C) tensors; (1)+(2)+(3) equals W.grad when
+    W.grad comes only from the embedding lookup and the tied head.
+    """
+    dtype = torch.promote_types(grad_logits.dtype, hidden.dtype)
+    dtype = torch.promote_types(dtype, grad_embedding.dtype)
+    hidden, grad_logits = hidden.to(dtype), grad_logits.to(dtype)
+    N, C = hidden.shape
+    V = vocab_size
+
+    # (1) input use: scatter-add each position's embedding gradient into its row
+    g_input = hidden.new_zeros(V, C).index_add_(0, idx, grad_embedding.to(dtype))
+
+    valid = targets >= 0                                           # mask ignore (-1)
+    safe_t = torch.where(valid, targets, torch.zeros_like(targets))
+    # (2) target: coefficient dL/dlogits[t, y_t] times hidden_t, added to row y_t
+    coef = grad_logits.gather(1, safe_t.view(-1, 1)).squeeze(1) * valid.to(dtype)
+    g_target = hidden.new_zeros(V, C).index_add_(0, safe_t, coef.view(-1, 1) * hidden)
+
+    # (3) non-target: all entries of grad_logits except the target column and
+    # except ignored rows, then the head's usual weight gradient G^T @ hidden
+    keep = valid.view(-1, 1) & (torch.arange(V, device=targets.device).view(1, -1) != safe_t.view(-1, 1))  # (N, V)
+    g_nontarget = (grad_logits * keep.to(dtype)).T @ hidden
+    return g_input, g_target, g_nontarget
+
+
+def embedding_gradient_parts(idx, targets, hidden, grad_logits, grad_embedding, vocab_size):
+    """
+    L2 norms (each a (V,) tensor) of the three parts of embedding_gradient_part_vectors:
+    ||input use||, ||target||, ||non-target|| for every vocabulary row.
+    """
+    parts = embedding_gradient_part_vectors(idx, targets, hidden, grad_logits, grad_embedding, vocab_size)
+    return tuple(p.norm(dim=1) for p in parts)
+
+
+def marginalization_ratios(g_input, g_target, g_nontarget):
+    """
+    How strongly does the non-target push dominate each embedding row?
+
+    Inputs (S, V): norms g1, g2, g3 of the three gradient parts of each row i
+    over S training steps. Per row (V,):
+        ratio_of_average = avg_s(g1 + g2) / avg_s(g3)
+        average_of_ratio = avg_s( (g1 + g2) / g3' ),
+            g3' = g3 if g3 > 0 else avg_s(g3) of that row
+    The substitution (the paper's footnote) keeps steps where a row got no
+    non-target gradient from dividing by zero. Values << 1 mean the row is
+    moved mostly by being a wrong answer. A row whose avg_s(g3) is 0 (never
+    received a non-target gradient) has no defined ratio: both entries are nan.
+    """
+    g1, g2, g3 = (g.double() for g in (g_input, g_target, g_nontarget))
+    num = g1 + g2                                                  # (S, V)
+    g3_avg = g3.mean(dim=0)                                        # (V,)
+    undefined = g3_avg == 0
+    nan = torch.tensor(float("nan"), dtype=torch.float64)
+
+    ratio_of_average = torch.where(undefined, nan, num.mean(dim=0) / g3_avg)
+    g3p = torch.where(g3 > 0, g3, g3_avg.expand_as(g3))
+    average_of_ratio = torch.where(undefined, nan, (num / g3p).mean(dim=0))
+    return {"ratio_of_average": ratio_of_average, "average_of_ratio": average_of_ratio}

@@ -1,0 +1,85 @@
+"""
+Optimizers: AdamW with weight decay on 2-D tensors only, and the row-wise AdamW that gives
+Stop Jostling's "separated embeddings" (SE) the behaviour the paper intends.
+
+Why SE needs its own optimizer. AdamW treats the embedding matrix as one tensor: even when a
+row got no gradient this step, its first moment still carries last steps' gradients, so the row
+keeps moving (momentum drift), and weight decay shrinks it. The paper's SE keeps every row as its
+own nn.Parameter so that AdamW skips rows without a gradient. In PyTorch that does not happen:
+the rows are torch.stack-ed in forward, stack's backward gives every row a zero tensor (not
+None), and AdamW updates every row anyway (SPEC.md section 1). SeparatedRowsAdamW does what the
+paper meant: a row whose gradient is all zeros is left bitwise untouched -- weights, both
+moments and its own step count -- so each row behaves exactly as if it were a separate
+parameter stepped only when it had a gradient.
+"""
+
+import torch
+
+
+class SeparatedRowsAdamW(torch.optim.Optimizer):
+    """AdamW for 2-D parameters whose rows are treated as independent parameters.
+
+    Per row r with gradient g_r != 0 this step (k_r = number of steps in which row r had one):
+        w_r <- w_r (1 - lr wd)
+        m_r <- b1 m_r + (1 - b1) g_r ;  v_r <- b2 v_r + (1 - b2) g_r^2
+        w_r <- w_r - lr / (1 - b1^k_r) * m_r / (sqrt(v_r / (1 - b2^k_r)) + eps)
+    Rows with an all-zero gradient keep w_r, m_r, v_r and k_r unchanged. When every row has a
+    gradient this is exactly torch.optim.AdamW (tests/test_optim.py checks it).
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.dim() != 2:
+                    raise ValueError(f"SeparatedRowsAdamW takes 2-D parameters (rows), got shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                if not state:
+                    state["step"] = torch.zeros(p.size(0), 1, device=p.device, dtype=torch.float32)
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                active = grad.ne(0).any(dim=1, keepdim=True)  # (rows, 1): rows that got a gradient
+                step = state["step"] + active
+                k = step.clamp(min=1)  # rows never stepped: any k works, their update is discarded
+                exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+                exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad
+                bias_correction1 = 1 - beta1 ** k
+                bias_correction2_sqrt = (1 - beta2 ** k).sqrt()
+                denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
+                new_p = p * (1 - lr * wd) - (lr / bias_correction1) * exp_avg / denom
+                # torch.where copies the old bits for inactive rows: bitwise unchanged, not "close"
+                p.copy_(torch.where(active, new_p, p))
+                state["exp_avg"] = torch.where(active, exp_avg, state["exp_avg"])
+                state["exp_avg_sq"] = torch.where(active, exp_avg_sq, state["exp_avg_sq"])
+                state["step"] = step
+
+
+def configure_optimizers(model, learning_rate, weight_decay, betas, separate_embeddings=False,
+                         device_type="cpu"):
+    """AdamW with decay on every 2-D tensor (matmul weights, embeddings) and none on gains and
+    biases (nanoGPT's rule). With separate_embeddings the token embedding (tied or not) moves to
+    a SeparatedRowsAdamW with the same hyperparameters. Returns a list of optimizers; train.py
+    steps them all and sets each group's lr from the schedule."""
+    params = {id(p): p for p in model.parameters() if p.requires_grad}  # a tied matrix once
+    embedding = model.input_embedding()
+    rowwise = [embedding] if separate_embeddings else []
+    rest = [p for p in params.values() if not any(p is q for q in rowwise)]
+    groups = [
+        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    # fused AdamW: one kernel per step instead of a dozen elementwise passes over every tensor
+    optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)]
+    if rowwise:
+        optimizers.append(SeparatedRowsAdamW(rowwise, lr=learning_rate, betas=betas,
+                                             weight_decay=weight_decay))
+    return optimizers

@@ -1,0 +1,367 @@
+"""Prepare the tiny Shakespeare dataset for character-level language modelling.
+
+The result is three files in ``out_dir``:
+
+* ``train.bin`` / ``val.bin`` -- token ids as raw ``np.uint16`` arrays, so the
+  training script can ``np.memmap`` them without parsing anything;
+* ``meta.json`` -- the vocabulary (``itos``) and a few facts about the run,
+  so that samples can be decoded back into text and the run can be audited.
+
+Usage::
+
+    python prepare_shakespeare.py                      # download + prepare
+    python prepare_shakespeare.py --input my_text.txt  # bring your own text
+
+Two rules shape the code below:
+
+1. Fail loudly and early. Every problem (bad download, wrong checksum, a file
+   that is not text, ...) becomes one ``PrepareError`` with a message that
+   names the file and says what was expected.
+2. Never leave half-written output. Every file is written to a temporary file
+   in the same directory and then moved into place with ``os.replace``, which
+   is atomic on the same filesystem. A crash leaves the old outputs or the new
+   ones, never a truncated mix.
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import tempfile
+
+import numpy as np
+import requests
+from tqdm import tqdm
+
+DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
+DEFAULT_URL = (
+    "https://raw.githubusercontent.com/karpathy/char-rnn/master/"
+    "data/tinyshakespeare/input.txt"
+)
+# sha256 of the canonical file (1,115,394 characters). Pinning the hash means
+# every student trains on exactly the same bytes, and a corrupted or changed
+# download is caught here instead of showing up as a mysterious loss curve.
+DEFAULT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+
+TOKENIZERS = ("char",)  # room for "gpt2" later
+TRAIN_FRACTION = 0.9
+# Ids are stored as uint16. We allow at most 65535 distinct characters, one
+# fewer than uint16 could hold, which keeps the id 65535 free for a later
+# padding / end-of-text marker.
+MAX_VOCAB = int(np.iinfo(np.uint16).max)  # 65535
+HTTP_TIMEOUT = (10, 60)  # seconds: (connect, read between chunks)
+CHUNK_SIZE = 1 << 16
+
+
+class PrepareError(Exception):
+    """Anything that stops us from producing a correct dataset."""
+
+
+# ---------------------------------------------------------------------------
+# small helpers
+# ---------------------------------------------------------------------------
+
+def _normalize_sha256(sha256):
+    """Return a lower-case hex digest, or None if no check was requested.
+
+    Catching a malformed hash up front gives a better message than a
+    guaranteed "checksum mismatch" after a full download.
+    """
+    if sha256 is None or sha256.strip() == "":
+        return None
+    sha256 = sha256.strip().lower()
+    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+        raise PrepareError(f"invalid sha256 {sha256!r}: expected 64 hex digits")
+    return sha256
+
+
+def _sha256_of_file(path):
+    """Hash a file in chunks so big files do not need to fit in memory."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK_SIZE), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _new_temp_file(final_path):
+    """Open a temp file next to ``final_path``.
+
+    Same directory means same filesystem, which is what makes the later
+    ``os.replace`` atomic. The leading dot keeps it out of the way.
+    """
+    directory = os.path.dirname(final_path) or "."
+    name = os.path.basename(final_path)
+    return tempfile.NamedTemporaryFile(
+        mode="wb", dir=directory, prefix=f".{name}.", suffix=".tmp", delete=False
+    )
+
+
+def _remove_quietly(path):
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+def _write_files_atomically(out_dir, contents):
+    """Write ``{file name: bytes}`` into ``out_dir`` as one all-or-nothing step.
+
+    All temp files are written first and only then renamed, so an error while
+    writing (disk full, permissions, ...) leaves no new output at all. The
+    dict order is the rename order: put ``meta.json`` last, so its presence
+    means the ``.bin`` files next to it are complete.
+    """
+    os.makedirs(out_dir, exist_ok=True)
+    temps = {}  # final path -> temp path, still to be renamed
+    try:
+        for name, data in contents.items():
+            final_path = os.path.join(out_dir, name)
+            with _new_temp_file(final_path) as f:
+                temps[final_path] = f.name
+                f.write(data)
+        for final_path in list(temps):
+            os.replace(temps[final_path], final_path)
+            del temps[final_path]
+    except OSError as exc:
+        raise PrepareError(f"could not write outputs to {out_dir}: {exc}") from exc
+    finally:
+        for temp_path in temps.values():
+            _remove_quietly(temp_path)
+
+
+# ---------------------------------------------------------------------------
+# step 1: get the raw text
+# ---------------------------------------------------------------------------
+
+def download(url, dest_path, sha256=None):
+    """Download ``url`` to ``dest_path`` and return the sha256 hex digest.
+
+    The hash is computed while streaming, so we never read the file twice.
+    If ``sha256`` is given, a mismatch is an error and nothing is left behind;
+    if ``dest_path`` already holds a file with that hash, the download is
+    skipped (rerunning the script is cheap and works offline).
+    """
+    expected = _normalize_sha256(sha256)
+
+    if expected is not None and os.path.isfile(dest_path):
+        if _sha256_of_file(dest_path) == expected:
+            print(f"{dest_path} already downloaded and verified, skipping download")
+            return expected
+
+    os.makedirs(os.path.dirname(dest_path) or ".", exist_ok=True)
+    temp_path = None
+    try:
+        with requests.get(url, stream=True, timeout=HTTP_TIMEOUT) as resp:
+            resp.raise_for_status()
+            # Content-Length counts bytes on the wire; with gzip it would not
+            # match the decoded bytes we count, so only trust it uncompressed.
+            length = resp.headers.get("Content-Length")
+            encoded = resp.headers.get("Content-Encoding", "identity") != "identity"
+            total = int(length) if length and length.isdigit() and not encoded else None
+
+            h = hashlib.sha256()
+            with _new_temp_file(dest_path) as f, tqdm(
+                total=total, unit="B", unit_scale=True, desc="downloading"
+            ) as bar:
+                temp_path = f.name
+                for chunk in resp.iter_content(chunk_size=CHUNK_SIZE):
+                    f.write(chunk)
+                    h.update(chunk)
+                    bar.update(len(chunk))
+        got = h.hexdigest()
+
+        if expected is not None and got != expected:
+            raise PrepareError(
+                f"checksum mismatch for {url}: expected sha256 {expected}, got {got}"
+            )
+        os.replace(temp_path, dest_path)
+        temp_path = None
+        return got
+    except requests.HTTPError as exc:
+        status = exc.response.status_code if exc.response is not None else "?"
+        reason = exc.response.reason if exc.response is not None else ""
+        raise PrepareError(f"download of {url} failed: HTTP {status} {reason}".rstrip()) from exc
+    except requests.RequestException as exc:
+        raise PrepareError(f"download of {url} failed: {exc}") from exc
+    except OSError as exc:
+        raise PrepareError(f"could not save {url} to {dest_path}: {exc}") from exc
+    finally:
+        if temp_path is not None:
+            _remove_quietly(temp_path)
+
+
+def read_text(path):
+    """Read ``path`` as UTF-8 text, checking it is something we can train on.
+
+    Returns ``(text, sha256 of the raw bytes)``. We decode the bytes ourselves
+    (no newline translation) so that the ids decode back to exactly the file.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise PrepareError(f"input file {path} not found: expected a UTF-8 text file") from None
+    except IsADirectoryError:
+        raise PrepareError(f"input {path} is a directory: expected a UTF-8 text file") from None
+    except OSError as exc:
+        raise PrepareError(f"could not read input file {path}: {exc}") from exc
+
+    if not data:
+        raise PrepareError(f"input file {path} is empty: expected non-empty UTF-8 text")
+    if b"\x00" in data:
+        raise PrepareError(
+            f"input file {path} contains NUL bytes (at byte {data.index(0)}): "
+            "expected UTF-8 text, this looks like a binary file"
+        )
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PrepareError(
+            f"input file {path} is not valid UTF-8 (bad byte at offset {exc.start}): "
+            "expected UTF-8 text"
+        ) from None
+    if len(text) < 2:
+        raise PrepareError(
+            f"input file {path} has {len(text)} character: expected at least 2 "
+            "so that both train and val splits are non-empty"
+        )
+    return text, hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# step 2: tokenize, split, write
+# ---------------------------------------------------------------------------
+
+def build_char_vocab(text, source):
+    """The vocabulary is every distinct character, sorted so it is reproducible.
+
+    Sorting means the same text always gives the same ids, independent of
+    Python's set ordering.
+    """
+    itos = sorted(set(text))
+    if len(itos) > MAX_VOCAB:
+        raise PrepareError(
+            f"input {source} has {len(itos)} distinct characters: expected at most "
+            f"{MAX_VOCAB} so that ids fit in uint16 (with one id to spare)"
+        )
+    return itos
+
+
+def encode_char(text, itos):
+    """Map each character to its index in ``itos``, as a uint16 array."""
+    stoi = {ch: i for i, ch in enumerate(itos)}
+    return np.array([stoi[ch] for ch in text], dtype=np.uint16)
+
+
+def prepare(
+    input_path=None,
+    out_dir=DEFAULT_OUT_DIR,
+    url=DEFAULT_URL,
+    sha256=DEFAULT_SHA256,
+    tokenizer="char",
+):
+    """Build ``train.bin``, ``val.bin`` and ``meta.json`` in ``out_dir``.
+
+    Without ``input_path`` the text is downloaded from ``url`` and verified
+    against ``sha256``. With ``input_path`` the file is used as is: people
+    bring their own text, so a different hash only earns a note.
+    Returns the meta dict that was written to ``meta.json``.
+    """
+    if tokenizer not in TOKENIZERS:
+        raise PrepareError(
+            f"unknown tokenizer {tokenizer!r}: expected one of {', '.join(TOKENIZERS)}"
+        )
+    expected = _normalize_sha256(sha256)
+
+    if input_path is None:
+        source = url
+        text_path = os.path.join(out_dir, "input.txt")
+        download(url, text_path, sha256=expected)
+    else:
+        source = str(input_path)
+        text_path = input_path
+
+    text, digest = read_text(text_path)
+    if input_path is not None and expected is not None and digest != expected:
+        print(
+            f"note: {input_path} is not the reference tiny Shakespeare "
+            f"(sha256 {digest[:12]}..., expected {expected[:12]}...); using it anyway"
+        )
+
+    itos = build_char_vocab(text, text_path)
+    ids = encode_char(text, itos)
+
+    # Split by position, not at random: the val set is a contiguous chunk of
+    # unseen text, so val loss measures generalisation to new passages.
+    n_train = int(len(ids) * TRAIN_FRACTION)
+    train_ids, val_ids = ids[:n_train], ids[n_train:]
+
+    meta = {
+        "tokenizer": tokenizer,
+        "vocab_size": len(itos),
+        "itos": itos,
+        "n_train": int(len(train_ids)),
+        "n_val": int(len(val_ids)),
+        "source": source,
+        "sha256": digest,
+    }
+    meta_bytes = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
+
+    _write_files_atomically(
+        out_dir,
+        {
+            "train.bin": train_ids.tobytes(),
+            "val.bin": val_ids.tobytes(),
+            "meta.json": meta_bytes,  # last: its presence means the bins are done
+        },
+    )
+    return meta
+
+
+# ---------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------
+
+def main(argv=None):
+    """Parse arguments, run ``prepare`` and print a summary.
+
+    Errors are reported as one ``error: ...`` line and exit code 1, instead of
+    a traceback, because they are about the user's data, not about this code.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--input", default=None,
+                        help="use this local text file instead of downloading")
+    parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR,
+                        help="where to write train.bin, val.bin, meta.json "
+                             f"(default: {DEFAULT_OUT_DIR})")
+    parser.add_argument("--url", default=DEFAULT_URL,
+                        help="where to download the text from")
+    parser.add_argument("--sha256", default=DEFAULT_SHA256,
+                        help="expected sha256 of the download; '' disables the check")
+    parser.add_argument("--tokenizer", default="char", choices=TOKENIZERS,
+                        help="how to turn text into ids (only 'char' for now)")
+    args = parser.parse_args(argv)
+
+    try:
+        meta = prepare(
+            input_path=args.input,
+            out_dir=args.out_dir,
+            url=args.url,
+            sha256=args.sha256,
+            tokenizer=args.tokenizer,
+        )
+    except PrepareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+    print(f"vocab size:   {meta['vocab_size']:,}")
+    print(f"train tokens: {meta['n_train']:,}")
+    print(f"val tokens:   {meta['n_val']:,}")
+    print(f"wrote train.bin, val.bin, meta.json to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,379 @@
+"""
+Tests for metrics.py: every metric is checked against an independent, slow
+definition (plain Python loops, numpy) or against a hand-computed answer.
+Run: python -m pytest tests/test_metrics.py -q
+"""
+
+import math
+import os
+import string
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import metrics
+
+# -----------------------------------------------------------------------------
+# rank metrics
+
+
+def test_rank_metrics_hand_example():
+    logits = torch.tensor([
+        [3.0, 1.0, 0.0, 2.0],   # target 0 is the max                   -> rank 1
+        [1.0, 2.0, 2.0, 0.0],   # target 1 ties with token 2 (the max)   -> rank 1
+        [5.0, 4.0, 1.0, 0.0],   # target 2 is below two logits           -> rank 3
+        [1.0, 2.0, 3.0, 4.0],   # target 0 is below three logits         -> rank 4
+        [0.0, 0.0, 0.0, 0.0],   # all tied                               -> rank 1
+        [9.0, 8.0, 7.0, 6.0],   # target 3 is the smallest               -> rank 4
+    ])
+    targets = torch.tensor([0, 1, 2, 0, 3, 3])
+    # ranks = 1, 1, 3, 4, 1, 4
+    out = metrics.rank_metrics(logits, targets)
+    assert out["accuracy"] == pytest.approx(3 / 6)
+    assert out["recall_at_5"] == pytest.approx(6 / 6)
+    assert out["mrr"] == pytest.approx((1 + 1 + 1 / 3 + 1 / 4 + 1 + 1 / 4) / 6)
+    assert all(isinstance(v, float) for v in out.values())
+
+
+def test_rank_metrics_recall_at_5_boundary():
+    # 7 tokens; target logits placed at ranks 5 and 6
+    logits = torch.tensor([[6.0, 5.0, 4.0, 3.0, 2.0, 1.0, 0.0]] * 2)
+    targets = torch.tensor([4, 5])
+    out = metrics.rank_metrics(logits, targets)
+    assert out["accuracy"] == 0.0
+    assert out["recall_at_5"] == pytest.approx(0.5)
+    assert out["mrr"] == pytest.approx((1 / 5 + 1 / 6) / 2)
+
+
+# -----------------------------------------------------------------------------
+# perplexity
+
+
+def _loop_nll(logits, targets, T=1.0):
+    """mean NLL of softmax(logits / T) by plain Python loops over math.exp/log."""
+    total = 0.0
+    for row, y in zip(logits.tolist(), targets.tolist()):
+        z = [v / T for v in row]
+        m = max(z)
+        log_norm = m + math.log(sum(math.exp(v - m) for v in z))
+        total += log_norm - z[y]
+    return total / len(targets)
+
+
+def test_perplexity_matches_loop():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 11, generator=g) * 2
+    targets = torch.randint(0, 11, (37,), generator=g)
+    expected = math.exp(_loop_nll(logits, targets))
+    assert metrics.perplexity(logits, targets) == pytest.approx(expected, rel=1e-12)
+
+
+def test_perplexity_uniform_is_vocab_size():
+    logits = torch.zeros(5, 13)
+    targets = torch.arange(5)
+    assert metrics.perplexity(logits, targets) == pytest.approx(13.0, rel=1e-12)
+
+
+def test_default_temperature_grid():
+    grid = metrics.default_temperatures()
+    assert len(grid) == 200 and grid[0] == 0.01 and grid[-1] == 2.0 and grid[99] == 1.0
+
+
+def test_best_temperature_matches_brute_force():
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(50, 9, generator=g) * 3
+    targets = torch.randint(0, 9, (50,), generator=g)
+    grid = [round(k * 0.01, 2) for k in range(1, 201)]
+    nlls = [_loop_nll(logits, targets, T) for T in grid]
+    k = min(range(len(grid)), key=lambda i: nlls[i])
+    ppl, t = metrics.best_temperature_perplexity(logits, targets)
+    assert t == grid[k]
+    assert ppl == pytest.approx(math.exp(nlls[k]), rel=1e-6)
+    # small blocks (chunking over N) give the same answer
+    ppl2, t2 = metrics.best_temperature_perplexity(logits, targets, max_block_elems=1000)
+    assert t2 == t and ppl2 == pytest.approx(ppl, rel=1e-9)
+    # a custom grid containing T = 1 can never be worse than plain perplexity
+    ppl3, t3 = metrics.best_temperature_perplexity(logits, targets, temperatures=[0.5, 1.0, 1.5])
+    assert ppl3 <= metrics.perplexity(logits, targets) * (1 + 1e-6)
+    assert t3 in (0.5, 1.0, 1.5)
+
+
+def test_best_temperature_recovers_known_scale():
+    # targets drawn from softmax(z); the model reports logits 2*z, so dividing
+    # by T = 2 gives back the true distribution, which minimises expected NLL.
+    g = torch.Generator().manual_seed(2)
+    N, V = 20000, 8
+    z = torch.randn(N, V, generator=g) * 1.5
+    targets = torch.multinomial(F.softmax(z, dim=1), 1, generator=g).squeeze(1)
+    ppl, t = metrics.best_temperature_perplexity(2 * z, targets)
+    assert abs(t - 2.0) <= 0.1
+    assert ppl == pytest.approx(metrics.perplexity(z, targets), rel=1e-3)
+    assert ppl < metrics.perplexity(2 * z, targets)
+
+
+# -----------------------------------------------------------------------------
+# isotropy
+
+
+def _loop_isotropy(W):
+    """I(W) straight from the definition, numpy eigenvectors, both signs, plain loops."""
+    W = np.asarray(W, dtype=np.float64)
+    _, U = np.linalg.eigh(W.T @ W)
+    Z = []
+    for j in range(U.shape[1]):
+        for sign in (1.0, -1.0):
+            a = sign * U[:, j]
+            Z.append(sum(math.exp(float(w @ a)) for w in W))
+    return min(Z) / max(Z)
+
+
+def test_isotropy_symmetric_is_one():
+    C = 5
+    eye = torch.eye(C, dtype=torch.float64)
+    # rows +-e_k: W^T W = 2I, whose eigh basis is the axes e_j, and
+    # Z(+-e_j) = 2C-2 + e + 1/e for every j
+    W = torch.cat([eye, -eye])
+    assert metrics.isotropy(W) == pytest.approx(1.0, abs=1e-14)
+
+
+def test_isotropy_axis_scales_hand_value():
+    # rows +-s_k e_k with distinct s_k: eigenvectors are +-e_k and
+    # Z(+-e_k) = (2C - 2) + e^{s_k} + e^{-s_k}
+    s = [0.5, 1.0, 2.0, 3.0]
+    C = len(s)
+    W = torch.cat([torch.diag(torch.tensor(s)), -torch.diag(torch.tensor(s))])
+    Z = [(2 * C - 2) + 2 * math.cosh(v) for v in s]
+    assert metrics.isotropy(W) == pytest.approx(min(Z) / max(Z), rel=1e-12)
+
+
+def test_isotropy_identical_rows_hand_value():
+    # all n rows equal v: Z(+v/|v|) = n e^{|v|}, Z(-v/|v|) = n e^{-|v|},
+    # Z(a) = n for a orthogonal to v  ->  I = e^{-2|v|}
+    v = torch.tensor([1.0, 2.0, 2.0], dtype=torch.float64)      # |v| = 3
+    W = v.repeat(10, 1)
+    expected = math.exp(-6.0)
+    assert metrics.isotropy(W) == pytest.approx(expected, rel=1e-9)
+    assert metrics.isotropy(W) == pytest.approx(_loop_isotropy(W.numpy()), rel=1e-9)
+
+
+def test_isotropy_random_matches_loop_and_large_norms():
+    g = torch.Generator().manual_seed(3)
+    W = torch.randn(40, 6, generator=g, dtype=torch.float64) + 0.7
+    val = metrics.isotropy(W)
+    assert 0 < val <= 1
+    assert val == pytest.approx(_loop_isotropy(W.numpy()), rel=1e-10)
+    # huge norms would overflow a naive exp; logsumexp keeps a finite result
+    big = metrics.isotropy(W.float() * 1000)
+    assert 0 <= big <= 1 and math.isfinite(big)
+
+
+# -----------------------------------------------------------------------------
+# translation metrics
+
+
+def _loop_translation(E, itos, shift):
+    """Brute force: cosine by loops, neighbours by sorting (self excluded)."""
+    E = E.double().numpy()
+    n = E.shape[0]
+    cos = np.zeros((n, n))
+    for i in range(n):
+        for j in range(n):
+            cos[i, j] = E[i] @ E[j] / (np.linalg.norm(E[i]) * np.linalg.norm(E[j]))
+    top3 = []
+    for i in range(n):
+        others = sorted((j for j in range(n) if j != i), key=lambda j: -cos[i, j])
+        top3.append(set(others[:3]))
+    twin = sum(((i + shift) % n) in top3[i] for i in range(n)) / n
+
+    def count(u, l):
+        rows = [u, l, u + shift, l + shift]
+        return sum(p in top3[r] for r in rows for p in rows if p != r)
+
+    pos = {ch: i for i, ch in enumerate(itos)}
+    c12 = count(pos["A"], pos["a"]) if ("A" in pos and "a" in pos) else None
+    letters = [L for L in string.ascii_uppercase if L in pos and L.lower() in pos]
+    return twin, c12, sum(count(pos[L], pos[L.lower()]) for L in letters), 12 * len(letters)
+
+
+def test_translation_constructed_perfect():
+    # chars: all 26 letters in both cases, plus '.' and ' '; each letter gets
+    # its own orthogonal direction, lower case = upper case + tiny offset,
+    # LR twin = identical vector -> every partner is a top-3 neighbour.
+    itos = list(string.ascii_uppercase) + list(string.ascii_lowercase) + [".", " "]
+    shift = len(itos)
+    C = 64
+    base = torch.zeros(shift, C, dtype=torch.float64)
+    for k in range(26):
+        base[k, k] = 1.0                         # 'A'+k
+        base[26 + k, k] = 1.0                    # 'a'+k ...
+        base[26 + k, 30 + k % 30] = 0.05         # ... slightly off the capital
+    base[52, 60] = 1.0
+    base[53, 61] = 1.0
+    E = torch.cat([base, base])                  # twins identical
+    out = metrics.translation_metrics(E, itos, shift)
+    assert out["twin_top3_fraction"] == 1.0
+    assert out["cases_12"] == 12
+    assert out["cases_letters"] == 312 and out["cases_letters_total"] == 312
+
+
+def test_translation_constructed_partial():
+    # No translation: each language gets its own orthogonal directions plus a
+    # shared per-language component c_L, so every row's top-3 is its
+    # capitalisation partner (cos ~ 1) and two same-language rows
+    # (cos ~ 0.04); other-language rows have cos 0. Hence each of the 4 rows
+    # finds exactly 1 of its 3 partners: cases = 4 of 12, and no twin is found.
+    itos = ["A", "a", "B", "b", "x", "y"]
+    shift = len(itos)
+    g = torch.Generator().manual_seed(4)
+    Q, _ = torch.linalg.qr(torch.randn(20, 20, generator=g, dtype=torch.float64))
+    d = Q.T                                                      # orthonormal rows
+
+    def language(o, c):
+        rows = [d[o], d[o] + 0.01 * d[o + 1], d[o + 2], d[o + 2] + 0.01 * d[o + 3], d[o + 4], d[o + 5]]
+        return torch.stack(rows) + 0.2 * c
+
+    E = torch.cat([language(0, d[18]), language(6, d[19])])
+    out = metrics.translation_metrics(E, itos, shift)
+    assert out["cases_12"] == 4
+    assert out["cases_letters"] == 8 and out["cases_letters_total"] == 24
+    assert out["twin_top3_fraction"] == 0.0
+
+
+def test_translation_random_matches_brute_force():
+    itos = ["A", "a", "b", "B", "c", "?", "z", "Z", "!", "q"]  # 'C', 'Q' missing
+    shift = len(itos)
+    g = torch.Generator().manual_seed(5)
+    E = torch.randn(2 * shift, 4, generator=g, dtype=torch.float64)
+    E[shift:] += 0.8 * E[:shift]                                  # some twin structure
+    out = metrics.translation_metrics(E, itos, shift)
+    twin, c12, cl, tot = _loop_translation(E, itos, shift)
+    assert out["twin_top3_fraction"] == pytest.approx(twin)
+    assert out["cases_12"] == c12
+    assert out["cases_letters"] == cl and out["cases_letters_total"] == tot == 12 * 3
+
+
+def test_translation_missing_A_gives_none():
+    itos = ["b", "B", "x"]
+    E = torch.randn(6, 3, generator=torch.Generator().manual_seed(6))
+    out = metrics.translation_metrics(E, itos, 3)
+    assert out["cases_12"] is None
+    assert out["cases_letters_total"] == 12
+    # itos may also be a dict {index: char}
+    out_d = metrics.translation_metrics(E, {0: "b", 1: "B", 2: "x"}, 3)
+    assert out_d == out
+
+
+# -----------------------------------------------------------------------------
+# embedding gradient parts
+
+
+def _tied_model_grads(seed=7, B=3, T=5, V=7, C=4):
+    """
+    A tiny weight-tied LM in float64: emb = W[idx]; h = tanh(emb @ A + b) mixed
+    causally over time; logits = h @ W^T; cross-entropy with ignore_index=-1.
+    Returns everything embedding_gradient_parts needs plus W.grad.
+    """
+    g = torch.Generator().manual_seed(seed)
+    W = torch.randn(V, C, generator=g, dtype=torch.float64, requires_grad=True)
+    A = torch.randn(C, C, generator=g, dtype=torch.float64)
+    b = torch.randn(C, generator=g, dtype=torch.float64)
+    idx = torch.randint(0, V, (B, T), generator=g)
+    targets = torch.randint(0, V, (B, T), generator=g)
+    targets[0, 2] = -1
+    targets[2, 4] = -1
+    emb = W[idx]                                                 # (B, T, C)
+    emb.retain_grad()
+    mix = torch.tril(torch.ones(T, T, dtype=torch.float64)) / torch.arange(1, T + 1, dtype=torch.float64).view(-1, 1)
+    h = torch.tanh(mix @ (emb @ A) + b)                          # causal average
+    h.retain_grad()
+    logits = h @ W.T                                             # tied head
+    logits.retain_grad()
+    loss = F.cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1)
+    loss.backward()
+    return dict(
+        idx=idx.view(-1), targets=targets.view(-1), hidden=h.detach().view(-1, C),
+        grad_logits=logits.grad.view(-1, V), grad_embedding=emb.grad.view(-1, C),
+        vocab_size=V, W_grad=W.grad.clone(),
+    )
+
+
+def test_embedding_gradient_parts_sum_to_tied_grad():
+    d = _tied_model_grads()
+    W_grad = d.pop("W_grad")
+    g1, g2, g3 = metrics.embedding_gradient_part_vectors(**d)
+    assert g1.shape == g2.shape == g3.shape == W_grad.shape
+    assert torch.allclose(g1 + g2 + g3, W_grad, rtol=0, atol=1e-12)
+
+
+def test_embedding_gradient_parts_match_loop():
+    d = _tied_model_grads(seed=8)
+    d.pop("W_grad")
+    V, C = d["vocab_size"], d["hidden"].shape[1]
+    e1 = torch.zeros(V, C, dtype=torch.float64)
+    e2 = torch.zeros(V, C, dtype=torch.float64)
+    e3 = torch.zeros(V, C, dtype=torch.float64)
+    for t in range(len(d["idx"])):
+        e1[d["idx"][t]] += d["grad_embedding"][t]
+        y = int(d["targets"][t])
+        if y == -1:
+            continue
+        for i in range(V):
+            part = d["grad_logits"][t, i] * d["hidden"][t]
+            if i == y:
+                e2[i] += part
+            else:
+                e3[i] += part
+    g1, g2, g3 = metrics.embedding_gradient_part_vectors(**d)
+    for got, exp in ((g1, e1), (g2, e2), (g3, e3)):
+        assert torch.allclose(got, exp, rtol=0, atol=1e-12)
+    n1, n2, n3 = metrics.embedding_gradient_parts(**d)
+    for got, exp in ((n1, e1), (n2, e2), (n3, e3)):
+        assert got.shape == (V,)
+        assert torch.allclose(got, exp.norm(dim=1), rtol=0, atol=1e-12)
+
+
+def test_embedding_gradient_parts_ignore_rows_masked():
+    # nonzero grad_logits on an ignored row must not leak into (2) or (3)
+    d = _tied_model_grads(seed=9)
+    d.pop("W_grad")
+    base = metrics.embedding_gradient_part_vectors(**d)
+    gl = d["grad_logits"].clone()
+    ignored = (d["targets"] == -1).nonzero().flatten()
+    gl[ignored] = 123.0
+    d["grad_logits"] = gl
+    poisoned = metrics.embedding_gradient_part_vectors(**d)
+    for a, b in zip(base, poisoned):
+        assert torch.equal(a, b)
+
+
+# -----------------------------------------------------------------------------
+# marginalization ratios
+
+
+def test_marginalization_ratios_match_loop():
+    g = torch.Generator().manual_seed(10)
+    S, V = 4, 5
+    g1 = torch.rand(S, V, generator=g, dtype=torch.float64)
+    g2 = torch.rand(S, V, generator=g, dtype=torch.float64)
+    g3 = torch.rand(S, V, generator=g, dtype=torch.float64)
+    g3[1, 2] = 0.0                 # one step without non-target gradient
+    g3[0, 4] = 0.0
+    g3[3, 4] = 0.0
+    g3[:, 3] = 0.0                 # a row that never gets one -> nan
+    out = metrics.marginalization_ratios(g1, g2, g3)
+    for i in range(V):
+        avg3 = sum(g3[s, i].item() for s in range(S)) / S
+        if avg3 == 0:
+            assert math.isnan(out["ratio_of_average"][i]) and math.isnan(out["average_of_ratio"][i])
+            continue
+        num = [g1[s, i].item() + g2[s, i].item() for s in range(S)]
+        roa = (sum(num) / S) / avg3
+        aor = sum(num[s] / (g3[s, i].item() if g3[s, i].item() > 0 else avg3) for s in range(S)) / S
+        assert out["ratio_of_average"][i].item() == pytest.approx(roa, rel=1e-12)
+        assert out["average_of_ratio"][i].item() == pytest.approx(aor, rel=1e-12)
+    assert out["ratio_of_average"].shape == (V,)

@@ -1,0 +1,304 @@
+"""
+Train a GPT on a prepared dataset, nanoGPT style:
+
+    python train.py config/lowres_baseline.py
+    python train.py config/lowres_margin_0.6_se.py --seed=2 --out_dir=out/se_s2
+
+Defaults below are the Stop Jostling low-resource experiment (SPEC.md section 1): a 0.8M-parameter
+character GPT on tiny Shakespeare where each training window is, with probability
+low_resource_prob, rewritten into a second "low-resource" language (every id shifted by the
+char vocabulary size). The run writes to out_dir:
+    log.jsonl      one JSON object per logged step and per evaluation
+    ckpt.pt/.json  the latest state (resume from it with --init_from=resume)
+    best.pt/.json  the weights with the best validation loss (what the final metrics evaluate)
+    metrics.json   metrics of best.pt (evaluate.py), and marginalization.json if asked
+"""
+
+import json
+import math
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import evaluate
+import losses
+import metrics
+from configurator import parse_config_or_exit
+from model import GPTConfig, build_model
+from optim import configure_optimizers
+from utils import autocast_context, choose_device, choose_dtype, peak_flops, save_json, save_torch
+
+# -----------------------------------------------------------------------------
+# default config (every key can be set in a config file or with --key=value)
+# I/O
+out_dir = "out/lowres_baseline"
+data_dir = "data/shakespeare_char"   # holds train.bin, val.bin, meta.json (prepare_shakespeare.py)
+init_from = "scratch"                # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+eval_interval = 250
+eval_iters = 20                      # validation batches per evaluation
+log_interval = 10
+final_eval = True                    # evaluate best.pt at the end and write metrics.json
+seed = 1337
+# data
+batch_size = 12
+block_size = 64
+gradient_accumulation_steps = 1
+low_resource = True                  # add the simulated low-resource language (SPEC section 1)
+low_resource_prob = 0.02             # probability that a training window is in that language
+# model
+n_layer = 4
+n_head = 4
+n_embd = 128
+dropout = 0.0
+bias = False
+tie_weights = True
+# loss
+margin = None                        # logit thresholding margin (Stop Jostling); None = plain CE
+separate_embeddings = False          # Stop Jostling SE: rows without gradient are not stepped
+# AdamW and schedule
+learning_rate = 1e-3
+max_iters = 8000
+weight_decay = 0.1
+beta1 = 0.9
+beta2 = 0.99
+grad_clip = 1.0                      # clip the global gradient norm; 0 = off
+warmup_iters = 100
+lr_decay_iters = 8000
+min_lr = 1e-4
+# analysis
+log_marginalization = False          # record Stop Jostling's per-row gradient parts every step
+# system
+device = "auto"                      # auto = cuda > mps > cpu
+dtype = "auto"                       # auto = bfloat16 autocast on GPU, float32 on CPU
+num_threads = 0                      # CPU threads for torch; 0 = torch's default
+# -----------------------------------------------------------------------------
+config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
+config = parse_config_or_exit(sys.argv[1:], {k: globals()[k] for k in config_keys})
+globals().update(config)
+# -----------------------------------------------------------------------------
+
+if init_from not in ("scratch", "resume"):
+    sys.exit(f"error: key 'init_from' must be 'scratch' or 'resume', got {init_from!r}")
+if num_threads > 0:
+    torch.set_num_threads(num_threads)
+device = choose_device(device)
+dtype = choose_dtype(dtype, device)
+autocast = autocast_context(device, dtype)
+torch.manual_seed(seed)
+os.makedirs(out_dir, exist_ok=True)
+
+# data ------------------------------------------------------------------------
+meta_path = os.path.join(data_dir, "meta.json")
+if not os.path.exists(meta_path):
+    sys.exit(f"error: no dataset in data_dir '{data_dir}' (missing meta.json); "
+             f"run prepare_shakespeare.py --out_dir {data_dir} first")
+with open(meta_path) as f:
+    meta = json.load(f)
+base_vocab = meta["vocab_size"]
+vocab_size = 2 * base_vocab if low_resource else base_vocab
+shift = base_vocab if low_resource else 0   # id offset of the low-resource language
+
+
+def load_tokens(split):
+    return torch.from_numpy(np.fromfile(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16).astype(np.int64))
+
+
+train_data, val_data = load_tokens("train"), load_tokens("val")
+data_generator = torch.Generator().manual_seed(seed)
+
+
+def get_batch(data, generator, prob_low_resource):
+    """B random windows of T+1 tokens -> inputs (B,T), targets (B,T). Each window independently
+    becomes the low-resource language with probability prob_low_resource (the authors' code
+    decides per window at batch time). Returns the LR mask too, for per-language evaluation."""
+    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+    windows = data[starts.unsqueeze(1) + torch.arange(block_size + 1)]
+    is_low = torch.rand(batch_size, generator=generator) < prob_low_resource
+    windows = windows + shift * is_low.unsqueeze(1)
+    x, y = windows[:, :-1], windows[:, 1:]
+    if device == "cuda":
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True), is_low
+    return x.to(device), y.to(device), is_low
+
+
+# model and optimizer ---------------------------------------------------------
+model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
+                         n_embd=n_embd, dropout=dropout, bias=bias, tie_weights=tie_weights)
+model = build_model(model_config, device)
+optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
+                                  separate_embeddings, device)
+iter_num, best_val_loss = 0, float("inf")
+grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log_marginalization)
+
+ckpt_path, best_path, log_path = (os.path.join(out_dir, n) for n in ("ckpt.pt", "best.pt", "log.jsonl"))
+if init_from == "resume":
+    if not os.path.exists(ckpt_path):
+        sys.exit(f"error: init_from='resume' but there is no checkpoint at {ckpt_path}")
+    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=False)
+    for key in ("n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights", "low_resource",
+                "separate_embeddings", "data_dir"):
+        if checkpoint["config"][key] != config[key]:
+            sys.exit(f"error: cannot resume: key '{key}' is {config[key]!r} but the checkpoint "
+                     f"was trained with {checkpoint['config'][key]!r}")
+    model.load_state_dict(checkpoint["model"])
+    for opt, state in zip(optimizers, checkpoint["optimizers"]):
+        opt.load_state_dict(state)
+    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+    data_generator.set_state(checkpoint["data_rng"])
+    torch.set_rng_state(checkpoint["torch_rng"])
+    if device == "cuda" and checkpoint.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(checkpoint["cuda_rng"])
+    grad_parts = checkpoint.get("grad_parts", [])
+    # drop log lines written after this checkpoint by the interrupted run
+    if os.path.exists(log_path):
+        with open(log_path) as f:
+            records = [json.loads(line) for line in f if line.strip()]
+        kept = [r for r in records if r["iter"] < iter_num or (r["iter"] == iter_num and "val" in r)]
+        with open(log_path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+    print(f"resumed from {ckpt_path} at iter {iter_num}")
+elif os.path.exists(log_path):
+    os.remove(log_path)  # a fresh run starts a fresh log
+
+
+def get_lr(it):
+    """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters."""
+    if it < warmup_iters:
+        return learning_rate * (it + 1) / (warmup_iters + 1)
+    if it > lr_decay_iters:
+        return min_lr
+    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
+
+
+@torch.no_grad()
+def estimate_val_loss():
+    """Cross-entropy (never thresholded) on the same eval_iters validation batches every time
+    (a fixed generator), in both languages. 'val' is the loss on the mixed batches, each window
+    in the low-resource language with probability low_resource_prob, as in training; it is
+    assembled from the per-window HR and LR losses, so it costs no extra forward pass."""
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    per_window = {"hr": [], "lr": []}
+    masks = []
+    for _ in range(eval_iters):
+        x, y, is_low = get_batch(val_data, generator, prob_low_resource=0.0)
+        masks.append(torch.rand(batch_size, generator=generator) < low_resource_prob)
+        for lang, offset in (("hr", 0), ("lr", shift)):
+            if lang == "lr" and not low_resource:
+                continue
+            with autocast:
+                logits = model(x + offset)
+            nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y + offset, reduction="none")
+            per_window[lang].append(nll.mean(dim=1).cpu())
+    model.train()
+    hr = torch.cat(per_window["hr"])
+    out = {"val_hr": hr.mean().item()}
+    if low_resource:
+        lr_ = torch.cat(per_window["lr"])
+        out["val_lr"] = lr_.mean().item()
+        out["val"] = torch.where(torch.cat(masks), lr_, hr).mean().item()
+    else:
+        out["val"] = out["val_hr"]
+    return out
+
+
+def save_checkpoint(path, full):
+    """Atomic torch.save plus a readable JSON beside it (config, step, losses)."""
+    state = {"model": model.state_dict(), "model_config": model_config.__dict__, "config": config,
+             "iter_num": iter_num, "best_val_loss": best_val_loss, "meta": meta}
+    if full:  # everything needed to continue exactly where we stopped
+        state.update(optimizers=[opt.state_dict() for opt in optimizers], data_rng=data_generator.get_state(),
+                     torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
+                     cuda_rng=torch.cuda.get_rng_state() if device == "cuda" else None)
+    save_torch(state, path)
+    save_json({"config": config, "model_config": model_config.__dict__, "iter_num": iter_num,
+               "best_val_loss": best_val_loss, "last_eval": last_eval}, path[:-3] + ".json")
+
+
+def log(record):
+    with open(log_path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+# training loop ---------------------------------------------------------------
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+flops_per_iter = model.flops_per_token() * tokens_per_iter
+peak = peak_flops(device, dtype)
+print(f"params: {model.num_params():,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
+      f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s")
+if log_marginalization and (dropout > 0 or not tie_weights):
+    sys.exit("error: log_marginalization needs dropout=0 and tie_weights=True (it splits the tied embedding's gradient)")
+
+last_eval = None
+bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True)
+t_window, window_iters = time.perf_counter(), 0
+while True:
+    lr = get_lr(iter_num)
+    for opt in optimizers:
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+    if iter_num % eval_interval == 0 or iter_num == max_iters:
+        last_eval = estimate_val_loss()
+        log({"iter": iter_num, **last_eval})
+        bar.set_postfix(val=f"{last_eval['val']:.4f}")
+        if last_eval["val"] < best_val_loss:
+            best_val_loss = last_eval["val"]
+            save_checkpoint(best_path, full=False)
+        save_checkpoint(ckpt_path, full=True)
+        t_window, window_iters = time.perf_counter(), 0  # keep evaluation out of the speed figures
+    if iter_num >= max_iters:
+        break
+
+    step_parts = 0
+    for micro_step in range(gradient_accumulation_steps):
+        x, y, _ = get_batch(train_data, data_generator, low_resource_prob)
+        with autocast:
+            logits, hidden_states = model(x, return_hidden_states=True)
+        loss = losses.cross_entropy(logits, y, margin=margin) / gradient_accumulation_steps
+        if log_marginalization:
+            logits.retain_grad()
+            hidden_states[0].retain_grad()
+        loss.backward()
+        if log_marginalization:
+            # raw gradient (before clipping) of each embedding row, split into input / target /
+            # non-target parts; summed over micro-steps before taking norms
+            step_parts = step_parts + torch.stack(metrics.embedding_gradient_part_vectors(
+                x.reshape(-1), y.reshape(-1), hidden_states[-1].detach().reshape(-1, n_embd).float(),
+                logits.grad.reshape(-1, vocab_size).float(),
+                hidden_states[0].grad.reshape(-1, n_embd).float(), vocab_size))
+    if log_marginalization:
+        grad_parts.append(step_parts.norm(dim=-1).cpu())
+    if grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+    for opt in optimizers:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    iter_num += 1
+    window_iters += 1
+    bar.update(1)
+
+    if iter_num % log_interval == 0:
+        loss_value = loss.item() * gradient_accumulation_steps  # .item() syncs: only when logging
+        dt = (time.perf_counter() - t_window) / window_iters
+        record = {"iter": iter_num - 1, "loss": loss_value, "lr": lr, "ms_per_iter": 1000 * dt,
+                  "tokens_per_s": tokens_per_iter / dt, "mfu": flops_per_iter / dt / peak}
+        log(record)
+        bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2f}")
+        t_window, window_iters = time.perf_counter(), 0
+bar.close()
+
+if log_marginalization and grad_parts:
+    parts = torch.stack(grad_parts)  # (steps, 3, V)
+    ratios = evaluate.marginalization_report(parts, train_data, shift, meta["itos"])
+    save_json(ratios, os.path.join(out_dir, "marginalization.json"))
+
+if final_eval:
+    metrics = evaluate.evaluate_checkpoint(best_path, device=device)
+    save_json(metrics, os.path.join(out_dir, "metrics.json"))
+    print(evaluate.format_metrics(metrics))

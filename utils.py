@@ -1,0 +1,99 @@
+"""Small shared pieces: device and precision choice, atomic file writes, peak FLOP/s for MFU."""
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+
+import torch
+
+
+def choose_device(device="auto"):
+    """'auto' picks cuda > mps > cpu."""
+    if device != "auto":
+        return device
+    if torch.cuda.is_available():
+        return "cuda"
+    if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+        return "mps"
+    return "cpu"
+
+
+def choose_dtype(dtype, device):
+    """'auto': bf16 autocast on a GPU that supports it, float32 elsewhere. On CPU bf16 is only
+    faster where the CPU has bf16 matrix units (torch.backends.cpu.get_cpu_capability()); on an
+    AVX2-only CPU a bf16 matmul runs ~100x slower than fp32, so we never pick it by default."""
+    if dtype != "auto":
+        return dtype
+    if device.startswith("cuda") and torch.cuda.is_bf16_supported():
+        return "bfloat16"
+    return "float32"
+
+
+def autocast_context(device, dtype):
+    if dtype == "float32":
+        return contextlib.nullcontext()
+    device_type = "cuda" if device.startswith("cuda") else device
+    return torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
+
+
+def _atomic_write(path, write_fn):
+    """Write to a temp file in the same directory, then rename over `path`: a reader (or a crash)
+    never sees a half-written file."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        write_fn(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def save_json(obj, path):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+    _atomic_write(path, write)
+
+
+def save_torch(obj, path):
+    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+
+
+# Dense bf16 tensor-core peaks (no sparsity) of common GPUs, for MFU on CUDA.
+GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12,
+                       "A800": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
+
+
+def measure_matmul_flops(device="cpu", dtype=torch.float32, n=2048, repeats=3):
+    """The machine's practical peak: FLOP/s of the best of `repeats` n x n matmuls."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best
+
+
+def peak_flops(device, dtype):
+    """Peak FLOP/s used as the MFU denominator: the datasheet value for known GPUs, otherwise a
+    measured matmul (CPUs differ too much from machine to machine for a table)."""
+    if device.startswith("cuda"):
+        name = torch.cuda.get_device_name()
+        for key, value in GPU_PEAK_BF16_FLOPS.items():
+            if key in name:
+                return value
+    return measure_matmul_flops(device, getattr(torch, dtype))
