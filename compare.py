@@ -16,6 +16,7 @@ paired figure is what separates an effect from noise.
 import argparse
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
@@ -74,7 +75,20 @@ def launch(config, extra, seed, out_dir, threads, overrides):
         code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
     if code != 0:
         raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {out_dir}/train.out")
-    return time.time() - t0
+    wall = time.time() - t0
+    save_json({"wall_s": wall, "threads": threads, "command": cmd}, os.path.join(out_dir, "run.json"))
+    return wall
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def run_grid(grid, root, workers, overrides):
@@ -89,7 +103,12 @@ def run_grid(grid, root, workers, overrides):
         for future in as_completed(futures):
             future.result()
             bar.update(1)
-    return time.time() - t0
+    wall = time.time() - t0
+    if todo:  # the grid's wall time, for the table (a call with nothing to do keeps the old record)
+        save_json({"wall_s": wall, "runs": len(todo), "workers": workers, "threads_per_run": threads,
+                   "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__},
+                  os.path.join(root, grid, "wall.json"))
+    return wall
 
 
 def mean_std(values):
@@ -183,7 +202,49 @@ def build_table(grid, root):
             aor = 100 * (mean_std([r["mean_average_of_ratio"] for r in b])[0] / mean_std([r["mean_average_of_ratio"] for r in a])[0] - 1)
             lines += ["", f"{names[1]} vs {names[0]}: Ratio of Average {roa:+.0f} %, Average of Ratio {aor:+.0f} % "
                       "(paper: +12 % and +45 %)."]
+    # speed: training throughput from each run's log, wall times from run.json / wall.json
+    lines += ["", "## Speed", "", "| method | runs | median tokens/s per run | median ms/iter | median MFU | mean wall time per run |",
+              "|---|---|---|---|---|---|"]
+    for method in methods:
+        speeds, walls = [], []
+        for m, seed, _, _, out in runs_of(grid, root):
+            if m != method or not os.path.exists(os.path.join(out, "metrics.json")):
+                continue
+            with open(os.path.join(out, "log.jsonl")) as f:
+                speeds += [json.loads(line) for line in f if '"tokens_per_s"' in line]
+            if os.path.exists(os.path.join(out, "run.json")):
+                with open(os.path.join(out, "run.json")) as f:
+                    walls.append(json.load(f)["wall_s"])
+        if speeds:
+            med = {k: torch.tensor([r[k] for r in speeds]).median().item() for k in ("tokens_per_s", "ms_per_iter", "mfu")}
+            wall = f"{sum(walls) / len(walls) / 60:.1f} min" if walls else "n/a"
+            lines.append(f"| {method} | {len(results.get(method, {}))} | {med['tokens_per_s']:.0f} | "
+                         f"{med['ms_per_iter']:.1f} | {med['mfu']:.2f} | {wall} |")
+    wall_path = os.path.join(root, grid, "wall.json")
+    if os.path.exists(wall_path):
+        with open(wall_path) as f:
+            w = json.load(f)
+        lines += ["", f"Last `compare.py {grid}` call: {w['runs']} runs in {w['wall_s'] / 60:.1f} min, {w['workers']} at a "
+                  f"time with {w['threads_per_run']} thread(s) each, on {w['cpu']} ({w['cores']} cores), torch {w['torch']}. "
+                  "MFU = model FLOPs (6N + attention) / the run's own measured fp32 2048² matmul peak."]
     return "\n".join(lines) + "\n", results
+
+
+def update_readme(readme, grid, table):
+    """Replace the text between <!-- results:<grid>:begin/end --> markers with the table, so
+    README's results are generated, never typed."""
+    begin, end = f"<!-- results:{grid}:begin -->", f"<!-- results:{grid}:end -->"
+    with open(readme) as f:
+        text = f.read()
+    if begin not in text or end not in text:
+        return False
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    body = table.replace(f"# Grid `{grid}`", f"### Grid `{grid}`").replace("\n## ", "\n#### ")
+    with open(readme + ".tmp", "w") as f:
+        f.write(head + begin + "\n" + body + end + tail)
+    os.replace(readme + ".tmp", readme)
+    return True
 
 
 def main(argv=None):
@@ -193,15 +254,13 @@ def main(argv=None):
     parser.add_argument("--results", default="results", help="where <grid>.md is written")
     parser.add_argument("--workers", type=int, default=2, help="runs at a time")
     parser.add_argument("--table_only", action="store_true", help="only rebuild the table")
+    parser.add_argument("--readme", default="README.md", help="README whose results markers get the table ('' = none)")
     parser.add_argument("overrides", nargs="*", help="--key=value passed to every run (e.g. --max_iters=50)")
     args, unknown = parser.parse_known_args(argv)
     overrides = args.overrides + unknown
-    wall = None
     if not args.table_only:
-        wall = run_grid(args.grid, args.root, args.workers, overrides)
+        run_grid(args.grid, args.root, args.workers, overrides)
     table, _ = build_table(args.grid, args.root)
-    if wall is not None:
-        table += f"\nThis invocation ran for {wall / 60:.1f} min on {args.workers} workers.\n"
     os.makedirs(args.results, exist_ok=True)
     path = os.path.join(args.results, f"{args.grid}.md")
     tmp = path + ".tmp"
@@ -210,6 +269,8 @@ def main(argv=None):
     os.replace(tmp, path)
     print(table)
     print(f"wrote {path}")
+    if args.readme and os.path.exists(args.readme) and update_readme(args.readme, args.grid, table):
+        print(f"updated the {args.grid} results in {args.readme}")
 
 
 if __name__ == "__main__":

@@ -40,10 +40,11 @@ def cross_entropy(logits, targets, ignore_index=-1, margin=None):
 
     With `margin` (a float >= 0), the logits are first thresholded as in threshold_logits
     (Stop Jostling; the paper's margins 8, 4, 2, 1, 0.6). Default None: plain cross-entropy.
-    Computed in float32 whatever the autocast dtype, so bf16 logits lose nothing in the softmax.
+    Half-precision (bf16/fp16 autocast) logits are upcast to float32 before the softmax.
     logits (..., V), targets (...).
     """
-    logits = logits.float()
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()  # upcast half precision; float64 stays float64
     if margin is not None:
         logits = threshold_logits(logits, targets, margin, ignore_index)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),

@@ -49,11 +49,11 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 active = grad.ne(0).any(dim=1, keepdim=True)  # (rows, 1): rows that got a gradient
                 step = state["step"] + active
-                k = step.clamp(min=1)  # rows never stepped: any k works, their update is discarded
+                k = step.clamp(min=1).double()  # rows never stepped: any k works, their update is discarded
                 exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
                 exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad
-                bias_correction1 = 1 - beta1 ** k
-                bias_correction2_sqrt = (1 - beta2 ** k).sqrt()
+                bias_correction1 = (1 - beta1 ** k).to(p.dtype)
+                bias_correction2_sqrt = (1 - beta2 ** k).sqrt().to(p.dtype)
                 denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
                 new_p = p * (1 - lr * wd) - (lr / bias_correction1) * exp_avg / denom
                 # torch.where copies the old bits for inactive rows: bitwise unchanged, not "close"

@@ -153,11 +153,12 @@ if init_from == "resume":
     if device == "cuda" and checkpoint.get("cuda_rng") is not None:
         torch.cuda.set_rng_state(checkpoint["cuda_rng"])
     grad_parts = checkpoint.get("grad_parts", [])
-    # drop log lines written after this checkpoint by the interrupted run
+    # drop log lines from iter_num on: the loop re-runs the evaluation at iter_num (same value)
+    # and the steps an interrupted run logged after its last checkpoint
     if os.path.exists(log_path):
         with open(log_path) as f:
             records = [json.loads(line) for line in f if line.strip()]
-        kept = [r for r in records if r["iter"] < iter_num or (r["iter"] == iter_num and "val" in r)]
+        kept = [r for r in records if r["iter"] < iter_num]
         with open(log_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
     print(f"resumed from {ckpt_path} at iter {iter_num}")

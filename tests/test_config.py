@@ -1,0 +1,77 @@
+"""configurator.py: config files and --key=value overrides, and the errors for bad ones."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from configurator import ConfigError, parse_config  # noqa: E402
+
+DEFAULTS = {"learning_rate": 1e-3, "max_iters": 100, "out_dir": "out", "tie_weights": True, "margin": None}
+
+
+def test_file_then_overrides_in_order(tmp_path):
+    cfg = tmp_path / "c.py"
+    cfg.write_text("max_iters = 5\nmargin = 0.6\nout_dir = 'a'\n")
+    config = parse_config([str(cfg), "--max_iters=7", "--learning_rate=3e-4", "--out_dir=123"], DEFAULTS)
+    assert config == {"learning_rate": 3e-4, "max_iters": 7, "out_dir": "123", "tie_weights": True, "margin": 0.6}
+    assert DEFAULTS["max_iters"] == 100  # defaults are not modified
+
+
+def test_int_is_accepted_for_float_and_optional_keys_take_numbers_or_none():
+    config = parse_config(["--learning_rate=1", "--margin=2", "--margin=None"], DEFAULTS)
+    assert config["learning_rate"] == 1.0 and isinstance(config["learning_rate"], float)
+    assert config["margin"] is None
+
+
+def test_config_can_build_on_another(tmp_path):
+    (tmp_path / "base.py").write_text("max_iters = 5\nout_dir = 'base'\n")
+    (tmp_path / "child.py").write_text(
+        "import os\nexec(open(os.path.join(os.path.dirname(__file__), 'base.py')).read())\nout_dir = 'child'\n")
+    config = parse_config([str(tmp_path / "child.py")], DEFAULTS)
+    assert config["max_iters"] == 5 and config["out_dir"] == "child"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max_itres=5"], "unknown config key 'max_itres'. Valid keys: learning_rate, margin, max_iters, out_dir, tie_weights"),
+    (["--max_iters=0.5"], "key 'max_iters' expects int, got 0.5"),
+    (["--tie_weights=1"], "key 'tie_weights' expects bool, got 1"),
+    (["--learning_rate=fast"], "key 'learning_rate' expects float, got 'fast'"),
+    (["--max_iters"], "must look like --key=value"),
+    (["no/such/config.py"], "cannot read config file 'no/such/config.py'"),
+])
+def test_bad_input_names_the_key(args, message):
+    with pytest.raises(ConfigError) as info:
+        parse_config(args, DEFAULTS)
+    assert message in str(info.value)
+
+
+def test_bad_key_in_file_names_the_file(tmp_path):
+    cfg = tmp_path / "bad.py"
+    cfg.write_text("learning_rat = 1e-3\n")
+    with pytest.raises(ConfigError, match=r"config file '.*bad.py': unknown config key 'learning_rat'"):
+        parse_config([str(cfg)], DEFAULTS)
+    cfg.write_text("max_iters = 'many'\n")
+    with pytest.raises(ConfigError, match="key 'max_iters' expects int"):
+        parse_config([str(cfg)], DEFAULTS)
+
+
+def test_train_py_stops_with_one_clear_message():
+    result = subprocess.run([sys.executable, "train.py", "config/lowres_baseline.py", "--n_layers=2"],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "unknown config key 'n_layers'" in result.stderr and "n_layer," in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_every_shipped_config_parses():
+    import glob
+    defaults = dict(DEFAULTS)
+    with open(os.path.join(REPO, "train.py")) as f:
+        source = f.read().split("# -----------------------------------------------------------------------------")[1]
+    exec(source, {}, defaults)  # the default-config block of train.py
+    for path in sorted(glob.glob(os.path.join(REPO, "config", "*.py"))):
+        parse_config([path], defaults)

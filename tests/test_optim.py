@@ -1,0 +1,121 @@
+"""Separated embeddings: a row with no gradient this step is not touched by the optimizer."""
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from losses import cross_entropy  # noqa: E402
+from model import GPTConfig, build_model  # noqa: E402
+from optim import SeparatedRowsAdamW, configure_optimizers  # noqa: E402
+
+HP = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+
+
+def test_equals_torch_adamw_when_every_row_has_a_gradient():
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.randn(6, 4, dtype=torch.float64))
+    b = torch.nn.Parameter(a.detach().clone())
+    reference = torch.optim.AdamW([a], foreach=False, **HP)
+    ours = SeparatedRowsAdamW([b], **HP)
+    for _ in range(10):
+        grad = torch.randn(6, 4, dtype=torch.float64)
+        a.grad, b.grad = grad.clone(), grad.clone()
+        reference.step()
+        ours.step()
+    assert torch.allclose(a, b, rtol=0, atol=1e-12)
+    assert torch.allclose(reference.state[a]["exp_avg"], ours.state[b]["exp_avg"], atol=1e-15)
+    assert torch.allclose(reference.state[a]["exp_avg_sq"], ours.state[b]["exp_avg_sq"], atol=1e-15)
+
+
+def test_row_without_gradient_is_bitwise_unchanged_and_counts_its_own_steps():
+    torch.manual_seed(1)
+    p = torch.nn.Parameter(torch.randn(5, 3))
+    opt = SeparatedRowsAdamW([p], **HP)
+    for _ in range(3):  # build up momentum in every row
+        p.grad = torch.randn(5, 3)
+        opt.step()
+    before = {k: v.clone() for k, v in opt.state[p].items()}
+    weights = p.detach().clone()
+    grad = torch.randn(5, 3)
+    grad[2] = 0.0
+    p.grad = grad
+    opt.step()
+    assert torch.equal(p[2], weights[2])
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        assert torch.equal(opt.state[p][key][2], before[key][2]), key
+    assert not torch.equal(p[1], weights[1])
+    assert opt.state[p]["step"].flatten().tolist() == [4, 4, 3, 4, 4]
+    # the next time row 2 gets a gradient it takes its 4th step, as a separate parameter would
+    single = torch.nn.Parameter(torch.zeros(1, 3))
+    twin = SeparatedRowsAdamW([single], **HP)
+    twin.state[single] = {k: v[2:3].clone() for k, v in opt.state[p].items()}
+    single.data.copy_(p.detach()[2:3])
+    g = torch.randn(5, 3)
+    p.grad, single.grad = g, g[2:3].clone()
+    opt.step()
+    twin.step()
+    assert torch.equal(p[2:3], single)
+
+
+def test_plain_adamw_moves_a_row_without_gradient():
+    """Why SE needs its own optimizer: with torch.optim.AdamW (also what the authors' one-Parameter-
+    per-row version amounts to, because torch.stack hands every row a zero gradient, not None),
+    momentum and weight decay move a row whose gradient is zero."""
+    rows = torch.nn.ParameterList([torch.nn.Parameter(torch.randn(3)) for _ in range(4)])
+    opt = torch.optim.AdamW(rows.parameters(), **HP)
+    for step in range(3):
+        weight = torch.stack(list(rows))
+        mask = torch.ones(4, 1)
+        if step == 2:
+            mask[1] = 0.0  # row 1 is not used in this step's loss
+        (weight * mask).pow(2).sum().backward()
+        assert rows[1].grad is not None  # zeros, not None: AdamW will step it
+        before = rows[1].detach().clone()
+        opt.step()
+        opt.zero_grad()
+    assert not torch.equal(rows[1].detach(), before)
+
+
+def test_gpt_step_with_thresholding_leaves_unused_embedding_rows_untouched():
+    """A real training step: tied embedding, margin 0 thresholding. Rows that are neither inputs
+    nor targets and fall below the target everywhere get an all-zero gradient; after the step
+    they and their optimizer state are bitwise unchanged, while used rows moved."""
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(vocab_size=130, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    optimizers = configure_optimizers(model, 1e-2, 0.1, (0.9, 0.99), separate_embeddings=True)
+    assert isinstance(optimizers[-1], SeparatedRowsAdamW)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):
+        shape = (1, 2) if step == 3 else (2, 8)  # few positions: many rows below the target everywhere
+        x = torch.randint(0, 130, shape, generator=g)
+        y = torch.randint(0, 130, shape, generator=g)
+        cross_entropy(model(x), y, margin=0.0 if step == 3 else None).backward()
+        wte = model.input_embedding()
+        if step == 3:
+            zero_rows = (wte.grad == 0).all(dim=1)
+            assert zero_rows.sum() > 10, "the example must contain rows without gradient"
+            state = optimizers[-1].state[wte]
+            before = (wte.detach().clone(), state["exp_avg"].clone(), state["exp_avg_sq"].clone(), state["step"].clone())
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    state = optimizers[-1].state[wte]
+    after = (wte.detach(), state["exp_avg"], state["exp_avg_sq"], state["step"])
+    for old, new in zip(before, after):
+        assert torch.equal(old[zero_rows], new[zero_rows])
+        assert not torch.equal(old[~zero_rows], new[~zero_rows])
+
+
+def test_configure_optimizers_groups():
+    model = build_model(GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16, bias=True))
+    (adamw,) = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.99))
+    decay, no_decay = adamw.param_groups
+    assert all(p.dim() == 2 for p in decay["params"]) and decay["weight_decay"] == 0.1
+    assert all(p.dim() == 1 for p in no_decay["params"]) and no_decay["weight_decay"] == 0.0
+    n = sum(p.numel() for group in adamw.param_groups for p in group["params"])
+    assert n == model.num_params()  # every parameter once, the tied matrix included
+    adamw, rowwise = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.99), separate_embeddings=True)
+    assert rowwise.param_groups[0]["params"][0] is model.wte.weight
+    assert all(p is not model.wte.weight for group in adamw.param_groups for p in group["params"])

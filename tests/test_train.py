@@ -1,0 +1,132 @@
+"""train.py end to end on a tiny model and a small text the test writes: outputs, metrics,
+determinism, exact resume, the Stop Jostling options, evaluate.py on a saved checkpoint."""
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import prepare_shakespeare  # noqa: E402
+
+TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
+        "--eval_interval=10", "--eval_iters=2", "--warmup_iters=2", "--lr_decay_iters=20",
+        "--max_iters=20", "--log_interval=1", "--num_threads=1"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    words = ["And", "the", "king", "shall", "Away", "a", "QUEEN", "so", "my", "lord", "Zounds", "jest", "of",
+             "BY", "wax", "five", "very", "good", "Exit", "Titus", "Ho", "quick", "Cry", "mercy"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + rng.choice(".,;:!?")
+             for _ in range(700)]
+    text = "\n".join(lines) + "\n"
+    (root / "input.txt").write_text(text)
+    out = root / "chars"
+    prepare_shakespeare.prepare(input_path=str(root / "input.txt"), out_dir=str(out))
+    return str(out)
+
+
+def train(out_dir, data_dir, *args, check=True):
+    result = subprocess.run([sys.executable, "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}",
+                             f"--out_dir={out_dir}", *TINY, *args],
+                            cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if check:
+        assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def read_log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def train_losses(out_dir):
+    return {r["iter"]: r["loss"] for r in read_log(out_dir) if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def baseline_run(tmp_path_factory, data_dir):
+    out = str(tmp_path_factory.mktemp("runs") / "baseline")
+    result = train(out, data_dir)
+    return out, result
+
+
+def test_run_writes_log_checkpoints_and_metrics(baseline_run):
+    out, result = baseline_run
+    assert "params:" in result.stdout and "lr" in result.stdout
+    assert sorted(f for f in os.listdir(out)) == ["best.json", "best.pt", "ckpt.json", "ckpt.pt", "log.jsonl", "metrics.json"]
+    log = read_log(out)
+    assert sorted(train_losses(out)) == list(range(20))
+    evals = [r for r in log if "val" in r]
+    assert [r["iter"] for r in evals] == [0, 10, 20]
+    assert all({"val", "val_hr", "val_lr"} <= set(r) for r in evals)
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5 for r in log if "loss" in r)
+    assert train_losses(out)[19] < train_losses(out)[0]  # it learns something
+    with open(os.path.join(out, "metrics.json")) as f:
+        metrics = json.load(f)
+    for lang in ("hr", "lr"):
+        assert set(metrics[lang]) == {"ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy"}
+        assert metrics[lang]["ppl_best"] <= metrics[lang]["ppl"]
+        assert 0 <= metrics[lang]["accuracy"] <= metrics[lang]["recall_at_5"] <= 1
+    assert 0 < metrics["isotropy_all"] <= 1
+    assert {"twin_top3_fraction", "cases_12", "cases_letters", "cases_letters_total"} <= set(metrics["translations"])
+    with open(os.path.join(out, "best.json")) as f:
+        best = json.load(f)
+    assert metrics["checkpoint"]["iter"] == best["iter_num"]
+    assert best["best_val_loss"] == min(r["val"] for r in evals)
+
+
+def test_same_seed_same_run_other_seed_other_run(tmp_path, data_dir, baseline_run):
+    out, _ = baseline_run
+    train(tmp_path / "again", data_dir)
+    assert train_losses(tmp_path / "again") == train_losses(out)
+    train(tmp_path / "seed2", data_dir, "--seed=2")
+    assert train_losses(tmp_path / "seed2") != train_losses(out)
+
+
+def test_resume_continues_exactly(tmp_path, data_dir, baseline_run):
+    out, _ = baseline_run
+    part = tmp_path / "part"
+    train(part, data_dir, "--max_iters=10", "--final_eval=False")
+    result = train(part, data_dir, "--init_from=resume")
+    assert "resumed from" in result.stdout
+    assert train_losses(part) == train_losses(out)  # bitwise equal losses at every step after resuming
+    assert [r["iter"] for r in read_log(part) if "val" in r] == [0, 10, 20]
+
+
+def test_resume_without_checkpoint_and_missing_data_fail_clearly(tmp_path, data_dir):
+    result = train(tmp_path / "none", data_dir, "--init_from=resume", check=False)
+    assert result.returncode != 0 and "no checkpoint at" in result.stderr
+    result = train(tmp_path / "x", str(tmp_path / "nodata"), check=False)
+    assert result.returncode != 0 and "missing meta.json" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_threshold_se_and_marginalization(tmp_path, data_dir):
+    out = tmp_path / "se"
+    train(out, data_dir, "--margin=0.6", "--separate_embeddings=True", "--log_marginalization=True",
+          "--low_resource_prob=0.5")  # so LR tokens do appear as inputs and targets in 20 steps
+    with open(out / "marginalization.json") as f:
+        report = json.load(f)
+    assert report["steps"] == 20
+    rows = report["tokens_rarest_first"]
+    counts = [r["train_count"] for r in rows]
+    assert counts == sorted(counts) and all(r["id"] >= len(rows) for r in rows)  # LR rows, rarest first
+    values = [r[k] for r in rows for k in ("ratio_of_average", "average_of_ratio")]
+    assert all(v >= 0 for v in values) and max(values) > 0  # nan would fail both
+
+
+def test_evaluate_cli_reproduces_metrics(tmp_path, baseline_run):
+    out, _ = baseline_run
+    target = tmp_path / "m.json"
+    result = subprocess.run([sys.executable, "evaluate.py", os.path.join(out, "best.pt"), f"--out={target}"],
+                            cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    with open(target) as f, open(os.path.join(out, "metrics.json")) as g:
+        assert json.load(f) == json.load(g)
