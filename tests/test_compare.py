@@ -1,0 +1,61 @@
+"""compare.py: the results table from known metrics files, the README markers, resumability."""
+
+import json
+import os
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import compare  # noqa: E402
+
+
+def fake_metrics(acc_lr, ppl_hr):
+    lang = {"ppl": ppl_hr, "ppl_best": ppl_hr - 0.5, "t_best": 0.9, "accuracy": 0.5, "recall_at_5": 0.8,
+            "mrr": 0.6, "isotropy": 0.9}
+    return {"hr": lang, "lr": {**lang, "accuracy": acc_lr}, "isotropy_all": 0.7,
+            "translations": {"twin_top3_fraction": 0.1, "cases_12": 2, "cases_letters": 30, "cases_letters_total": 312}}
+
+
+@pytest.fixture
+def tiny_grid(tmp_path, monkeypatch):
+    monkeypatch.setitem(compare.GRIDS, "tiny", {"ce": ("config/lowres_baseline.py", [], 2),
+                                                "m": ("config/lowres_margin_2.py", [], 2)})
+    values = {("ce", 1337): (0.30, 5.0), ("ce", 1338): (0.40, 7.0), ("m", 1337): (0.35, 6.0), ("m", 1338): (0.47, 8.0)}
+    for (method, seed), (acc, ppl) in values.items():
+        out = compare.run_dir(str(tmp_path), "tiny", method, seed)
+        os.makedirs(out)
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump(fake_metrics(acc, ppl), f)
+        with open(os.path.join(out, "log.jsonl"), "w") as f:
+            f.write(json.dumps({"iter": 0, "loss": 1.0, "tokens_per_s": 1000.0, "ms_per_iter": 10.0, "mfu": 0.5}) + "\n")
+    return str(tmp_path)
+
+
+def test_table_has_mean_std_and_paired_differences(tiny_grid):
+    table, results = compare.build_table("tiny", tiny_grid)
+    assert set(results) == {"ce", "m"}
+    # HR ppl of ce: mean 6.00, sample std sqrt(2) = 1.41
+    assert "| ce | 2 | 6.00 ± 1.41 |" in table
+    # paired LR accuracy differences m - ce: 0.05 and 0.07 -> 0.060 ± 0.014
+    assert "| m | 2 | 0.060 ± 0.014 |" in table
+    assert "| ce | 2 | 1000 | 10.0 | 0.50 |" in table
+
+
+def test_existing_runs_are_skipped(tiny_grid):
+    assert compare.run_grid("tiny", tiny_grid, workers=2, overrides=[]) >= 0  # nothing to run: returns at once
+    assert not os.path.exists(os.path.join(tiny_grid, "tiny", "wall.json"))
+
+
+def test_readme_markers_are_replaced_and_nothing_else(tmp_path, tiny_grid):
+    readme = tmp_path / "README.md"
+    readme.write_text("intro\n<!-- results:tiny:begin -->\nold\n<!-- results:tiny:end -->\noutro\n")
+    table, _ = compare.build_table("tiny", tiny_grid)
+    assert compare.update_readme(str(readme), "tiny", table)
+    text = readme.read_text()
+    assert text.startswith("intro\n<!-- results:tiny:begin -->\n### Grid `tiny`") and text.endswith("<!-- results:tiny:end -->\noutro\n")
+    assert "\nold\n" not in text and "| ce | 2 | 6.00 ± 1.41 |" in text
+    other = tmp_path / "OTHER.md"
+    other.write_text("no markers\n")
+    assert not compare.update_readme(str(other), "tiny", table) and other.read_text() == "no markers\n"
