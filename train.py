@@ -76,11 +76,14 @@ device = "auto"                      # auto = cuda > mps > cpu
 dtype = "auto"                       # auto = bfloat16 autocast on GPU, float32 on CPU
 num_threads = 0                      # CPU threads for torch; 0 = torch's default
 # -----------------------------------------------------------------------------
-config_keys = [k for k, v in globals().items() if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
+config_keys = [k for k, v in globals().items()
+               if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
 config = parse_config_or_exit(sys.argv[1:], {k: globals()[k] for k in config_keys})
 globals().update(config)
 # -----------------------------------------------------------------------------
 
+if log_marginalization and (dropout > 0 or not tie_weights):
+    sys.exit("error: log_marginalization needs dropout=0 and tie_weights=True (it splits the tied embedding's gradient)")
 if init_from not in ("scratch", "resume"):
     sys.exit(f"error: key 'init_from' must be 'scratch' or 'resume', got {init_from!r}")
 if num_threads > 0:
@@ -114,15 +117,15 @@ data_generator = torch.Generator().manual_seed(seed)
 def get_batch(data, generator, prob_low_resource):
     """B random windows of T+1 tokens -> inputs (B,T), targets (B,T). Each window independently
     becomes the low-resource language with probability prob_low_resource (the authors' code
-    decides per window at batch time). Returns the LR mask too, for per-language evaluation."""
+    decides per window at batch time)."""
     starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
     windows = data[starts.unsqueeze(1) + torch.arange(block_size + 1)]
     is_low = torch.rand(batch_size, generator=generator) < prob_low_resource
     windows = windows + shift * is_low.unsqueeze(1)
     x, y = windows[:, :-1], windows[:, 1:]
     if device == "cuda":
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True), is_low
-    return x.to(device), y.to(device), is_low
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
 
 
 # model and optimizer ---------------------------------------------------------
@@ -187,7 +190,7 @@ def estimate_val_loss():
     per_window = {"hr": [], "lr": []}
     masks = []
     for _ in range(eval_iters):
-        x, y, is_low = get_batch(val_data, generator, prob_low_resource=0.0)
+        x, y = get_batch(val_data, generator, prob_low_resource=0.0)
         masks.append(torch.rand(batch_size, generator=generator) < low_resource_prob)
         for lang, offset in (("hr", 0), ("lr", shift)):
             if lang == "lr" and not low_resource:
@@ -232,8 +235,6 @@ flops_per_iter = model.flops_per_token() * tokens_per_iter
 peak = peak_flops(device, dtype)
 print(f"params: {model.num_params():,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
       f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s")
-if log_marginalization and (dropout > 0 or not tie_weights):
-    sys.exit("error: log_marginalization needs dropout=0 and tie_weights=True (it splits the tied embedding's gradient)")
 
 last_eval = None
 bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True)
@@ -258,7 +259,7 @@ while True:
 
     step_parts = 0
     for micro_step in range(gradient_accumulation_steps):
-        x, y, _ = get_batch(train_data, data_generator, low_resource_prob)
+        x, y = get_batch(train_data, data_generator, low_resource_prob)
         with autocast:
             logits, hidden_states = model(x, return_hidden_states=True)
         loss = losses.cross_entropy(logits, y, margin=margin) / gradient_accumulation_steps

@@ -130,3 +130,15 @@ def test_evaluate_cli_reproduces_metrics(tmp_path, baseline_run):
     assert result.returncode == 0, result.stderr
     with open(target) as f, open(os.path.join(out, "metrics.json")) as g:
         assert json.load(f) == json.load(g)
+
+
+def test_sample_generates_from_the_prompt(baseline_run):
+    out, _ = baseline_run
+    args = [sys.executable, "sample.py", os.path.join(out, "best.pt"), "--start=And the", "--max_new_tokens=30"]
+    result = subprocess.run(args + ["--lang=lr"], cwd=REPO, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("And the") and "generated characters are LR" in result.stdout
+    again = subprocess.run(args + ["--lang=lr"], cwd=REPO, capture_output=True, text=True)
+    assert again.stdout == result.stdout  # seeded
+    bad = subprocess.run(args[:3] + ["--start=#"], cwd=REPO, capture_output=True, text=True)
+    assert bad.returncode != 0 and "not in the vocabulary" in bad.stderr
