@@ -6,6 +6,8 @@ train.py calls the functions here and adds them up with the weights a config nam
 Formulas, defaults and edge cases are pinned down in SPEC.md; each docstring repeats them.
 """
 
+import math
+
 import torch
 from torch.nn import functional as F
 
@@ -49,3 +51,239 @@ def cross_entropy(logits, targets, ignore_index=-1, margin=None):
         logits = threshold_logits(logits, targets, margin, ignore_index)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                            ignore_index=ignore_index)
+
+
+# ----------------------------------------------------------------------------------------------
+# Representation-level losses (SPEC sections 2-5). Each works on hidden states, not on logits.
+# They share three habits: half precision is upcast to float32 (float64 stays float64) and
+# autocast is switched off inside, so the similarity matmuls really run in that precision; sets
+# that may be empty go through _masked_logsumexp, whose fill is finite, so an empty set gives a
+# very negative number instead of -inf and no NaN ever reaches a gradient; and nothing calls
+# .item() or indexes with a boolean mask, so no loss forces a host-device sync.
+# ----------------------------------------------------------------------------------------------
+
+def _upcast(x):
+    """float16/bfloat16 -> float32; float32 and float64 are kept as they are."""
+    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+
+
+def _masked_logsumexp(x, keep, dim):
+    """logsumexp over the entries where `keep` is True.
+
+    Dropped entries are filled with a finite, very negative number (a quarter of the dtype's
+    minimum, so that the difference of two such results cannot overflow). An empty set then
+    gives about fill + log(n): effectively -inf, yet finite, and its gradient is exactly zero
+    because masked_fill passes no gradient to the filled entries.
+    """
+    fill = torch.finfo(x.dtype).min / 4
+    return torch.logsumexp(x.masked_fill(~keep, fill), dim=dim)
+
+
+def simreg(h, labels, tau=0.01, chunk_size=None, ignore_index=-1):
+    """SimReg, embedding similarity regularization (Sun et al. 2026, Sec. 3, Eq. 3).
+
+    Within one sequence, for anchor i with label y_i (the next-token target of position i):
+        P_i = {j : y_j = y_i}  (i itself included, so P_i is never empty)
+        N_i = {j : y_j != y_i}
+        s_ij = cos(e_i, e_j) / tau
+        L_i  = logsumexp_{j in N_i} s_ij - logsumexp_{j in P_i} s_ij          (Eq. 3)
+        token loss = softplus(L_i) = -log( sum_P e^s / sum_{P u N} e^s )
+    a multi-positive InfoNCE: states that predict the same token are pulled together, states
+    that predict different tokens are pushed apart. N_i empty -> token loss 0.
+
+    Group-level averaging (so frequent tokens do not dominate, the paper's long-tail argument):
+    in each sequence the token losses are averaged within each distinct label, those label means
+    are averaged, and the result is averaged over sequences. Positions labelled ignore_index are
+    dropped from anchors, P and N. A sequence (or chunk) with no valid position has no loss and
+    drops out of the average over sequences; if no position in the batch is valid the result is 0
+    (still attached to the graph, with zero gradient).
+
+    chunk_size c (default None: whole sequences): each sequence is split into ceil(T/c)
+    consecutive chunks (the last may be shorter), each treated as its own sequence and averaged
+    with equal weight (the paper weights chunks "according to the ratio of positive and negative
+    samples" without a formula; equal weighting is our choice). c >= T gives the full loss.
+
+    h (B,T,C) hidden states, by default the ones feeding the LM head; labels (B,T).
+    Defaults: tau = 0.01 (the paper's); the weight lambda = 10*sqrt(C/1024) is the caller's.
+    With tau = 0.01 the logits reach +-100, so they are computed in float32 (float64 kept)
+    even under bf16 autocast. Cost O(T^2 C) time and O(T^2) memory per sequence; O(T c C) and
+    O(T c) with chunks.
+    """
+    B, T, C = h.shape
+    if chunk_size is not None:
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size must be a positive integer or None, got {chunk_size}")
+        if chunk_size < T:
+            # chunks become sequences of the batch; the last chunk is padded with ignored positions
+            n_chunks = -(-T // chunk_size)
+            pad = n_chunks * chunk_size - T
+            h = F.pad(h, (0, 0, 0, pad))
+            labels = F.pad(labels, (0, pad), value=ignore_index)
+            h = h.reshape(B * n_chunks, chunk_size, C)
+            labels = labels.reshape(B * n_chunks, chunk_size)
+
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        return _simreg_sequences(_upcast(h), labels, tau, ignore_index)
+
+
+def _simreg_sequences(h, labels, tau, ignore_index):
+    """simreg over the rows of h (S,t,C), each one sequence or chunk; autocast already off."""
+    e = F.normalize(h, dim=-1)
+    sim = e @ e.transpose(1, 2) / tau                                         # (S, t, t) s_ij
+    valid = labels != ignore_index                                            # (S, t)
+    pair = valid.unsqueeze(2) & valid.unsqueeze(1)                            # both ends kept
+    same = labels.unsqueeze(2) == labels.unsqueeze(1)
+    positive, negative = pair & same, pair & ~same
+    contrast = _masked_logsumexp(sim, negative, -1) - _masked_logsumexp(sim, positive, -1)
+    # softplus of an (almost) -inf L_i is exactly 0 with zero gradient: the N_i-empty case
+    token_loss = F.softplus(contrast)
+
+    # Group averaging without a scatter: anchor i's label occurs |P_i| times in its sequence, so
+    # weighting each token by 1/|P_i| sums to one per label, and sum_i 1/|P_i| counts the labels.
+    group_size = positive.sum(-1).to(token_loss.dtype)                       # |P_i|, 0 if ignored
+    weight = torch.where(valid, 1.0 / group_size.clamp_min(1), 0.0)
+    n_labels = weight.sum(-1)                                                 # distinct labels
+    has_valid = valid.any(-1)                         # a sequence without one drops out
+    per_sequence = (weight * token_loss).sum(-1) / torch.where(has_valid, n_labels, 1.0)
+    return (per_sequence * has_valid).sum() / has_valid.sum().clamp_min(1)
+
+
+def _dispersion_one_layer(z, tau, variant):
+    """One (B,T,C) layer -> the mean over sequences of the chosen variant (see dispersion)."""
+    B, T, C = z.shape
+    eps = 1e-4
+    off_diagonal = ~torch.eye(T, dtype=torch.bool, device=z.device)
+    n_pairs = T * (T - 1)
+
+    if variant in ("angular", "orthogonalization"):
+        # angular distance in [0, 1]: 0 parallel, 1/2 orthogonal, 1 opposite; arccos of the cosine
+        # is better conditioned than the cosine itself, and the clamp keeps arccos' slope finite
+        z_hat = z / (z.norm(dim=-1, keepdim=True) + eps)
+        cos = (z_hat @ z_hat.transpose(1, 2)).clamp(-1 + eps, 1 - eps)
+        distance = torch.arccos(cos) / math.pi
+        if variant == "angular":
+            # log-mean-exp over pairs: a soft minimum of the distances, so the closest pairs
+            # are pushed apart hardest
+            logits = (-distance / tau).reshape(B, T * T)
+            per_sequence = _masked_logsumexp(logits, off_diagonal.reshape(1, T * T), -1)
+            return (per_sequence - math.log(n_pairs)).mean()
+        # orthogonalization: only pairs closer than orthogonal (acute angles) are pushed apart
+        hinge = F.relu(0.5 - distance).square()
+        return (hinge * off_diagonal).sum((1, 2)).div(n_pairs).mean()
+
+    if variant == "decorrelation":
+        # tokens as standardised "features": their correlation across channels should vanish
+        centred = z - z.mean(-1, keepdim=True)
+        std = z.std(-1, keepdim=True)                                 # unbiased (C - 1)
+        z_c = centred / std.clamp_min(eps)                            # guards a constant token
+        cov = z_c @ z_c.transpose(1, 2) / (C - 1)                     # (B, T, T) token by token
+        return (cov.square() * off_diagonal).sum((1, 2)).div(n_pairs).mean()
+
+    if variant == "l2_repel":
+        # squared distances per channel via |a|^2 + |b|^2 - 2ab (no (B,T,T,C) difference tensor)
+        sq_norm = z.square().sum(-1)
+        sq_dist = sq_norm.unsqueeze(2) + sq_norm.unsqueeze(1) - 2 * z @ z.transpose(1, 2)
+        distance = sq_dist.clamp_min(0) / C
+        logits = (-distance / tau).reshape(B, T * T)
+        per_sequence = _masked_logsumexp(logits, off_diagonal.reshape(1, T * T), -1)
+        # without the norm term, the repulsion is won by simply growing every state
+        return (per_sequence - math.log(n_pairs)).mean() + 0.1 * z.square().mean()
+
+    raise AssertionError(variant)  # checked by dispersion()
+
+
+DISPERSION_VARIANTS = ("angular", "decorrelation", "l2_repel", "orthogonalization")
+
+
+def dispersion(hidden_states, tau=1.0, variant="angular"):
+    """Dispersion loss and its alternatives (Liu et al., Sec. 4.4, Table 1, App. A Algorithm 1).
+
+    Counteracts "embedding condensation": the states of one sequence drifting towards a single
+    direction as depth grows. For each layer's z (B,T,C), per sequence, over pairs i != j (i = j
+    excluded; pairs never cross sequences):
+      angular (default, Algorithm 1):
+          z_hat = z / (|z| + eps),  cos = z_hat z_hat^T clamped to [-1+eps, 1-eps],  eps = 1e-4
+          D_ij = arccos(cos_ij) / pi
+          loss = logsumexp_{i!=j}(-D_ij / tau) - log(T(T-1))
+          (Algorithm 1 also adds eps inside the logsumexp: a constant 1e-4, left out here)
+      decorrelation: Z_c = (z - mean_c z) / std_c z per token, unbiased std (clamped at eps so
+          a constant token gives no 0/0); Cov = Z_c Z_c^T / (C-1), a T x T token-by-token
+          matrix; loss = mean_{m!=n} Cov_mn^2. The paper's Table 1 writes the C x C feature
+          covariance; we follow the authors' code, which produced the paper's numbers.
+      l2_repel: D_ij = |z_i - z_j|^2 / C (width-scaled, as in the authors' later code);
+          loss = logsumexp_{i!=j}(-D_ij / tau) - log(T(T-1)) + 0.1 * mean(z^2)
+      orthogonalization: angular D; loss = mean_{i!=j} max(0, 1/2 - D_ij)^2
+    The loss is the mean over sequences, then over the given layers.
+
+    hidden_states: a list of (B,T,C) tensors (by default every block's residual output) or one
+    tensor. Defaults: tau = 1.0 and the weight lambda = 0.1 (the paper's; the caller applies
+    lambda). Computed in float32 (float64 kept) even under autocast. Needs T >= 2. Every
+    position given is used (any subsampling is the caller's). Cost O(T^2 C) time and O(T^2)
+    memory per layer and sequence.
+    """
+    if variant not in DISPERSION_VARIANTS:
+        raise ValueError(f"unknown dispersion variant {variant!r}; valid: {', '.join(DISPERSION_VARIANTS)}")
+    layers = [hidden_states] if torch.is_tensor(hidden_states) else list(hidden_states)
+    if not layers:
+        raise ValueError("dispersion needs at least one layer of hidden states")
+    if layers[0].size(1) < 2:
+        raise ValueError(f"dispersion needs T >= 2 positions (pairs i != j), got T = {layers[0].size(1)}")
+    with torch.autocast(device_type=layers[0].device.type, enabled=False):
+        per_layer = [_dispersion_one_layer(_upcast(z), tau, variant) for z in layers]
+    return torch.stack(per_layer).mean()
+
+
+def nitp(pred, shallow):
+    """NITP, next implicit token prediction (NITP, ICML 2026, "cosine similarity loss").
+
+        L = mean_{b, t < T-1} [ 1 - cos( pred[b, t], stopgrad(shallow[b, t+1]) ) ]
+
+    The final state, through a projection head P, predicts the shallow-layer representation of
+    the next token: a continuous target next to the discrete next-token one. pred = P(h) (B,T,C);
+    shallow = z (B,T,C), the output of block k ~ 20 % of depth. The shift t -> t+1 and the
+    stop-gradient are done here: the shallow layer is an anchor, not pulled towards the
+    prediction, and the last position of pred has no target (zero gradient).
+    Default weight lambda = 1.0 (the caller's). Computed in float32 (float64 kept). Needs T >= 2.
+    Cost O(T C) per sequence.
+    """
+    if pred.shape != shallow.shape:
+        raise ValueError(f"pred and shallow must have the same shape, "
+                         f"got {tuple(pred.shape)} and {tuple(shallow.shape)}")
+    if pred.size(1) < 2:
+        raise ValueError(f"nitp needs T >= 2 positions (position t predicts t+1), got T = {pred.size(1)}")
+    prediction = _upcast(pred[:, :-1])
+    target = _upcast(shallow[:, 1:].detach())
+    with torch.autocast(device_type=pred.device.type, enabled=False):
+        return (1 - F.cosine_similarity(prediction, target, dim=-1)).mean()
+
+
+def cwt(h, targets, wte, ignore_index=-1):
+    """Contrastive weight tying, the headless LM objective (Godey et al., ICLR 2024, Sec. 3.2).
+
+    Over the N valid positions of the batch (targets != ignore_index), with H (N,C) their final
+    states and E_y (N,C) = wte[their targets], the input embeddings of the next tokens:
+        logits = H E_y^T                (N x N, raw dot products, tau = 1)
+        L = mean_n [ logsumexp_m logits[n, m] - logits[n, n] ]
+    i.e. cross-entropy whose target is the diagonal: each state must pick the embedding of its
+    own next token among the embeddings at every other position of the batch. Other positions
+    holding the same token stay in the denominator (the paper's negatives are "every input
+    embedding at a different position in the batch"), so with a small vocabulary many negatives
+    are the target itself. No LM head is computed. N = 0 gives 0.
+
+    h (B,T,C), targets (B,T), wte (V,C). Logits in float32 (float64 kept) even under autocast.
+    Computed as a fixed-shape (B*T x B*T) matrix with ignored positions masked out of both rows
+    and columns (no data-dependent shapes, no sync). Cost O((B T)^2 C) time, O((B T)^2) memory.
+    """
+    C = h.size(-1)
+    flat_targets = targets.reshape(-1)
+    valid = flat_targets != ignore_index
+    position = torch.arange(valid.numel(), device=valid.device)
+    diagonal_target = torch.where(valid, position, -100)
+    with torch.autocast(device_type=h.device.type, enabled=False):
+        states = _upcast(h.reshape(-1, C))
+        next_embeddings = _upcast(wte[torch.where(valid, flat_targets, 0)])
+        logits = states @ next_embeddings.t()                                # (B*T, B*T)
+        # ignored positions leave the denominator (columns) and the average (rows)
+        logits = logits.masked_fill(~valid.unsqueeze(0), torch.finfo(logits.dtype).min / 4)
+        total = F.cross_entropy(logits, diagonal_target, ignore_index=-100, reduction="sum")
+    return total / valid.sum().clamp_min(1)

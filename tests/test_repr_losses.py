@@ -1,0 +1,343 @@
+"""Representation losses (simreg, dispersion, nitp, cwt) against brute-force loops written
+straight from SPEC.md, on tiny float64 tensors: same value and same autograd gradient."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from losses import cwt, dispersion, nitp, simreg  # noqa: E402
+
+
+def randn(*shape, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def assert_same_value_and_grad(loss_fn, brute_fn, *inputs):
+    """Both functions get their own leaf copies; values and input gradients must agree."""
+    ours = [x.clone().requires_grad_() for x in inputs]
+    theirs = [x.clone().requires_grad_() for x in inputs]
+    value, expected = loss_fn(*ours), brute_fn(*theirs)
+    assert torch.allclose(value, expected, rtol=1e-10, atol=1e-12), (value.item(), expected.item())
+    for got, want in zip(torch.autograd.grad(value, ours), torch.autograd.grad(expected, theirs)):
+        assert torch.allclose(got, want, rtol=1e-10, atol=1e-10)
+
+
+def cos(a, b):
+    return torch.dot(a, b) / (a.norm() * b.norm())
+
+
+# ---------------------------------------------------------------------------------------- SimReg
+
+def brute_simreg(h, labels, tau, chunk_size=None, ignore_index=-1):
+    """Loop over sequences, chunks and anchors; group averaging with a dict of labels."""
+    B, T, _ = h.shape
+    step = T if chunk_size is None else chunk_size
+    sequence_losses = []
+    for b in range(B):
+        for start in range(0, T, step):
+            kept = [t for t in range(start, min(start + step, T)) if labels[b, t] != ignore_index]
+            if not kept:
+                continue  # a chunk with no valid position drops out
+            per_label = {}
+            for i in kept:
+                y = labels[b, i].item()
+                pos = [cos(h[b, i], h[b, j]) / tau for j in kept if labels[b, j] == y]
+                neg = [cos(h[b, i], h[b, j]) / tau for j in kept if labels[b, j] != y]
+                if neg:
+                    token = F.softplus(torch.logsumexp(torch.stack(neg), 0) - torch.logsumexp(torch.stack(pos), 0))
+                else:
+                    token = h.sum() * 0
+                per_label.setdefault(y, []).append(token)
+            label_means = [torch.stack(v).mean() for v in per_label.values()]
+            sequence_losses.append(torch.stack(label_means).mean())
+    return torch.stack(sequence_losses).mean()
+
+
+def simreg_example(seed=0, B=3, T=7, C=4, n_labels=3):
+    h = randn(B, T, C, seed=seed)
+    g = torch.Generator().manual_seed(seed + 100)
+    labels = torch.randint(0, n_labels, (B, T), generator=g)
+    labels[0, 2] = labels[0, 5] = -1  # ignored positions
+    labels[1] = 4                     # one label only: N_i empty everywhere
+    labels[2, 0] = 9                  # a label that occurs once: P_i = {i}
+    return h, labels
+
+
+@pytest.mark.parametrize("tau", [0.01, 0.1, 0.5])
+@pytest.mark.parametrize("chunk_size", [None, 2, 3, 6, 7, 20])
+def test_simreg_matches_brute_force(tau, chunk_size):
+    h, labels = simreg_example()
+    assert_same_value_and_grad(lambda x: simreg(x, labels, tau, chunk_size),
+                               lambda x: brute_simreg(x, labels, tau, chunk_size), h)
+
+
+def test_simreg_chunk_size_at_least_t_equals_full_loss():
+    h, labels = simreg_example(seed=1)
+    full = simreg(h, labels, tau=0.1)
+    for c in (7, 8, 100):
+        assert simreg(h, labels, tau=0.1, chunk_size=c).item() == full.item()
+    assert simreg(h, labels, tau=0.1, chunk_size=3).item() != pytest.approx(full.item())
+    with pytest.raises(ValueError, match="chunk_size"):
+        simreg(h, labels, chunk_size=0)
+
+
+def test_simreg_ignored_positions_drop_out():
+    h, labels = simreg_example(seed=2)
+    h.requires_grad_()
+    loss = simreg(h, labels, tau=0.1)
+    (grad,) = torch.autograd.grad(loss, h)
+    assert (grad[0, 2] == 0).all() and (grad[0, 5] == 0).all()
+    moved = h.detach().clone()
+    moved[0, 2] = randn(4, seed=7) * 10
+    moved[0, 5] = -moved[0, 5]
+    assert simreg(moved, labels, tau=0.1).item() == pytest.approx(loss.item(), rel=1e-14)
+    # sequence 0 alone with its ignored positions deleted gives its loss unchanged
+    keep = [t for t in range(7) if labels[0, t] != -1]
+    alone_with_ignored = simreg(h[:1].detach(), labels[:1], tau=0.1)
+    deleted = simreg(h[:1, keep].detach(), labels[:1, keep], tau=0.1)
+    assert deleted.item() == pytest.approx(alone_with_ignored.item(), rel=1e-12)
+    assert deleted.item() == pytest.approx(brute_simreg(h[:1, keep].detach(), labels[:1, keep], 0.1).item(), rel=1e-12)
+
+
+def test_simreg_fully_ignored_sequence_drops_out_of_the_average():
+    h, labels = simreg_example(seed=3)
+    labels[1] = -1
+    both = simreg(h[:2], labels[:2], tau=0.1)
+    assert both.item() == pytest.approx(simreg(h[:1], labels[:1], tau=0.1).item(), rel=1e-14)
+    nothing = simreg(h.requires_grad_(), torch.full_like(labels, -1))
+    assert nothing.item() == 0
+    (grad,) = torch.autograd.grad(nothing, h)
+    assert (grad == 0).all()
+
+
+def test_simreg_single_label_sequence_is_zero_with_zero_gradient():
+    h = randn(2, 6, 3, seed=4).requires_grad_()
+    labels = torch.full((2, 6), 5)
+    loss = simreg(h, labels)
+    assert loss.item() == 0
+    (grad,) = torch.autograd.grad(loss, h)
+    assert (grad == 0).all()
+
+
+def test_simreg_gradcheck_float64():
+    h, labels = simreg_example(seed=5, B=3, T=6, C=3)
+    h.requires_grad_()
+    for chunk_size in (None, 4):
+        assert torch.autograd.gradcheck(lambda x: simreg(x, labels, tau=0.5, chunk_size=chunk_size), (h,))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_simreg_tau_001_logits_near_100_are_finite(dtype):
+    # different labels on almost parallel and on opposite states: s_ij close to +-100
+    base = torch.tensor([1.0, 0.5, -0.3, 2.0], dtype=dtype)
+    noise = randn(3, 8, 4, seed=6).to(dtype) * 1e-3
+    h = base + noise
+    h[:, 1::2] *= -1
+    labels = torch.arange(8).repeat(3, 1) % 3
+    labels[1] = 2          # N_i empty
+    labels[2, :5] = -1     # mostly ignored
+    h.requires_grad_()
+    loss = simreg(h, labels, tau=0.01)
+    (grad,) = torch.autograd.grad(loss, h)
+    assert torch.isfinite(loss) and loss.item() > 0.1  # parallel negatives: far from 0
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    if dtype == torch.float64:
+        assert loss.item() == pytest.approx(brute_simreg(h.detach(), labels, 0.01).item(), rel=1e-10)
+
+
+def test_simreg_bf16_autocast_gives_float32_close_to_fp32():
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(2, 16, 8, generator=g)
+    w = torch.randn(8, 8, generator=g)
+    labels = torch.randint(0, 4, (2, 16), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = x @ w
+        assert h.dtype == torch.bfloat16
+        loss = simreg(h, labels, tau=0.1)
+    assert loss.dtype == torch.float32
+    # computed from the very same bf16 states in float32: equal to float32 rounding
+    assert loss.item() == pytest.approx(simreg(h.float(), labels, tau=0.1).item(), rel=1e-5)
+    # and close to the all-fp32 pipeline (bf16 only rounds the states)
+    assert loss.item() == pytest.approx(simreg(x @ w, labels, tau=0.1).item(), rel=5e-2)
+
+
+# ------------------------------------------------------------------------------------ dispersion
+
+EPS = 1e-4
+
+
+def angular_distance(a, b):
+    a_hat, b_hat = a / (a.norm() + EPS), b / (b.norm() + EPS)
+    return torch.arccos(torch.dot(a_hat, b_hat).clamp(-1 + EPS, 1 - EPS)) / math.pi
+
+
+def brute_dispersion_layer(z, tau, variant):
+    B, T, C = z.shape
+    pairs = [(i, j) for i in range(T) for j in range(T) if i != j]
+    per_sequence = []
+    for b in range(B):
+        if variant == "angular":
+            terms = torch.stack([-angular_distance(z[b, i], z[b, j]) / tau for i, j in pairs])
+            per_sequence.append(torch.logsumexp(terms, 0) - math.log(T * (T - 1)))
+        elif variant == "orthogonalization":
+            per_sequence.append(torch.stack([
+                torch.clamp(0.5 - angular_distance(z[b, i], z[b, j]), min=0) ** 2 for i, j in pairs]).mean())
+        elif variant == "decorrelation":
+            z_c = [(z[b, t] - z[b, t].mean()) / z[b, t].std(unbiased=True) for t in range(T)]
+            per_sequence.append(torch.stack([(torch.dot(z_c[m], z_c[n]) / (C - 1)) ** 2 for m, n in pairs]).mean())
+        elif variant == "l2_repel":
+            terms = torch.stack([-((z[b, i] - z[b, j]) ** 2).sum() / C / tau for i, j in pairs])
+            per_sequence.append(torch.logsumexp(terms, 0) - math.log(T * (T - 1)) + 0.1 * (z[b] ** 2).mean())
+    return torch.stack(per_sequence).mean()
+
+
+VARIANTS = ["angular", "decorrelation", "l2_repel", "orthogonalization"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("tau", [0.5, 1.0])
+def test_dispersion_matches_brute_force(variant, tau):
+    z = randn(2, 6, 4, seed=10)
+    assert_same_value_and_grad(lambda x: dispersion(x, tau, variant),
+                               lambda x: brute_dispersion_layer(x, tau, variant), z)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dispersion_gradcheck_float64(variant):
+    z = randn(2, 5, 4, seed=11).requires_grad_()
+    with torch.no_grad():  # off-diagonal cosines well inside the clamp, away from the hinge at D = 1/2
+        z_hat = F.normalize(z, dim=-1)
+        cosines = (z_hat @ z_hat.transpose(1, 2))[:, ~torch.eye(5, dtype=torch.bool)]
+        assert cosines.abs().max() < 0.99 and (cosines.abs() > 1e-3).all()
+    assert torch.autograd.gradcheck(lambda x: dispersion(x, 1.0, variant), (z,))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dispersion_spread_states_score_lower_than_collapsed_ones(variant):
+    # three zero-mean, mutually orthogonal rows of equal norm: orthogonal directions and
+    # uncorrelated tokens; collapsed: the same row three times
+    spread = torch.tensor([[[1., -1., 1., -1.], [1., 1., -1., -1.], [1., -1., -1., 1.]]], dtype=torch.float64)
+    collapsed = spread[:, :1].expand(1, 3, 4)
+    assert dispersion(spread, variant=variant) < dispersion(collapsed, variant=variant)
+    if variant == "decorrelation":  # the two extremes: 0 and 1
+        assert dispersion(spread, variant=variant).item() == pytest.approx(0, abs=1e-12)
+        assert dispersion(collapsed, variant=variant).item() == pytest.approx(1, rel=1e-12)
+    if variant == "orthogonalization":  # orthogonal pairs are left alone
+        assert dispersion(spread, variant=variant).item() == pytest.approx(0, abs=1e-12)
+    if variant == "angular":  # opposite beats orthogonal
+        opposite = torch.stack([spread[:, 0], -spread[:, 0]], 1)
+        assert dispersion(opposite) < dispersion(spread[:, :2])
+
+
+def test_dispersion_list_of_layers_is_the_mean_of_layers_and_bf16_is_computed_in_float32():
+    layers = [randn(2, 5, 4, seed=s) for s in (20, 21, 22)]
+    for variant in VARIANTS:
+        per_layer = torch.stack([dispersion(z, variant=variant) for z in layers]).mean()
+        assert dispersion(layers, variant=variant).item() == pytest.approx(per_layer.item(), rel=1e-14)
+        assert dispersion(tuple(layers), variant=variant).item() == pytest.approx(per_layer.item(), rel=1e-14)
+    z16 = layers[0].bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = dispersion([z16, z16])
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(dispersion(z16.double()).item(), rel=1e-5)
+
+
+def test_dispersion_rejects_unknown_variant_and_bad_input():
+    z = randn(1, 4, 3)
+    with pytest.raises(ValueError, match="angular.*decorrelation.*l2_repel.*orthogonalization"):
+        dispersion(z, variant="uniformity")
+    with pytest.raises(ValueError):
+        dispersion([])
+    with pytest.raises(ValueError, match="T >= 2"):
+        dispersion(randn(2, 1, 3))
+
+
+# ------------------------------------------------------------------------------------------ NITP
+
+def brute_nitp(pred, shallow):
+    B, T, _ = pred.shape
+    terms = [1 - cos(pred[b, t], shallow[b, t + 1].detach()) for b in range(B) for t in range(T - 1)]
+    return torch.stack(terms).mean()
+
+
+def test_nitp_matches_brute_force_and_gradchecks():
+    pred, shallow = randn(2, 6, 4, seed=30), randn(2, 6, 4, seed=31)
+    assert_same_value_and_grad(lambda p: nitp(p, shallow), lambda p: brute_nitp(p, shallow), pred)
+    assert torch.autograd.gradcheck(lambda p: nitp(p, shallow), (pred.clone().requires_grad_(),))
+    # pred equal to the next shallow state (up to scale) costs nothing
+    aligned = torch.cat([shallow[:, 1:] * 3, randn(2, 1, 4)], 1)
+    assert nitp(aligned, shallow).item() == pytest.approx(0, abs=1e-12)
+
+
+def test_nitp_stops_gradient_to_shallow_and_last_position_gets_none():
+    pred = randn(2, 5, 3, seed=32).requires_grad_()
+    shallow = randn(2, 5, 3, seed=33).requires_grad_()
+    pred_grad, shallow_grad = torch.autograd.grad(nitp(pred, shallow), [pred, shallow], allow_unused=True)
+    assert shallow_grad is None
+    assert (pred_grad[:, -1] == 0).all()
+    assert (pred_grad[:, :-1].abs().sum(-1) > 0).all()
+    with pytest.raises(ValueError, match="T >= 2"):
+        nitp(pred[:, :1], shallow[:, :1])
+
+
+# ------------------------------------------------------------------------------------------- CWT
+
+def brute_cwt(h, targets, wte, ignore_index=-1):
+    """Loop over valid positions n: -log softmax_m(h_n . e_{y_m})[n], m over valid positions."""
+    flat_h, flat_y = h.reshape(-1, h.size(-1)), targets.reshape(-1).tolist()
+    valid = [n for n, y in enumerate(flat_y) if y != ignore_index]
+    losses = []
+    for n in valid:
+        scores = torch.stack([torch.dot(flat_h[n], wte[flat_y[m]]) for m in valid])
+        losses.append(torch.logsumexp(scores, 0) - torch.dot(flat_h[n], wte[flat_y[n]]))
+    return torch.stack(losses).mean()
+
+
+def test_cwt_with_distinct_targets_is_cross_entropy_on_the_diagonal():
+    h, wte = randn(2, 3, 4, seed=40), randn(10, 4, seed=41)
+    targets = torch.randperm(10, generator=torch.Generator().manual_seed(42))[:6].reshape(2, 3)
+    H, E = h.reshape(6, 4), wte[targets.reshape(-1)]
+    expected = F.cross_entropy(H @ E.T, torch.arange(6))
+    assert cwt(h, targets, wte).item() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def test_cwt_repeated_targets_stay_in_the_denominator():
+    h, wte = randn(2, 5, 4, seed=43), randn(3, 4, seed=44)
+    targets = torch.tensor([[0, 1, 0, 2, 0], [1, 1, 2, 0, 2]])
+    assert_same_value_and_grad(lambda x, w: cwt(x, targets, w), lambda x, w: brute_cwt(x, targets, w), h, wte)
+    # masking the same-token positions would give a different (smaller) loss
+    H, E = h.reshape(10, 4), wte[targets.reshape(-1)]
+    same = targets.reshape(-1, 1) == targets.reshape(1, -1)
+    masked = (H @ E.T).masked_fill(same & ~torch.eye(10, dtype=torch.bool), float("-inf"))
+    assert F.cross_entropy(masked, torch.arange(10)) < cwt(h, targets, wte)
+
+
+def test_cwt_ignored_positions_drop_out():
+    h, wte = randn(2, 4, 3, seed=45), randn(6, 3, seed=46)
+    targets = torch.tensor([[0, -1, 5, 2], [-1, 3, 3, 1]])
+    assert_same_value_and_grad(lambda x, w: cwt(x, targets, w), lambda x, w: brute_cwt(x, targets, w), h, wte)
+    valid = targets != -1
+    expected = F.cross_entropy(h[valid] @ wte[targets[valid]].T, torch.arange(int(valid.sum())))
+    assert cwt(h, targets, wte).item() == pytest.approx(expected.item(), rel=1e-12)
+    moved = h.clone()
+    moved[~valid] = 100.0
+    assert cwt(moved, targets, wte).item() == pytest.approx(expected.item(), rel=1e-12)
+    assert torch.autograd.gradcheck(lambda x, w: cwt(x, targets, w),
+                                    (h.clone().requires_grad_(), wte.clone().requires_grad_()))
+    nothing = cwt(h, torch.full_like(targets, -1), wte)
+    assert nothing.item() == 0
+
+
+def test_cwt_bf16_autocast_gives_float32():
+    h, wte = randn(2, 4, 8, seed=47).float(), randn(5, 8, seed=48).float()
+    targets = torch.tensor([[0, 1, 2, 3], [4, 0, 1, -1]])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = cwt(h.bfloat16(), targets, wte)
+    assert loss.dtype == torch.float32
+    assert loss.item() == pytest.approx(cwt(h.bfloat16().float(), targets, wte).item(), rel=1e-5)
