@@ -9,6 +9,7 @@ Formulas, defaults and edge cases are pinned down in SPEC.md; each docstring rep
 import math
 
 import torch
+from torch import nn
 from torch.nn import functional as F
 
 
@@ -287,3 +288,106 @@ def cwt(h, targets, wte, ignore_index=-1):
         logits = logits.masked_fill(~valid.unsqueeze(0), torch.finfo(logits.dtype).min / 4)
         total = F.cross_entropy(logits, diagonal_target, ignore_index=-100, reduction="sum")
     return total / valid.sum().clamp_min(1)
+
+
+# ----------------------------------------------------------------------------------------------
+# Composition: the objective a config names
+# ----------------------------------------------------------------------------------------------
+
+class SwiGLU(nn.Module):
+    """C -> hidden -> C without biases: down(silu(gate(x)) * up(x)). NITP's projection head."""
+
+    def __init__(self, n_embd, hidden):
+        super().__init__()
+        self.gate = nn.Linear(n_embd, hidden, bias=False)
+        self.up = nn.Linear(n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Objective(nn.Module):
+    """The training objective of a run: a weighted sum of the losses above, each computed from
+    the logits and hidden states the model returns.
+
+    hidden_states follow model.py: [0] embedding output, [l] output of block l = 1..L, [L+1] the
+    final normed state that feeds the LM head. A weight of 0 switches a term off (and it is not
+    computed); ce=0 with cwt>0 is a headless run (needs_logits is False: no LM head at all).
+
+    Trainable parts that belong to a loss and not to the model -- NITP's projection head -- live
+    here, so train.py optimises model and objective together, checkpoints both, and inference
+    uses the model alone.
+
+    Options (SPEC sections 2-5):
+      margin               logit thresholding of the CE term (None = plain CE)
+      simreg_layer         -1 = final normed state (default), l = output of block l (0 = embedding)
+      simreg_chunk_size    0 = full sequences
+      dispersion_layers    'all' blocks (default) or 'last'
+      dispersion_positions P > 0: P random positions per layer, the same for every sequence,
+                           redrawn per layer (an estimate of the full loss; not the paper's); 0 = all
+      nitp_layer           target block k; 0 = max(1, round(0.2 L)) (~20 % depth)
+      nitp_prenorm         predict from the last block's output instead of the final normed state
+      nitp_hidden          head width; 0 = 4C
+    """
+
+    def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
+                 simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
+                 dispersion_layers="all", dispersion_positions=0, nitp=0.0, nitp_layer=0, nitp_prenorm=False,
+                 nitp_hidden=0, cwt=0.0):
+        super().__init__()
+        self.weights = {"ce": ce, "simreg": simreg, "dispersion": dispersion, "nitp": nitp, "cwt": cwt}
+        for name, weight in self.weights.items():
+            if weight < 0:
+                raise ValueError(f"{name}_weight must be >= 0, got {weight}")
+        if not any(self.weights.values()):
+            raise ValueError("every loss weight is 0: nothing to train (set ce_weight or another *_weight)")
+        if dispersion_variant not in DISPERSION_VARIANTS:
+            raise ValueError(f"dispersion_variant must be one of {', '.join(DISPERSION_VARIANTS)}, got {dispersion_variant!r}")
+        if dispersion_layers not in ("all", "last"):
+            raise ValueError(f"dispersion_layers must be 'all' or 'last', got {dispersion_layers!r}")
+        if not -1 <= simreg_layer <= n_layer:
+            raise ValueError(f"simreg_layer must be -1 (final normed state) or 0..{n_layer}, got {simreg_layer}")
+        self.n_layer = n_layer
+        self.margin = margin
+        self.simreg_tau, self.simreg_chunk_size, self.simreg_layer = simreg_tau, simreg_chunk_size or None, simreg_layer
+        self.dispersion_tau, self.dispersion_variant = dispersion_tau, dispersion_variant
+        self.dispersion_layers, self.dispersion_positions = dispersion_layers, dispersion_positions
+        self.nitp_layer = nitp_layer or max(1, round(0.2 * n_layer))
+        if not 1 <= self.nitp_layer <= n_layer:
+            raise ValueError(f"nitp_layer must be in 1..{n_layer} (0 = ~20 % depth), got {nitp_layer}")
+        self.nitp_prenorm = nitp_prenorm
+        self.nitp_head = SwiGLU(n_embd, nitp_hidden or 4 * n_embd) if nitp > 0 else None
+
+    @property
+    def needs_logits(self):
+        return self.weights["ce"] > 0
+
+    @torch.no_grad()
+    def init_weights(self, std=0.02):
+        for p in self.parameters():
+            nn.init.normal_(p, mean=0.0, std=std)
+
+    def forward(self, logits, hidden_states, targets, wte, ignore_index=-1):
+        """-> (total, terms): the weighted sum and a dict of each active term's unweighted value."""
+        terms = {}
+        final = hidden_states[-1]
+        if self.weights["ce"]:
+            terms["ce"] = cross_entropy(logits, targets, ignore_index, self.margin)
+        if self.weights["simreg"]:
+            h = final if self.simreg_layer == -1 else hidden_states[self.simreg_layer]
+            terms["simreg"] = simreg(h, targets, self.simreg_tau, self.simreg_chunk_size, ignore_index)
+        if self.weights["dispersion"]:
+            blocks = hidden_states[1:self.n_layer + 1]
+            layers = blocks if self.dispersion_layers == "all" else blocks[-1:]
+            P = self.dispersion_positions
+            if 0 < P < final.size(1):
+                layers = [z[:, torch.randperm(z.size(1), device=z.device)[:P]] for z in layers]
+            terms["dispersion"] = dispersion(layers, self.dispersion_tau, self.dispersion_variant)
+        if self.weights["nitp"]:
+            source = hidden_states[self.n_layer] if self.nitp_prenorm else final
+            terms["nitp"] = nitp(self.nitp_head(source), hidden_states[self.nitp_layer])
+        if self.weights["cwt"]:
+            terms["cwt"] = cwt(final, targets, wte, ignore_index)
+        total = sum(self.weights[name] * value for name, value in terms.items())
+        return total, terms

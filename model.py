@@ -145,18 +145,22 @@ class GPT(nn.Module):
             n -= self.wpe.weight.numel()
         return n
 
-    def flops_per_token(self, seq_len=None):
+    def flops_per_token(self, seq_len=None, with_head=True):
         """Training FLOPs per token (forward + backward), PaLM appendix B style:
-        6 per parameter for the matmuls plus 12 * n_layer * n_embd * T for attention scores."""
+        6 per parameter for the matmuls plus 12 * n_layer * n_embd * T for attention scores.
+        with_head=False: a headless run that never computes the LM head."""
         T = seq_len or self.config.block_size
         # matmul weights: the blocks and the LM head. Lookups (wpe, and wte when untied) are free.
         n = self.num_params(non_embedding=True)
         if not self.config.tie_weights:
             n -= self.wte.weight.numel()
+        if not with_head:
+            n -= self.lm_head.weight.numel()
         return 6 * n + 12 * self.config.n_layer * self.config.n_embd * T
 
-    def forward(self, idx, return_hidden_states=False):
-        """idx (B, T) token ids -> logits (B, T, V), and the list of hidden states if asked."""
+    def forward(self, idx, return_hidden_states=False, compute_logits=True):
+        """idx (B, T) token ids -> logits (B, T, V), and the list of hidden states if asked.
+        compute_logits=False skips the LM head (headless training, e.g. CWT): logits is None."""
         B, T = idx.shape
         assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
         pos = torch.arange(T, device=idx.device)
@@ -167,7 +171,7 @@ class GPT(nn.Module):
             hidden_states.append(x)
         x = self.ln_f(x)
         hidden_states.append(x)
-        logits = self.lm_head(x)
+        logits = self.lm_head(x) if compute_logits else None
         return (logits, hidden_states) if return_hidden_states else logits
 
     @torch.no_grad()

@@ -64,12 +64,14 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
 
 
 def configure_optimizers(model, learning_rate, weight_decay, betas, separate_embeddings=False,
-                         device_type="cpu"):
+                         device_type="cpu", extra_modules=()):
     """AdamW with decay on every 2-D tensor (matmul weights, embeddings) and none on gains and
-    biases (nanoGPT's rule). With separate_embeddings the token embedding (tied or not) moves to
-    a SeparatedRowsAdamW with the same hyperparameters. Returns a list of optimizers; train.py
+    biases (nanoGPT's rule), over the model and any extra_modules (e.g. the objective's NITP
+    head). With separate_embeddings the token embedding (tied or not) moves to a
+    SeparatedRowsAdamW with the same hyperparameters. Returns a list of optimizers; train.py
     steps them all and sets each group's lr from the schedule."""
-    params = {id(p): p for p in model.parameters() if p.requires_grad}  # a tied matrix once
+    modules = [model, *extra_modules]
+    params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}  # a tied matrix once
     embedding = model.input_embedding()
     rowwise = [embedding] if separate_embeddings else []
     rest = [p for p in params.values() if not any(p is q for q in rowwise)]

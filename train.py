@@ -25,9 +25,9 @@ import torch
 from tqdm import tqdm
 
 import evaluate
-import losses
 import metrics
 from configurator import parse_config_or_exit
+from losses import Objective
 from model import GPTConfig, build_model
 from optim import configure_optimizers
 from utils import autocast_context, choose_device, choose_dtype, peak_flops, save_json, save_torch
@@ -56,8 +56,23 @@ n_embd = 128
 dropout = 0.0
 bias = False
 tie_weights = True
-# loss
-margin = None                        # logit thresholding margin (Stop Jostling); None = plain CE
+# loss: a weighted sum of the terms of losses.py, each *_weight = 0 switches it off (losses.Objective)
+ce_weight = 1.0                      # next-token cross-entropy; 0 with cwt_weight > 0 = headless
+margin = None                        # logit thresholding margin of the CE term (Stop Jostling); None = off
+simreg_weight = 0.0                  # SimReg (SPEC 2); the paper's rule: 10 * sqrt(n_embd / 1024)
+simreg_tau = 0.01
+simreg_chunk_size = 0                # 0 = whole sequences
+simreg_layer = -1                    # -1 = the final normed state; l = output of block l (0 = embedding)
+dispersion_weight = 0.0              # dispersion loss (SPEC 3); the paper's 0.1
+dispersion_tau = 1.0
+dispersion_variant = "angular"       # angular | decorrelation | l2_repel | orthogonalization
+dispersion_layers = "all"            # all | last
+dispersion_positions = 0             # P > 0: P random positions per layer (an estimate); 0 = all
+nitp_weight = 0.0                    # NITP (SPEC 4); the paper's 1.0
+nitp_layer = 0                       # target block; 0 = max(1, round(0.2 * n_layer))
+nitp_prenorm = False                 # predict from the last block's output instead of the normed state
+nitp_hidden = 0                      # SwiGLU head width; 0 = 4 * n_embd
+cwt_weight = 0.0                     # contrastive weight tying (SPEC 5)
 separate_embeddings = False          # Stop Jostling SE: rows without gradient are not stepped
 # AdamW and schedule
 learning_rate = 1e-3
@@ -82,8 +97,9 @@ config = parse_config_or_exit(sys.argv[1:], {k: globals()[k] for k in config_key
 globals().update(config)
 # -----------------------------------------------------------------------------
 
-if log_marginalization and (dropout > 0 or not tie_weights):
-    sys.exit("error: log_marginalization needs dropout=0 and tie_weights=True (it splits the tied embedding's gradient)")
+if log_marginalization and (dropout > 0 or not tie_weights or ce_weight == 0 or cwt_weight > 0):
+    sys.exit("error: log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
+             "(it splits the tied embedding's cross-entropy gradient)")
 if init_from not in ("scratch", "resume"):
     sys.exit(f"error: key 'init_from' must be 'scratch' or 'resume', got {init_from!r}")
 if num_threads > 0:
@@ -132,8 +148,18 @@ def get_batch(data, generator, prob_low_resource):
 model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
                          n_embd=n_embd, dropout=dropout, bias=bias, tie_weights=tie_weights)
 model = build_model(model_config, device)
+try:
+    objective = Objective(n_layer, n_embd, ce=ce_weight, margin=margin, simreg=simreg_weight, simreg_tau=simreg_tau,
+                          simreg_chunk_size=simreg_chunk_size, simreg_layer=simreg_layer,
+                          dispersion=dispersion_weight, dispersion_tau=dispersion_tau,
+                          dispersion_variant=dispersion_variant, dispersion_layers=dispersion_layers,
+                          dispersion_positions=dispersion_positions, nitp=nitp_weight, nitp_layer=nitp_layer,
+                          nitp_prenorm=nitp_prenorm, nitp_hidden=nitp_hidden, cwt=cwt_weight).to(device)
+except ValueError as e:
+    sys.exit(f"error: {e}")
+objective.init_weights()  # trainable parts of the losses (NITP's head), if any
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
-                                  separate_embeddings, device)
+                                  separate_embeddings, device, extra_modules=[objective])
 iter_num, best_val_loss = 0, float("inf")
 grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log_marginalization)
 
@@ -148,6 +174,7 @@ if init_from == "resume":
             sys.exit(f"error: cannot resume: key '{key}' is {config[key]!r} but the checkpoint "
                      f"was trained with {checkpoint['config'][key]!r}")
     model.load_state_dict(checkpoint["model"])
+    objective.load_state_dict(checkpoint["objective"])
     for opt, state in zip(optimizers, checkpoint["optimizers"]):
         opt.load_state_dict(state)
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -184,21 +211,39 @@ def estimate_val_loss():
     """Cross-entropy (never thresholded) on the same eval_iters validation batches every time
     (a fixed generator), in both languages. 'val' is the loss on the mixed batches, each window
     in the low-resource language with probability low_resource_prob, as in training; it is
-    assembled from the per-window HR and LR losses, so it costs no extra forward pass."""
+    assembled from the per-window HR and LR losses, so it costs no extra forward pass. The other
+    active loss terms are evaluated on the same mixed batches ('val_<term>'), their states
+    picked per window from the HR and LR passes (windows do not attend to each other). A run
+    without CE (headless) keeps the checkpoint with the best weighted sum of its terms instead.
+    The RNG is forked so that evaluation never changes the training run's random stream."""
     model.eval()
     generator = torch.Generator().manual_seed(0)
+    languages = (("hr", 0), ("lr", shift)) if low_resource else (("hr", 0),)
+    aux = [name for name, weight in objective.weights.items() if weight and name != "ce"]
     per_window = {"hr": [], "lr": []}
-    masks = []
-    for _ in range(eval_iters):
-        x, y = get_batch(val_data, generator, prob_low_resource=0.0)
-        masks.append(torch.rand(batch_size, generator=generator) < low_resource_prob)
-        for lang, offset in (("hr", 0), ("lr", shift)):
-            if lang == "lr" and not low_resource:
-                continue
-            with autocast:
-                logits = model(x + offset)
-            nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y + offset, reduction="none")
-            per_window[lang].append(nll.mean(dim=1).cpu())
+    masks, term_sums = [], dict.fromkeys(aux, 0.0)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+        for _ in range(eval_iters):
+            x, y = get_batch(val_data, generator, prob_low_resource=0.0)
+            is_low = torch.rand(batch_size, generator=generator) < low_resource_prob
+            masks.append(is_low)
+            passes = {}
+            for lang, offset in languages:
+                with autocast:
+                    passes[lang] = model(x + offset, return_hidden_states=bool(aux))
+                logits = passes[lang][0] if aux else passes[lang]
+                nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y + offset, reduction="none")
+                per_window[lang].append(nll.mean(dim=1).cpu())
+            if aux:
+                logits, hidden = passes["hr"]
+                if low_resource:
+                    pick = is_low.to(device).view(-1, 1, 1)
+                    logits = torch.where(pick, passes["lr"][0], logits)
+                    hidden = [torch.where(pick, lr_h, hr_h) for lr_h, hr_h in zip(passes["lr"][1], hidden)]
+                with autocast:
+                    _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1), model.input_embedding())
+                for name in aux:
+                    term_sums[name] += terms[name].item() / eval_iters
     model.train()
     hr = torch.cat(per_window["hr"])
     out = {"val_hr": hr.mean().item()}
@@ -208,12 +253,16 @@ def estimate_val_loss():
         out["val"] = torch.where(torch.cat(masks), lr_, hr).mean().item()
     else:
         out["val"] = out["val_hr"]
+    out.update({f"val_{name}": value for name, value in term_sums.items()})
+    if not objective.needs_logits:
+        out["val_ce"] = out["val"]
+        out["val"] = sum(objective.weights[name] * value for name, value in term_sums.items())
     return out
 
 
 def save_checkpoint(path, full):
     """Atomic torch.save plus a readable JSON beside it (config, step, losses)."""
-    state = {"model": model.state_dict(), "model_config": model_config.__dict__, "config": config,
+    state = {"model": model.state_dict(), "objective": objective.state_dict(), "model_config": model_config.__dict__, "config": config,
              "iter_num": iter_num, "best_val_loss": best_val_loss, "meta": meta}
     if full:  # everything needed to continue exactly where we stopped
         state.update(optimizers=[opt.state_dict() for opt in optimizers], data_rng=data_generator.get_state(),
@@ -231,7 +280,7 @@ def log(record):
 
 # training loop ---------------------------------------------------------------
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
-flops_per_iter = model.flops_per_token() * tokens_per_iter
+flops_per_iter = model.flops_per_token(with_head=objective.needs_logits) * tokens_per_iter  # model only, not the losses
 peak = peak_flops(device, dtype)
 print(f"params: {model.num_params():,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
       f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s")
@@ -261,8 +310,9 @@ while True:
     for micro_step in range(gradient_accumulation_steps):
         x, y = get_batch(train_data, data_generator, low_resource_prob)
         with autocast:
-            logits, hidden_states = model(x, return_hidden_states=True)
-        loss = losses.cross_entropy(logits, y, margin=margin) / gradient_accumulation_steps
+            logits, hidden_states = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
+            loss, terms = objective(logits, hidden_states, y, model.input_embedding())
+        loss = loss / gradient_accumulation_steps
         if log_marginalization:
             logits.retain_grad()
             hidden_states[0].retain_grad()
@@ -288,7 +338,8 @@ while True:
     if iter_num % log_interval == 0:
         loss_value = loss.item() * gradient_accumulation_steps  # .item() syncs: only when logging
         dt = (time.perf_counter() - t_window) / window_iters
-        record = {"iter": iter_num - 1, "loss": loss_value, "lr": lr, "ms_per_iter": 1000 * dt,
+        record = {"iter": iter_num - 1, "loss": loss_value, **{k: v.item() for k, v in terms.items()},
+                  "lr": lr, "ms_per_iter": 1000 * dt,
                   "tokens_per_s": tokens_per_iter / dt, "mfu": flops_per_iter / dt / peak}
         log(record)
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2f}")

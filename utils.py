@@ -73,8 +73,9 @@ GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 3
 
 def measure_matmul_flops(device="cpu", dtype=torch.float32, n=2048, repeats=3):
     """The machine's practical peak: FLOP/s of the best of `repeats` n x n matmuls."""
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    generator = torch.Generator(device=device).manual_seed(0)  # never touch the global RNG of a run
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     a @ b  # warm-up
     best = float("inf")
     for _ in range(repeats):

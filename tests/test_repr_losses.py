@@ -341,3 +341,25 @@ def test_cwt_bf16_autocast_gives_float32():
         loss = cwt(h.bfloat16(), targets, wte)
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(cwt(h.bfloat16().float(), targets, wte).item(), rel=1e-5)
+
+
+def test_objective_is_the_weighted_sum_of_the_plain_functions():
+    from losses import Objective, cross_entropy, dispersion, nitp, simreg
+    torch.manual_seed(0)
+    B, T, C, V, L = 2, 6, 8, 11, 3
+    hidden = [torch.randn(B, T, C, dtype=torch.float64) for _ in range(L + 2)]
+    logits = torch.randn(B, T, V, dtype=torch.float64)
+    targets = torch.randint(0, V, (B, T))
+    objective = Objective(L, C, ce=1.0, margin=2.0, simreg=3.0, dispersion=0.5, dispersion_layers="last",
+                          nitp=2.0).double()
+    total, terms = objective(logits, hidden, targets, wte=None)
+    expected = {"ce": cross_entropy(logits, targets, margin=2.0), "simreg": simreg(hidden[-1], targets),
+                "dispersion": dispersion(hidden[L]),
+                "nitp": nitp(objective.nitp_head(hidden[-1]), hidden[max(1, round(0.2 * L))])}
+    assert terms.keys() == expected.keys()
+    for name in expected:
+        assert torch.allclose(terms[name], expected[name], atol=1e-12), name
+    assert torch.allclose(total, expected["ce"] + 3 * expected["simreg"] + 0.5 * expected["dispersion"]
+                          + 2 * expected["nitp"], atol=1e-12)
+    assert objective.needs_logits and not Objective(L, C, ce=0.0, cwt=1.0).needs_logits
+    assert sum(p.numel() for p in objective.parameters()) == 3 * C * 4 * C  # the SwiGLU head C -> 4C -> C

@@ -142,3 +142,41 @@ def test_sample_generates_from_the_prompt(baseline_run):
     assert again.stdout == result.stdout  # seeded
     bad = subprocess.run(args[:3] + ["--start=#"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0 and "not in the vocabulary" in bad.stderr
+
+
+ALL_LOSSES = ["--simreg_weight=3.5", "--simreg_chunk_size=8", "--dispersion_weight=0.1", "--dispersion_positions=8",
+              "--nitp_weight=1.0", "--cwt_weight=0.5", "--margin=1.0"]
+
+
+def test_every_loss_together_logs_each_term_and_resumes_exactly(tmp_path, data_dir):
+    full, part = tmp_path / "full", tmp_path / "part"
+    train(full, data_dir, *ALL_LOSSES, "--final_eval=False")
+    records = read_log(full)
+    step = [r for r in records if "loss" in r][-1]
+    terms = ("ce", "simreg", "dispersion", "nitp", "cwt")
+    assert all(name in step for name in terms)
+    weights = {"ce": 1.0, "simreg": 3.5, "dispersion": 0.1, "nitp": 1.0, "cwt": 0.5}
+    assert step["loss"] == pytest.approx(sum(weights[n] * step[n] for n in terms), rel=1e-5)
+    evals = [r for r in records if "val" in r]
+    assert all(f"val_{name}" in evals[-1] for name in terms if name != "ce")
+    # the NITP head and the random dispersion positions are part of the exact-resume state
+    train(part, data_dir, *ALL_LOSSES, "--final_eval=False", "--max_iters=10")
+    train(part, data_dir, *ALL_LOSSES, "--final_eval=False", "--init_from=resume")
+    assert train_losses(part) == train_losses(full)
+
+
+def test_headless_cwt_run(tmp_path, data_dir):
+    out = tmp_path / "cwt"
+    train(out, data_dir, "--ce_weight=0.0", "--cwt_weight=1.0")
+    step = [r for r in read_log(out) if "loss" in r][-1]
+    assert "ce" not in step and step["loss"] == step["cwt"]
+    last_eval = [r for r in read_log(out) if "val" in r][-1]
+    assert last_eval["val"] == last_eval["val_cwt"] and "val_ce" in last_eval  # selected on its own objective
+    assert os.path.exists(out / "metrics.json")
+
+
+def test_bad_objective_settings_fail_clearly(tmp_path, data_dir):
+    result = train(tmp_path / "x", data_dir, "--dispersion_weight=0.1", "--dispersion_variant=spread", check=False)
+    assert result.returncode != 0 and "dispersion_variant must be one of angular" in result.stderr
+    result = train(tmp_path / "y", data_dir, "--ce_weight=0.0", check=False)
+    assert result.returncode != 0 and "every loss weight is 0" in result.stderr
