@@ -7,7 +7,9 @@ The validation split is cut into non-overlapping blocks of block_size tokens and
 as is (HR) and with every id shifted into the low-resource language (LR), with the full softmax
 over both languages and no thresholding. Per language: PPL, PPL_best over temperatures (with
 T_best), accuracy, Recall@5, MRR and the isotropy I(W) of that language's output-embedding rows;
-plus I(W) of all rows and the cross-language "translation" figures of the embedding.
+plus I(W) of all rows and the cross-language "translation" figures of the embedding, and the
+geometry of the hidden states (condensation: mean pairwise cosine per depth, its rank correlation
+with depth, the final states' mean cosine and their SimReg value).
 train.py calls evaluate_checkpoint() on best.pt at the end of every run.
 """
 
@@ -19,6 +21,7 @@ import numpy as np
 import torch
 
 import metrics
+from losses import simreg
 from model import GPT, GPTConfig
 from utils import choose_device, save_json
 
@@ -55,18 +58,49 @@ def prediction_metrics(logits, targets):
 
 
 @torch.no_grad()
+def geometry(model, x, y, device, batch_size=256):
+    """Hidden-state geometry over the blocks x (N, T) with next-token labels y (N, T):
+      mu            mean pairwise cosine mu(l) per depth l = 0 (embedding output), 1..L (blocks),
+                    all T^2 pairs of a sequence, averaged over sequences (dispersion paper, Fig. 2)
+      spearman_rho, kendall_tau   rank correlation of mu(l) with l over the blocks l = 1..L
+                    (positive: states condense with depth)
+      cosine_histograms           per depth, the fraction of pair cosines in 40 bins over [-1, 1]
+      final_cosine  mean pairwise cosine of the final normed states (what the LM head sees)
+      simreg_final  SimReg (tau = 0.01) of the final normed states: ~1e-2 on a CE-only model per
+                    the SimReg paper, far lower when trained with it"""
+    L = model.config.n_layer
+    mu, hists = torch.zeros(L + 2, dtype=torch.float64), torch.zeros(L + 2, 40, dtype=torch.float64)
+    simreg_sum = 0.0
+    for i in range(0, len(x), batch_size):
+        xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
+        _, hidden = model(xb, return_hidden_states=True)
+        weight = len(xb) / len(x)
+        for depth, z in enumerate(hidden[:L + 1] + [hidden[-1]]):
+            m, h = metrics.pairwise_cosine_stats(z.float())
+            mu[depth] += weight * m
+            hists[depth] += weight * torch.tensor(h, dtype=torch.float64)
+        simreg_sum += weight * simreg(hidden[-1].float(), yb).item()
+    depths = list(range(1, L + 1))
+    return {"mu": mu[:L + 1].tolist(), "spearman_rho": metrics.spearman(mu[1:L + 1], depths),
+            "kendall_tau": metrics.kendall(mu[1:L + 1], depths), "final_cosine": mu[L + 1].item(),
+            "simreg_final": simreg_sum, "cosine_histograms": hists[:L + 1].tolist()}
+
+
+@torch.no_grad()
 def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     x, y = val_blocks(data_dir, model.config.block_size)
     W = model.output_embedding().detach().float().cpu()
     if not low_resource:
         return {"val": {**prediction_metrics(predict(model, x, device), y.reshape(-1)),
-                        "isotropy": metrics.isotropy(W)}}
+                        "isotropy": metrics.isotropy(W)},
+                "geometry": {"val": geometry(model, x, y, device)}}
     shift = len(itos)
-    result = {}
+    result = {"geometry": {}}
     for lang, offset in (("hr", 0), ("lr", shift)):
         logits = predict(model, x + offset, device)
         result[lang] = {**prediction_metrics(logits, (y + offset).reshape(-1)),
                         "isotropy": metrics.isotropy(W[offset:offset + shift])}
+        result["geometry"][lang] = geometry(model, x + offset, y + offset, device)
     result["isotropy_all"] = metrics.isotropy(W)
     E = model.input_embedding().detach().float().cpu()
     result["translations"] = metrics.translation_metrics(E, itos, shift)
@@ -108,6 +142,10 @@ def format_metrics(result):
     lines = ["metric       " + "".join(f"{lang:>10}" for lang in langs)]
     for key in keys:
         lines.append(f"{key:<13}" + "".join(f"{result[lang][key]:>10.4f}" for lang in langs))
+    for lang, g in result.get("geometry", {}).items():
+        lines.append(f"geometry {lang}: mu(l) " + " ".join(f"{m:.3f}" for m in g["mu"]) +
+                     f" | spearman {g['spearman_rho']:.2f} kendall {g['kendall_tau']:.2f}"
+                     f" | final cos {g['final_cosine']:.3f} | simreg {g['simreg_final']:.2e}")
     if "translations" in result:
         t = result["translations"]
         lines.append(f"isotropy_all {result['isotropy_all']:.4f} | twin in top-3: {t['twin_top3_fraction']:.3f} "

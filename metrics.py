@@ -15,6 +15,8 @@ Contents
     embedding_gradient_part_vectors, embedding_gradient_parts
                                   the three pieces of a tied embedding's gradient
     marginalization_ratios        "Stop Jostling" ratios of those pieces
+    pairwise_cosine_stats         mean pairwise cosine per sequence and its histogram (condensation)
+    spearman, kendall             rank correlations (no scipy)
 """
 
 import math
@@ -301,3 +303,54 @@ def marginalization_ratios(g_input, g_target, g_nontarget):
     g3p = torch.where(g3 > 0, g3, g3_avg.expand_as(g3))
     average_of_ratio = torch.where(undefined, nan, (num / g3p).mean(dim=0))
     return {"ratio_of_average": ratio_of_average, "average_of_ratio": average_of_ratio}
+
+
+# -----------------------------------------------------------------------------
+# geometry of the hidden states (dispersion paper, Sec. 3 and Fig. 2)
+
+
+def pairwise_cosine_stats(z, bins=40):
+    """Mean pairwise cosine similarity of the states of each sequence, and the histogram of those
+    cosines -- the dispersion paper's "embedding condensation" measure.
+
+        mu = mean over sequences b and all T^2 pairs (i, j), diagonal included, of cos(z_bi, z_bj)
+
+    z (B,T,C). Returns (mu as a float, histogram as a list of `bins` fractions over [-1, 1]).
+    mu near 1 means the states of a sequence all point the same way (condensed)."""
+    e = F.normalize(z.double(), dim=-1)
+    cos = e @ e.transpose(1, 2)                                      # (B, T, T)
+    hist = torch.histc(cos.clamp(-1, 1).float(), bins=bins, min=-1.0, max=1.0)
+    return cos.mean().item(), (hist / hist.sum()).tolist()
+
+
+def _average_ranks(x):
+    """Ranks 1..n of x with ties given the average of the ranks they span."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    order = torch.argsort(x)
+    ranks = torch.empty_like(x)
+    ranks[order] = torch.arange(1, len(x) + 1, dtype=torch.float64)
+    for value in torch.unique(x):  # n is small (number of layers): a loop over distinct values
+        tied = x == value
+        ranks[tied] = ranks[tied].mean()
+    return ranks
+
+
+def spearman(x, y):
+    """Spearman's rho: the Pearson correlation of the (tie-averaged) ranks of x and y.
+    nan when either side is constant."""
+    rx, ry = _average_ranks(x), _average_ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    denominator = (rx.square().sum() * ry.square().sum()).sqrt()
+    return (rx * ry).sum().div(denominator).item() if denominator > 0 else float("nan")
+
+
+def kendall(x, y):
+    """Kendall's tau-b: (concordant - discordant) / sqrt((n0 - ties_x)(n0 - ties_y)) over all
+    n0 = n(n-1)/2 pairs; a pair tied in x or y is neither concordant nor discordant."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    y = torch.as_tensor(y, dtype=torch.float64)
+    i, j = torch.triu_indices(len(x), len(x), offset=1)
+    sx, sy = torch.sign(x[i] - x[j]), torch.sign(y[i] - y[j])
+    n0 = len(i)
+    denominator = math.sqrt((n0 - (sx == 0).sum().item()) * (n0 - (sy == 0).sum().item()))
+    return (sx * sy).sum().item() / denominator if denominator > 0 else float("nan")

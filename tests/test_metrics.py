@@ -377,3 +377,34 @@ def test_marginalization_ratios_match_loop():
         assert out["ratio_of_average"][i].item() == pytest.approx(roa, rel=1e-12)
         assert out["average_of_ratio"][i].item() == pytest.approx(aor, rel=1e-12)
     assert out["ratio_of_average"].shape == (V,)
+
+
+
+def test_spearman_and_kendall_by_hand():
+    from metrics import kendall, spearman
+    # no ties: d = (0, 1, -1, 0) -> rho = 1 - 6*2/(4*15) = 0.8; one discordant pair of 6 -> tau = 4/6
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(0.8)
+    assert kendall([1, 2, 3, 4], [1, 3, 2, 4]) == pytest.approx(4 / 6)
+    assert spearman([1, 2, 3], [3, 2, 1]) == pytest.approx(-1) and kendall([1, 2, 3], [3, 2, 1]) == pytest.approx(-1)
+    # ties: y = (1, 1, 2) has ranks (1.5, 1.5, 3); x ranks (1, 2, 3) -> pearson = 0.866...
+    assert spearman([1, 2, 3], [1, 1, 2]) == pytest.approx(math.sqrt(3) / 2)
+    # tau-b: pairs (1,2) tied in y, (1,3) and (2,3) concordant -> 2 / sqrt(3 * 2)
+    assert kendall([1, 2, 3], [1, 1, 2]) == pytest.approx(2 / math.sqrt(6))
+    assert math.isnan(spearman([1, 2, 3], [5, 5, 5])) and math.isnan(kendall([1, 2, 3], [5, 5, 5]))
+
+
+def test_pairwise_cosine_stats():
+    from metrics import pairwise_cosine_stats
+    collapsed = torch.ones(2, 5, 3)
+    mu, hist = pairwise_cosine_stats(collapsed, bins=4)
+    assert mu == pytest.approx(1.0) and hist == [0, 0, 0, 1.0]
+    # one sequence holding e1, -e1: pairs (diagonal included) have cosines 1, -1, -1, 1 -> mean 0
+    z = torch.tensor([[[1.0, 0.0], [-1.0, 0.0]]])
+    mu, hist = pairwise_cosine_stats(z, bins=2)
+    assert mu == pytest.approx(0.0) and hist == [0.5, 0.5]
+    # against a loop
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(3, 4, 5, generator=g)
+    loop = sum(torch.nn.functional.cosine_similarity(z[b, i], z[b, j], dim=0).item()
+               for b in range(3) for i in range(4) for j in range(4)) / 48
+    assert pairwise_cosine_stats(z)[0] == pytest.approx(loop, abs=1e-6)

@@ -76,6 +76,11 @@ def test_run_writes_log_checkpoints_and_metrics(baseline_run):
         assert metrics[lang]["ppl_best"] <= metrics[lang]["ppl"]
         assert 0 <= metrics[lang]["accuracy"] <= metrics[lang]["recall_at_5"] <= 1
     assert 0 < metrics["isotropy_all"] <= 1
+    for lang in ("hr", "lr"):
+        g = metrics["geometry"][lang]
+        assert len(g["mu"]) == 2 and len(g["cosine_histograms"]) == 2  # embedding output + 1 block
+        assert all(-1 <= m <= 1 for m in g["mu"]) and -1 <= g["final_cosine"] <= 1
+        assert g["simreg_final"] >= 0 and sum(g["cosine_histograms"][0]) == pytest.approx(1)
     assert {"twin_top3_fraction", "cases_12", "cases_letters", "cases_letters_total"} <= set(metrics["translations"])
     with open(os.path.join(out, "best.json")) as f:
         best = json.load(f)
