@@ -37,7 +37,8 @@ from utils import autocast_context, choose_device, choose_dtype, peak_flops, sav
 # I/O
 out_dir = "out/lowres_baseline"
 data_dir = "data/shakespeare_char"   # holds train.bin, val.bin, meta.json (prepare_shakespeare.py)
-init_from = "scratch"                # 'scratch' or 'resume' (from out_dir/ckpt.pt)
+init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint path to start from
+head_from_embedding = False          # with a checkpoint path: the (untied) LM head starts as a copy of wte
 eval_interval = 250
 eval_iters = 20                      # validation batches per evaluation
 log_interval = 10
@@ -82,6 +83,7 @@ beta1 = 0.9
 beta2 = 0.99
 grad_clip = 1.0                      # clip the global gradient norm; 0 = off
 warmup_iters = 100
+lr_schedule = "cosine"               # cosine: decay to min_lr at lr_decay_iters; constant: stay at learning_rate
 lr_decay_iters = 8000
 min_lr = 1e-4
 # analysis
@@ -100,8 +102,10 @@ globals().update(config)
 if log_marginalization and (dropout > 0 or not tie_weights or ce_weight == 0 or cwt_weight > 0):
     sys.exit("error: log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
              "(it splits the tied embedding's cross-entropy gradient)")
-if init_from not in ("scratch", "resume"):
-    sys.exit(f"error: key 'init_from' must be 'scratch' or 'resume', got {init_from!r}")
+if init_from not in ("scratch", "resume") and not os.path.isfile(init_from):
+    sys.exit(f"error: key 'init_from' must be 'scratch', 'resume' or an existing checkpoint file, got {init_from!r}")
+if lr_schedule not in ("cosine", "constant"):
+    sys.exit(f"error: key 'lr_schedule' must be 'cosine' or 'constant', got {lr_schedule!r}")
 if num_threads > 0:
     torch.set_num_threads(num_threads)
 device = choose_device(device)
@@ -192,14 +196,33 @@ if init_from == "resume":
         with open(log_path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
     print(f"resumed from {ckpt_path} at iter {iter_num}")
-elif os.path.exists(log_path):
-    os.remove(log_path)  # a fresh run starts a fresh log
+else:
+    if os.path.exists(log_path):
+        os.remove(log_path)  # a fresh run starts a fresh log
+    if init_from != "scratch":
+        # start from another run's weights (fresh optimizer, step 0), e.g. CWT's second stage:
+        # a headless model gets a new untied LM head initialised as a copy of its input embedding
+        source = torch.load(init_from, map_location=device, weights_only=False)
+        for key, value in source["model_config"].items():
+            if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
+                sys.exit(f"error: cannot start from {init_from}: model key '{key}' is "
+                         f"{getattr(model_config, key)!r} here but {value!r} there")
+        weights = dict(source["model"])
+        if head_from_embedding:
+            if tie_weights:
+                sys.exit("error: head_from_embedding=True needs tie_weights=False (a tied head is the embedding)")
+            weights["lm_head.weight"] = weights["wte.weight"].clone()
+        model.load_state_dict(weights)
+        print(f"initialised from {init_from}" + (" (LM head := copy of wte)" if head_from_embedding else ""))
 
 
 def get_lr(it):
-    """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters."""
+    """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters
+    (or, with lr_schedule='constant', learning_rate from then on)."""
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
+    if lr_schedule == "constant":
+        return learning_rate
     if it > lr_decay_iters:
         return min_lr
     ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)

@@ -179,6 +179,24 @@ def test_headless_cwt_run(tmp_path, data_dir):
     assert last_eval["val"] == last_eval["val_cwt"] and "val_ce" in last_eval  # selected on its own objective
     assert os.path.exists(out / "metrics.json")
 
+    # second stage: a new untied head, a copy of the input embedding, fine-tuned with CE only
+    ft = tmp_path / "cwt_ft"
+    result = train(ft, data_dir, f"--init_from={out / 'best.pt'}", "--head_from_embedding=True",
+                   "--tie_weights=False", "--lr_schedule=constant", "--learning_rate=1e-4", "--weight_decay=0.0")
+    assert "LM head := copy of wte" in result.stdout
+    best_headless = min((r for r in read_log(out) if "val" in r), key=lambda r: r["val"])
+    first_ft = [r for r in read_log(ft) if "val" in r][0]
+    # at step 0 the untied head equals the tied one, so the val CE is exactly the headless model's
+    assert first_ft["iter"] == 0 and first_ft["val"] == best_headless["val_ce"]
+    assert {r["lr"] for r in read_log(ft) if "loss" in r and r["iter"] >= 2} == {1e-4}  # warm-up 2, then constant
+    assert "ce" in [r for r in read_log(ft) if "loss" in r][-1]
+    sample = subprocess.run([sys.executable, "sample.py", str(ft / "best.pt"), "--start=And", "--max_new_tokens=20"],
+                            cwd=REPO, capture_output=True, text=True)
+    assert sample.returncode == 0 and sample.stdout.startswith("And")
+    # a checkpoint of another shape is refused with the key named
+    bad = train(tmp_path / "bad", data_dir, f"--init_from={out / 'best.pt'}", "--n_embd=32", check=False)
+    assert bad.returncode != 0 and "model key 'n_embd'" in bad.stderr
+
 
 def test_bad_objective_settings_fail_clearly(tmp_path, data_dir):
     result = train(tmp_path / "x", data_dir, "--dispersion_weight=0.1", "--dispersion_variant=spread", check=False)

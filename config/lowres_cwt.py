@@ -1,0 +1,7 @@
+# Headless CWT (SPEC section 5): no LM head; each final state must pick the input embedding of its
+# next token among those at every position of the batch. Fine-tune a head with lowres_cwt_ft.py.
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+ce_weight = 0.0
+cwt_weight = 1.0
+out_dir = "out/lowres_cwt"
