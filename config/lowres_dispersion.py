@@ -1,0 +1,8 @@
+# Dispersion loss (SPEC section 3), angular variant over every block's output, lambda 0.1, tau 1.0 (the paper's defaults).
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+dispersion_weight = 0.1
+dispersion_tau = 1.0
+dispersion_variant = "angular"
+dispersion_layers = "all"
+out_dir = "out/lowres_dispersion"

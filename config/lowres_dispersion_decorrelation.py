@@ -1,0 +1,7 @@
+# Dispersion loss, decorrelation variant (SPEC section 3), every block, lambda 0.1 and tau 1.0 as for angular (our choice).
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+dispersion_weight = 0.1
+dispersion_tau = 1.0
+dispersion_variant = "decorrelation"
+out_dir = "out/lowres_dispersion_decorrelation"
