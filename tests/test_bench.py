@@ -1,0 +1,24 @@
+"""bench.py runs every objective it times (a smoke test: timings themselves are not asserted)."""
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import bench  # noqa: E402
+from model import GPTConfig  # noqa: E402
+
+
+def test_step_time_runs_each_objective():
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16)
+    objectives = dict(bench.LOSSES, cwt={"ce": 0.0, "cwt": 1.0})
+    for name, kwargs in objectives.items():
+        kwargs = {**kwargs, "simreg_chunk_size": 8} if "chunk" in name else kwargs
+        assert bench.step_time(config, kwargs, 2, steps=1, warmup=0, device="cpu", dtype="float32") > 0
+
+
+def test_memory_child_reports_growth():
+    out = subprocess.run([sys.executable, "bench.py", "--memory_child", "1024"], cwd=REPO, capture_output=True,
+                         text=True, check=True).stdout
+    assert '"peak_delta_mib"' in out
