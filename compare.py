@@ -59,13 +59,19 @@ def run_dir(root, grid, method, seed):
 
 
 def runs_of(grid, root):
-    for method, (config, extra, n_seeds) in GRIDS[grid].items():
-        for seed in SEEDS[:n_seeds]:
-            yield method, seed, config, extra, run_dir(root, grid, method, seed)
+    """Seed-major order: every method's first seed, then every method's second seed, ... so a
+    grid cut short still holds paired runs of all methods."""
+    for seed in SEEDS:
+        for method, (config, extra, n_seeds) in GRIDS[grid].items():
+            if seed in SEEDS[:n_seeds]:
+                yield method, seed, config, extra, run_dir(root, grid, method, seed)
 
 
 def launch(config, extra, seed, out_dir, threads, overrides):
-    """One training run in its own process; its output goes to out_dir/train.out."""
+    """One training run in its own process; its output goes to out_dir/train.out. A run finished
+    meanwhile (e.g. by another compare.py call) is skipped."""
+    if os.path.exists(os.path.join(out_dir, "metrics.json")):
+        return 0.0
     os.makedirs(out_dir, exist_ok=True)
     cmd = [sys.executable, "train.py", config, f"--seed={seed}", f"--out_dir={out_dir}",
            f"--num_threads={threads}", *extra, *overrides]
