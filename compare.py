@@ -30,6 +30,7 @@ from utils import save_json
 SEEDS = [1337, 1338, 1339, 1340, 1341]
 
 # method -> (config file, extra overrides, number of seeds). The first method is the baseline.
+# A tuple of config files is a chain: stage k starts from stage k-1's best.pt (--init_from).
 GRIDS = {
     "jostling": {
         "baseline": ("config/lowres_baseline.py", ["--log_marginalization=True"], 5),
@@ -38,6 +39,19 @@ GRIDS = {
         "margin 0.6": ("config/lowres_margin_0.6.py", [], 5),
         "margin 0.6 + SE": ("config/lowres_margin0.6_se.py", [], 5),
         "monolingual": ("config/lowres_monolingual.py", [], 3),
+    },
+    "losses": {
+        "CE": ("config/lowres_baseline.py", [], 3),
+        "margin 0.6 + SE": ("config/lowres_margin0.6_se.py", [], 3),
+        "SimReg": ("config/lowres_simreg.py", [], 3),
+        "SimReg chunk 32": ("config/lowres_simreg_chunk.py", [], 3),
+        "dispersion": ("config/lowres_dispersion.py", [], 3),
+        "dispersion decorrelation": ("config/lowres_dispersion_decorrelation.py", [], 3),
+        "dispersion l2_repel": ("config/lowres_dispersion_l2_repel.py", [], 3),
+        "dispersion orthogonalization": ("config/lowres_dispersion_orthogonalization.py", [], 3),
+        "NITP": ("config/lowres_nitp.py", [], 3),
+        "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), [], 3),
+        "SimReg + dispersion": ("config/lowres_simreg_dispersion.py", [], 3),
     },
 }
 
@@ -68,21 +82,29 @@ def runs_of(grid, root):
 
 
 def launch(config, extra, seed, out_dir, threads, overrides):
-    """One training run in its own process; its output goes to out_dir/train.out. A run finished
-    meanwhile (e.g. by another compare.py call) is skipped."""
+    """One training run in its own process (or a chain of them); output in out_dir/train.out.
+    A run finished meanwhile (e.g. by another compare.py call) is skipped."""
     if os.path.exists(os.path.join(out_dir, "metrics.json")):
         return 0.0
-    os.makedirs(out_dir, exist_ok=True)
-    cmd = [sys.executable, "train.py", config, f"--seed={seed}", f"--out_dir={out_dir}",
-           f"--num_threads={threads}", *extra, *overrides]
+    configs = config if isinstance(config, tuple) else (config,)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    t0 = time.time()
-    with open(os.path.join(out_dir, "train.out"), "w") as f:
-        code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
-    if code != 0:
-        raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {out_dir}/train.out")
+    t0, commands, previous = time.time(), [], None
+    for stage, config_file in enumerate(configs):
+        # earlier stages of a chain go to out_dir/stage<k>; the last one is the run itself
+        stage_dir = out_dir if stage == len(configs) - 1 else os.path.join(out_dir, f"stage{stage}")
+        os.makedirs(stage_dir, exist_ok=True)
+        cmd = [sys.executable, "train.py", config_file, f"--seed={seed}", f"--out_dir={stage_dir}",
+               f"--num_threads={threads}", *extra, *overrides]
+        if previous is not None:
+            cmd.append(f"--init_from={os.path.join(previous, 'best.pt')}")
+        with open(os.path.join(stage_dir, "train.out"), "w") as f:
+            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        if code != 0:
+            raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {stage_dir}/train.out")
+        commands.append(cmd)
+        previous = stage_dir
     wall = time.time() - t0
-    save_json({"wall_s": wall, "threads": threads, "command": cmd}, os.path.join(out_dir, "run.json"))
+    save_json({"wall_s": wall, "threads": threads, "commands": commands}, os.path.join(out_dir, "run.json"))
     return wall
 
 
@@ -180,6 +202,21 @@ def build_table(grid, root):
             lines.append(f"| {method} | {fmt([r['isotropy_all'] for r in runs])} | "
                          f"{fmt([x['twin_top3_fraction'] for x in t])} | {fmt([x['cases_12'] for x in t], 1)} | "
                          f"{fmt([x['cases_letters'] for x in t], 1)} |")
+    # hidden-state geometry (runs evaluated with geometry metrics)
+    if any("geometry" in r for runs in results.values() for r in runs.values()):
+        lines += ["", "## Hidden-state geometry (HR val)", "",
+                  "mu(l): mean pairwise cosine of a sequence's states after block l; rho / tau: Spearman and "
+                  "Kendall correlation of mu(l) with depth (positive = condensing with depth); SimReg value of "
+                  "the final states at tau 0.01.", "",
+                  "| method | mu(last block) | Spearman rho | Kendall tau | final-state cosine | SimReg(final) |",
+                  "|---|---|---|---|---|---|"]
+        for method in methods:
+            runs = [r["geometry"]["hr"] for r in results.get(method, {}).values() if "geometry" in r]
+            if runs:
+                simreg_values = [g["simreg_final"] for g in runs]
+                lines.append(f"| {method} | {fmt([g['mu'][-1] for g in runs])} | {fmt([g['spearman_rho'] for g in runs], 2)} | "
+                             f"{fmt([g['kendall_tau'] for g in runs], 2)} | {fmt([g['final_cosine'] for g in runs])} | "
+                             f"{mean_std(simreg_values)[0]:.1e} ± {mean_std(simreg_values)[1]:.1e} |")
     # marginalization ratios
     marg = {}
     for method, seed, _, _, out in runs_of(grid, root):

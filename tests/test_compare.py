@@ -59,3 +59,29 @@ def test_readme_markers_are_replaced_and_nothing_else(tmp_path, tiny_grid):
     other = tmp_path / "OTHER.md"
     other.write_text("no markers\n")
     assert not compare.update_readme(str(other), "tiny", table) and other.read_text() == "no markers\n"
+
+
+def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch):
+    import prepare_shakespeare
+    text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
+    (tmp_path / "input.txt").write_text(text)
+    prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
+    monkeypatch.setitem(compare.GRIDS, "mini", {"CE": ("config/lowres_baseline.py", [], 1),
+                                                "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), [], 1)})
+    monkeypatch.chdir(REPO)
+    overrides = [f"--data_dir={tmp_path / 'data'}", "--max_iters=4", "--eval_interval=2", "--eval_iters=1",
+                 "--warmup_iters=1", "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16"]
+    root = str(tmp_path / "runs")
+    compare.run_grid("mini", root, workers=2, overrides=overrides)
+    chained = compare.run_dir(root, "mini", "CWT + FT", 1337)
+    with open(os.path.join(chained, "run.json")) as f:
+        commands = json.load(f)["commands"]
+    assert commands[0][2] == "config/lowres_cwt.py" and commands[1][-1] == f"--init_from={chained}/stage0/best.pt"
+    assert os.path.exists(os.path.join(chained, "stage0", "metrics.json"))
+    with open(os.path.join(root, "mini", "wall.json")) as f:
+        assert json.load(f)["runs"] == 2
+    table, results = compare.build_table("mini", root)
+    assert set(results) == {"CE", "CWT + FT"} and "## Hidden-state geometry" in table
+    mtime = os.path.getmtime(os.path.join(chained, "metrics.json"))
+    compare.run_grid("mini", root, workers=2, overrides=overrides)  # resumable: nothing left to run
+    assert os.path.getmtime(os.path.join(chained, "metrics.json")) == mtime
