@@ -4,8 +4,11 @@ Run a named grid of methods x seeds and write a results table, e.g.
     python compare.py jostling               # the Stop Jostling reproduction (SPEC.md section 1)
     python compare.py jostling --table_only  # only rebuild results/jostling.md from finished runs
 
-Each run is `python train.py <config> --seed=S --out_dir=<runs>/<grid>/<method>/seed<S>`; a run
-whose metrics.json exists is skipped, so an interrupted grid resumes where it stopped. Runs go
+Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/seed<S>`. When it
+finishes, its small files (metrics.json, marginalization.json, run.json and a thinned log.jsonl)
+are copied to results/runs/<grid>/<method>/seed<S>, which is committed: the tables are built from
+there, and a run found there (or finished in <root>) is skipped, so an interrupted grid resumes
+where it stopped, in this checkout or a fresh one. Runs go
 `--workers` at a time, each on cores/workers threads (two 1-thread processes keep both cores of
 a laptop busier than one 2-thread process). The table gives mean +- std over seeds of every
 metric in metrics.json, the paper's number beside ours where it has one, and each method's
@@ -17,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import time
@@ -119,23 +123,53 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
-def run_grid(grid, root, workers, overrides):
-    todo = [r for r in runs_of(grid, root) if not os.path.exists(os.path.join(r[4], "metrics.json"))]
+def archive_run(out_dir, dest):
+    """Copy what the tables need from a finished run into the committed archive: the metric
+    files, and the log thinned to every evaluation plus every 50th training step."""
+    os.makedirs(dest, exist_ok=True)
+    for name in ("metrics.json", "marginalization.json", "run.json"):
+        if os.path.exists(os.path.join(out_dir, name)):
+            shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest, name + ".tmp"))
+            os.replace(os.path.join(dest, name + ".tmp"), os.path.join(dest, name))
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    kept = [r for r in records if "val" in r or (r["iter"] + 1) % 50 == 0]
+    with open(os.path.join(dest, "log.jsonl.tmp"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in kept)
+    os.replace(os.path.join(dest, "log.jsonl.tmp"), os.path.join(dest, "log.jsonl"))
+
+
+def sync_archive(grid, root, archive):
+    """Archive every run finished in root but not yet archived; returns the set of archived runs."""
+    done = set()
+    for (method, seed, _, _, out), (_, _, _, _, dest) in zip(runs_of(grid, root), runs_of(grid, archive)):
+        if not os.path.exists(os.path.join(dest, "metrics.json")) and os.path.exists(os.path.join(out, "metrics.json")):
+            archive_run(out, dest)
+        if os.path.exists(os.path.join(dest, "metrics.json")):
+            done.add((method, seed))
+    return done
+
+
+def run_grid(grid, root, workers, overrides, archive="results/runs"):
+    done = sync_archive(grid, root, archive)
+    todo = [r for r in runs_of(grid, root) if (r[0], r[1]) not in done]
     total = sum(1 for _ in runs_of(grid, root))
     print(f"grid '{grid}': {total} runs, {total - len(todo)} already done, {len(todo)} to run, {workers} at a time")
     threads = max(1, (os.cpu_count() or 1) // workers)
     t0 = time.time()
     with ThreadPoolExecutor(workers) as pool, tqdm(total=len(todo), desc=grid, unit="run") as bar:
-        futures = {pool.submit(launch, config, extra, seed, out, threads, overrides): (method, seed)
+        futures = {pool.submit(launch, config, extra, seed, out, threads, overrides): (method, seed, out)
                    for method, seed, config, extra, out in todo}
         for future in as_completed(futures):
             future.result()
+            method, seed, out = futures[future]
+            archive_run(out, run_dir(archive, grid, method, seed))
             bar.update(1)
     wall = time.time() - t0
     if todo:  # the grid's wall time, for the table (a call with nothing to do keeps the old record)
         save_json({"wall_s": wall, "runs": len(todo), "workers": workers, "threads_per_run": threads,
                    "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__},
-                  os.path.join(root, grid, "wall.json"))
+                  os.path.join(archive, grid, "wall.json"))
     return wall
 
 
@@ -150,7 +184,8 @@ def fmt(values, digits=3):
 
 
 def build_table(grid, root):
-    """results/<grid>.md from the finished runs' metrics.json (and marginalization.json)."""
+    """results/<grid>.md from the archived runs under root (metrics.json, marginalization.json,
+    run.json, log.jsonl) and root/<grid>/wall.json."""
     methods = GRIDS[grid]
     results = {}
     for method, seed, _, _, out in runs_of(grid, root):
@@ -293,7 +328,8 @@ def update_readme(readme, grid, table):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", choices=sorted(GRIDS))
-    parser.add_argument("--root", default="out/compare", help="where the runs go")
+    parser.add_argument("--root", default="out/compare", help="where the runs go (checkpoints included)")
+    parser.add_argument("--archive", default="results/runs", help="where the finished runs' small files are kept")
     parser.add_argument("--results", default="results", help="where <grid>.md is written")
     parser.add_argument("--workers", type=int, default=2, help="runs at a time")
     parser.add_argument("--table_only", action="store_true", help="only rebuild the table")
@@ -302,8 +338,9 @@ def main(argv=None):
     args, unknown = parser.parse_known_args(argv)
     overrides = args.overrides + unknown
     if not args.table_only:
-        run_grid(args.grid, args.root, args.workers, overrides)
-    table, _ = build_table(args.grid, args.root)
+        run_grid(args.grid, args.root, args.workers, overrides, args.archive)
+    sync_archive(args.grid, args.root, args.archive)
+    table, _ = build_table(args.grid, args.archive)
     os.makedirs(args.results, exist_ok=True)
     path = os.path.join(args.results, f"{args.grid}.md")
     tmp = path + ".tmp"

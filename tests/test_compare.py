@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -43,9 +44,11 @@ def test_table_has_mean_std_and_paired_differences(tiny_grid):
     assert "| ce | 2 | 1000 | 10.0 | 0.50 |" in table
 
 
-def test_existing_runs_are_skipped(tiny_grid):
-    assert compare.run_grid("tiny", tiny_grid, workers=2, overrides=[]) >= 0  # nothing to run: returns at once
-    assert not os.path.exists(os.path.join(tiny_grid, "tiny", "wall.json"))
+def test_existing_runs_are_skipped_and_archived(tiny_grid, tmp_path):
+    archive = str(tmp_path / "archive")
+    assert compare.run_grid("tiny", tiny_grid, workers=2, overrides=[], archive=archive) >= 0  # nothing to run
+    assert not os.path.exists(os.path.join(archive, "tiny", "wall.json"))
+    assert os.path.exists(compare.run_dir(archive, "tiny", "m", 1338) + "/metrics.json")
 
 
 def test_readme_markers_are_replaced_and_nothing_else(tmp_path, tiny_grid):
@@ -71,17 +74,23 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     monkeypatch.chdir(REPO)
     overrides = [f"--data_dir={tmp_path / 'data'}", "--max_iters=4", "--eval_interval=2", "--eval_iters=1",
                  "--warmup_iters=1", "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16"]
-    root = str(tmp_path / "runs")
-    compare.run_grid("mini", root, workers=2, overrides=overrides)
+    root, archive = str(tmp_path / "runs"), str(tmp_path / "archive")
+    compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
     chained = compare.run_dir(root, "mini", "CWT + FT", 1337)
     with open(os.path.join(chained, "run.json")) as f:
         commands = json.load(f)["commands"]
     assert commands[0][2] == "config/lowres_cwt.py" and commands[1][-1] == f"--init_from={chained}/stage0/best.pt"
     assert os.path.exists(os.path.join(chained, "stage0", "metrics.json"))
-    with open(os.path.join(root, "mini", "wall.json")) as f:
+    with open(os.path.join(archive, "mini", "wall.json")) as f:
         assert json.load(f)["runs"] == 2
-    table, results = compare.build_table("mini", root)
+    archived = compare.run_dir(archive, "mini", "CWT + FT", 1337)
+    assert sorted(os.listdir(archived)) == ["log.jsonl", "metrics.json", "run.json"]  # no checkpoints
+    table, results = compare.build_table("mini", archive)
     assert set(results) == {"CE", "CWT + FT"} and "## Hidden-state geometry" in table
     mtime = os.path.getmtime(os.path.join(chained, "metrics.json"))
-    compare.run_grid("mini", root, workers=2, overrides=overrides)  # resumable: nothing left to run
+    compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)  # nothing left to run
     assert os.path.getmtime(os.path.join(chained, "metrics.json")) == mtime
+    # a fresh checkout has only the archive: still nothing to run
+    shutil.rmtree(root)
+    compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
+    assert not os.path.exists(root + "/mini/CE")
