@@ -44,11 +44,6 @@ def val_blocks(data_dir, block_size):
     return x, y
 
 
-@torch.no_grad()
-def predict(model, x, device, batch_size=256):
-    """Float32 logits (N*T, V) on the CPU for all blocks x (N, T)."""
-    out = [model(x[i:i + batch_size].to(device)).float().cpu() for i in range(0, len(x), batch_size)]
-    return torch.cat(out).reshape(-1, model.config.vocab_size)
 
 
 def prediction_metrics(logits, targets):
@@ -58,8 +53,9 @@ def prediction_metrics(logits, targets):
 
 
 @torch.no_grad()
-def geometry(model, x, y, device, batch_size=256):
-    """Hidden-state geometry over the blocks x (N, T) with next-token labels y (N, T):
+def forward_val(model, x, y, device, batch_size=256):
+    """One pass over the blocks x (N, T) with next-token labels y (N, T). Returns the float32
+    logits (N*T, V) on the CPU and the hidden-state geometry:
       mu            mean pairwise cosine mu(l) per depth l = 0 (embedding output), 1..L (blocks),
                     all T^2 pairs of a sequence, averaged over sequences (dispersion paper, Fig. 2)
       spearman_rho, kendall_tau   rank correlation of mu(l) with l over the blocks l = 1..L
@@ -70,10 +66,11 @@ def geometry(model, x, y, device, batch_size=256):
                     the SimReg paper, far lower when trained with it"""
     L = model.config.n_layer
     mu, hists = torch.zeros(L + 2, dtype=torch.float64), torch.zeros(L + 2, 40, dtype=torch.float64)
-    simreg_sum = 0.0
+    simreg_sum, all_logits = 0.0, []
     for i in range(0, len(x), batch_size):
         xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
-        _, hidden = model(xb, return_hidden_states=True)
+        logits, hidden = model(xb, return_hidden_states=True)
+        all_logits.append(logits.float().cpu())
         weight = len(xb) / len(x)
         for depth, z in enumerate(hidden[:L + 1] + [hidden[-1]]):
             m, h = metrics.pairwise_cosine_stats(z.float())
@@ -81,7 +78,8 @@ def geometry(model, x, y, device, batch_size=256):
             hists[depth] += weight * torch.tensor(h, dtype=torch.float64)
         simreg_sum += weight * simreg(hidden[-1].float(), yb).item()
     depths = list(range(1, L + 1))
-    return {"mu": mu[:L + 1].tolist(), "spearman_rho": metrics.spearman(mu[1:L + 1], depths),
+    logits = torch.cat(all_logits).reshape(-1, model.config.vocab_size)
+    return logits, {"mu": mu[:L + 1].tolist(), "spearman_rho": metrics.spearman(mu[1:L + 1], depths),
             "kendall_tau": metrics.kendall(mu[1:L + 1], depths), "final_cosine": mu[L + 1].item(),
             "simreg_final": simreg_sum, "cosine_histograms": hists[:L + 1].tolist()}
 
@@ -91,16 +89,15 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     x, y = val_blocks(data_dir, model.config.block_size)
     W = model.output_embedding().detach().float().cpu()
     if not low_resource:
-        return {"val": {**prediction_metrics(predict(model, x, device), y.reshape(-1)),
-                        "isotropy": metrics.isotropy(W)},
-                "geometry": {"val": geometry(model, x, y, device)}}
+        logits, geometry = forward_val(model, x, y, device)
+        return {"val": {**prediction_metrics(logits, y.reshape(-1)), "isotropy": metrics.isotropy(W)},
+                "geometry": {"val": geometry}}
     shift = len(itos)
     result = {"geometry": {}}
     for lang, offset in (("hr", 0), ("lr", shift)):
-        logits = predict(model, x + offset, device)
+        logits, result["geometry"][lang] = forward_val(model, x + offset, y + offset, device)
         result[lang] = {**prediction_metrics(logits, (y + offset).reshape(-1)),
                         "isotropy": metrics.isotropy(W[offset:offset + shift])}
-        result["geometry"][lang] = geometry(model, x + offset, y + offset, device)
     result["isotropy_all"] = metrics.isotropy(W)
     E = model.input_embedding().detach().float().cpu()
     result["translations"] = metrics.translation_metrics(E, itos, shift)
