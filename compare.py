@@ -249,8 +249,9 @@ def build_table(grid, root):
             runs = [r["geometry"]["hr"] for r in results.get(method, {}).values() if "geometry" in r]
             if runs:
                 simreg_values = [g["simreg_final"] for g in runs]
-                lines.append(f"| {method} | {fmt([g['mu'][-1] for g in runs])} | {fmt([g['spearman_rho'] for g in runs], 2)} | "
-                             f"{fmt([g['kendall_tau'] for g in runs], 2)} | {fmt([g['final_cosine'] for g in runs])} | "
+                corr = {k: [g[k] for g in runs if g[k] is not None] for k in ("spearman_rho", "kendall_tau")}
+                rho, tau = (fmt(corr[k], 2) if corr[k] else "n/a" for k in ("spearman_rho", "kendall_tau"))
+                lines.append(f"| {method} | {fmt([g['mu'][-1] for g in runs])} | {rho} | {tau} | {fmt([g['final_cosine'] for g in runs])} | "
                              f"{mean_std(simreg_values)[0]:.1e} ± {mean_std(simreg_values)[1]:.1e} |")
     # marginalization ratios
     marg = {}

@@ -15,6 +15,7 @@ train.py calls evaluate_checkpoint() on best.pt at the end of every run.
 
 import argparse
 import json
+import math
 import os
 
 import numpy as np
@@ -79,8 +80,9 @@ def forward_val(model, x, y, device, batch_size=256):
         simreg_sum += weight * simreg(hidden[-1].float(), yb).item()
     depths = list(range(1, L + 1))
     logits = torch.cat(all_logits).reshape(-1, model.config.vocab_size)
-    return logits, {"mu": mu[:L + 1].tolist(), "spearman_rho": metrics.spearman(mu[1:L + 1], depths),
-            "kendall_tau": metrics.kendall(mu[1:L + 1], depths), "final_cosine": mu[L + 1].item(),
+    rho, tau = metrics.spearman(mu[1:L + 1], depths), metrics.kendall(mu[1:L + 1], depths)
+    return logits, {"mu": mu[:L + 1].tolist(),  # undefined correlations (one block) are written as null
+            "spearman_rho": None if math.isnan(rho) else rho, "kendall_tau": None if math.isnan(tau) else tau, "final_cosine": mu[L + 1].item(),
             "simreg_final": simreg_sum, "cosine_histograms": hists[:L + 1].tolist()}
 
 
@@ -141,7 +143,8 @@ def format_metrics(result):
         lines.append(f"{key:<13}" + "".join(f"{result[lang][key]:>10.4f}" for lang in langs))
     for lang, g in result.get("geometry", {}).items():
         lines.append(f"geometry {lang}: mu(l) " + " ".join(f"{m:.3f}" for m in g["mu"]) +
-                     f" | spearman {g['spearman_rho']:.2f} kendall {g['kendall_tau']:.2f}"
+                     " | spearman " + ("n/a" if g["spearman_rho"] is None else f"{g['spearman_rho']:.2f}") +
+                     " kendall " + ("n/a" if g["kendall_tau"] is None else f"{g['kendall_tau']:.2f}") +
                      f" | final cos {g['final_cosine']:.3f} | simreg {g['simreg_final']:.2e}")
     if "translations" in result:
         t = result["translations"]
