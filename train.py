@@ -178,7 +178,11 @@ if init_from == "resume":
             sys.exit(f"error: cannot resume: key '{key}' is {config[key]!r} but the checkpoint "
                      f"was trained with {checkpoint['config'][key]!r}")
     model.load_state_dict(checkpoint["model"])
-    objective.load_state_dict(checkpoint["objective"])
+    try:
+        objective.load_state_dict(checkpoint.get("objective", {}))
+    except RuntimeError:
+        sys.exit("error: cannot resume: the checkpoint's loss parameters (NITP head) do not match "
+                 "nitp_weight / nitp_hidden of this config")
     for opt, state in zip(optimizers, checkpoint["optimizers"]):
         opt.load_state_dict(state)
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
@@ -193,8 +197,9 @@ if init_from == "resume":
         with open(log_path) as f:
             records = [json.loads(line) for line in f if line.strip()]
         kept = [r for r in records if r["iter"] < iter_num]
-        with open(log_path, "w") as f:
+        with open(log_path + ".tmp", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
+        os.replace(log_path + ".tmp", log_path)
     print(f"resumed from {ckpt_path} at iter {iter_num}")
 else:
     if os.path.exists(log_path):
