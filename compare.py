@@ -43,6 +43,8 @@ GRIDS = {
         "margin 0.6": ("config/lowres_margin_0.6.py", [], 5),
         "margin 0.6 + SE": ("config/lowres_margin0.6_se.py", [], 5),
         "monolingual": ("config/lowres_monolingual.py", [], 3),
+        "margin 0.6, N(0,1) rows": ("config/lowres_margin0.6_se_authors.py", [], 3),
+        "margin 0.6 + SE, N(0,1) rows": ("config/lowres_margin0.6_se_authors.py", ["--separate_embeddings=True"], 3),
     },
     "losses": {
         "CE": ("config/lowres_baseline.py", [], 3),

@@ -57,6 +57,7 @@ n_embd = 128
 dropout = 0.0
 bias = False
 tie_weights = True
+embedding_init_std = 0.02            # token embedding init std; the authors' SE rows start at 1.0 (torch.randn)
 # loss: a weighted sum of the terms of losses.py, each *_weight = 0 switches it off (losses.Objective)
 ce_weight = 1.0                      # next-token cross-entropy; 0 with cwt_weight > 0 = headless
 margin = None                        # logit thresholding margin of the CE term (Stop Jostling); None = off
@@ -150,7 +151,8 @@ def get_batch(data, generator, prob_low_resource):
 
 # model and optimizer ---------------------------------------------------------
 model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                         n_embd=n_embd, dropout=dropout, bias=bias, tie_weights=tie_weights)
+                         n_embd=n_embd, dropout=dropout, bias=bias, tie_weights=tie_weights,
+                         embedding_init_std=embedding_init_std)
 model = build_model(model_config, device)
 try:
     objective = Objective(n_layer, n_embd, ce=ce_weight, margin=margin, simreg=simreg_weight, simreg_tau=simreg_tau,
