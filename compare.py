@@ -149,6 +149,9 @@ def sync_archive(grid, root, archive):
             archive_run(out, dest)
         if os.path.exists(os.path.join(dest, "metrics.json")):
             done.add((method, seed))
+    wall, archived_wall = os.path.join(root, grid, "wall.json"), os.path.join(archive, grid, "wall.json")
+    if os.path.exists(wall) and (not os.path.exists(archived_wall) or os.path.getmtime(wall) > os.path.getmtime(archived_wall)):
+        shutil.copyfile(wall, archived_wall)  # the grid's timing, from a call that ran in root
     return done
 
 
