@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import torch
 from tqdm import tqdm
 
-from utils import save_json
+from utils import atomic_write, save_json, save_text
 
 SEEDS = [1337, 1338, 1339, 1340, 1341]
 
@@ -131,14 +131,12 @@ def archive_run(out_dir, dest):
     os.makedirs(dest, exist_ok=True)
     for name in ("metrics.json", "marginalization.json", "run.json"):
         if os.path.exists(os.path.join(out_dir, name)):
-            shutil.copyfile(os.path.join(out_dir, name), os.path.join(dest, name + ".tmp"))
-            os.replace(os.path.join(dest, name + ".tmp"), os.path.join(dest, name))
+            source = os.path.join(out_dir, name)
+            atomic_write(os.path.join(dest, name), lambda tmp: shutil.copyfile(source, tmp))
     with open(os.path.join(out_dir, "log.jsonl")) as f:
         records = [json.loads(line) for line in f if line.strip()]
     kept = [r for r in records if "val" in r or (r["iter"] + 1) % 50 == 0]
-    with open(os.path.join(dest, "log.jsonl.tmp"), "w") as f:
-        f.writelines(json.dumps(r) + "\n" for r in kept)
-    os.replace(os.path.join(dest, "log.jsonl.tmp"), os.path.join(dest, "log.jsonl"))
+    save_text("".join(json.dumps(r) + "\n" for r in kept), os.path.join(dest, "log.jsonl"))
 
 
 def sync_archive(grid, root, archive):
@@ -151,7 +149,7 @@ def sync_archive(grid, root, archive):
             done.add((method, seed))
     wall, archived_wall = os.path.join(root, grid, "wall.json"), os.path.join(archive, grid, "wall.json")
     if os.path.exists(wall) and (not os.path.exists(archived_wall) or os.path.getmtime(wall) > os.path.getmtime(archived_wall)):
-        shutil.copyfile(wall, archived_wall)  # the grid's timing, from a call that ran in root
+        atomic_write(archived_wall, lambda tmp: shutil.copyfile(wall, tmp))  # the grid's timing, from a call that ran in root
     return done
 
 
@@ -325,9 +323,7 @@ def update_readme(readme, grid, table):
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     body = table.replace(f"# Grid `{grid}`", f"### Grid `{grid}`").replace("\n## ", "\n#### ")
-    with open(readme + ".tmp", "w") as f:
-        f.write(head + begin + "\n" + body + end + tail)
-    os.replace(readme + ".tmp", readme)
+    save_text(head + begin + "\n" + body + end + tail, readme)
     return True
 
 
@@ -349,10 +345,7 @@ def main(argv=None):
     table, _ = build_table(args.grid, args.archive)
     os.makedirs(args.results, exist_ok=True)
     path = os.path.join(args.results, f"{args.grid}.md")
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(table)
-    os.replace(tmp, path)
+    save_text(table, path)
     print(table)
     print(f"wrote {path}")
     if args.readme and os.path.exists(args.readme) and update_readme(args.readme, args.grid, table):

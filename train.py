@@ -30,7 +30,7 @@ from configurator import parse_config_or_exit
 from losses import Objective
 from model import GPTConfig, build_model
 from optim import configure_optimizers
-from utils import autocast_context, choose_device, choose_dtype, peak_flops, save_json, save_torch
+from utils import autocast_context, choose_device, choose_dtype, peak_flops, save_json, save_text, save_torch
 
 # -----------------------------------------------------------------------------
 # default config (every key can be set in a config file or with --key=value)
@@ -199,9 +199,7 @@ if init_from == "resume":
         with open(log_path) as f:
             records = [json.loads(line) for line in f if line.strip()]
         kept = [r for r in records if r["iter"] < iter_num]
-        with open(log_path + ".tmp", "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
-        os.replace(log_path + ".tmp", log_path)
+        save_text("".join(json.dumps(r) + "\n" for r in kept), log_path)
     print(f"resumed from {ckpt_path} at iter {iter_num}")
 else:
     if os.path.exists(log_path):

@@ -38,7 +38,7 @@ def autocast_context(device, dtype):
     return torch.autocast(device_type=device_type, dtype=getattr(torch, dtype))
 
 
-def _atomic_write(path, write_fn):
+def atomic_write(path, write_fn):
     """Write to a temp file in the same directory, then rename over `path`: a reader (or a crash)
     never sees a half-written file."""
     directory = os.path.dirname(os.path.abspath(path))
@@ -59,11 +59,18 @@ def save_json(obj, path):
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=2)
             f.write("\n")
-    _atomic_write(path, write)
+    atomic_write(path, write)
+
+
+def save_text(text, path):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            f.write(text)
+    atomic_write(path, write)
 
 
 def save_torch(obj, path):
-    _atomic_write(path, lambda tmp: torch.save(obj, tmp))
+    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 # Dense bf16 tensor-core peaks (no sparsity) of common GPUs, for MFU on CUDA.
