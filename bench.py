@@ -7,9 +7,11 @@ switched on, as ratios to the cross-entropy step measured in the same process:
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
   350m    the SimReg paper's 350M width cut to fit here: d = 1024, 16 heads, T = 2048, batch 1,
-          V = 50304, with 1 and 2 blocks; the per-block cost from the two is extrapolated to the
-          full 24 blocks: t(24) = t(1) + 23 * (t(2) - t(1)). A loss on the final state costs the
-          same at any depth; dispersion over all layers costs 24x its per-layer extra time.
+          V = 50304. The CE step is timed with 1 and 2 blocks and extrapolated to the full 24:
+          t(24) = t(1) + 23 * (t(2) - t(1)). Each loss term is timed alone (forward, backward and
+          AdamW on its own parameters) at the full depth -- dispersion on all 24 block outputs --
+          and its share is term / t(24). (Subtracting two whole steps would bury a 0.1 s term in
+          the steps' own jitter; the 2-block steps with each loss on are printed as a cross-check.)
   cwt     CWT vs CE at V = 50304 on a small model (4 x 128, T = 64, batch 12)
   memory  peak resident memory of SimReg forward + backward at T = 2048, C = 1024, full vs
           chunk 1024, each in a fresh process (Linux /proc peak RSS)
@@ -92,39 +94,70 @@ def toy(args, device, dtype):
           [(n, f"{1000 * t:.1f}", f"{t / base:.3f}", f"{100 * (t / base - 1):+.1f} %") for n, t in times.items()])
 
 
+def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
+    """Median seconds of one loss term alone, forward + backward (+ AdamW on its own parameters,
+    e.g. NITP's head), on hidden states of the real shape: the extra work that term adds to a
+    training step. Timing the term by itself is far less noisy than subtracting two ~40 s steps."""
+    torch.manual_seed(0)
+    objective = Objective(n_layer, C, ce=0.0, **objective_kwargs).to(device)
+    objective.init_weights()
+    params = list(objective.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1) if params else None
+    hidden = [torch.randn(1, T, C, device=device, requires_grad=True) for _ in range(n_layer + 2)]
+    targets = torch.randint(0, V, (1, T), device=device)
+    wte = torch.randn(V, C, device=device, requires_grad=True)
+    autocast, times = autocast_context(device, dtype), []
+    for i in range(1 + reps):
+        t0 = time.perf_counter()
+        with autocast:
+            loss, _ = objective(None, hidden, targets, wte)
+        loss.backward()
+        if optimizer:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+        for h in hidden:
+            h.grad = None
+    return statistics.median(times)
+
+
 def paper_350m(args, device, dtype):
-    losses = {k: dict(v) for k, v in LOSSES.items()}
+    """The full-depth step is extrapolated from 1- and 2-block steps, t(24) = t(1) + 23 (t(2) - t(1));
+    each loss's extra is timed on its own at the full depth (dispersion: all 24 block outputs) and
+    set against t(24). A 2-block step with the loss on is timed too, as a cross-check."""
+    C, T, V, L = 1024, 2048, 50304, 24
+    losses = {k: dict(v) for k, v in LOSSES.items() if k != "CE"}
     losses["CE + SimReg chunk"]["simreg_chunk_size"] = 1024
-    times = {}
+    steps = {}
     for n_layer in (1, 2):
-        config = GPTConfig(vocab_size=50304, block_size=2048, n_layer=n_layer, n_head=16, n_embd=1024)
-        for name, kw in losses.items():
-            times[name, n_layer] = step_time(config, kw, 1, args.steps, args.warmup, device, dtype)
-            print(f"  {name}, {n_layer} block(s): {times[name, n_layer]:.2f} s", file=sys.stderr)
-    per_block = times["CE", 2] - times["CE", 1]
-    full = times["CE", 1] + 23 * per_block  # t(24): 1 block + 23 more
-    C, T = 1024, 2048
-    rows = [("CE", f"{times['CE', 2]:.2f}", f"{full:.1f}", "", "")]
-    for name in losses:
-        if name == "CE":
-            continue
-        extra2 = times[name, 2] - times["CE", 2]
-        if name.startswith("CE + dispersion"):
-            extra1 = times[name, 1] - times["CE", 1]
-            extra24 = extra1 + 23 * (extra2 - extra1)  # its cost grows with the number of layers
-        else:
-            extra24 = extra2  # a loss on the final state costs the same at any depth
+        config = GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=16, n_embd=C)
+        steps["CE", n_layer] = step_time(config, {}, 1, args.steps, args.warmup, device, dtype)
+        print(f"  CE step, {n_layer} block(s): {steps['CE', n_layer]:.2f} s", file=sys.stderr)
+    config = GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=16, n_embd=C)
+    for name, kw in losses.items():
+        steps[name, 2] = step_time(config, kw, 1, args.steps, args.warmup, device, dtype)
+        print(f"  {name} step, 2 blocks: {steps[name, 2]:.2f} s", file=sys.stderr)
+    per_block = steps["CE", 2] - steps["CE", 1]
+    full = steps["CE", 1] + (L - 1) * per_block
+    # CE step FLOPs at 2 blocks (6 N per token + attention), for NITP's FLOP prediction at the CE step's rate
+    ce_flops = 6 * (2 * 12 * C * C + V * C) * T + 2 * 12 * C * T * T
+    rate = ce_flops / steps["CE", 2]
+    rows = [("CE", f"{steps['CE', 2]:.2f}", "", f"{full:.1f}", "", "")]
+    for name, kw in losses.items():
+        extra = loss_time({k: v for k, v in kw.items()}, L, C, T, V, args.steps * 4, device, dtype)
+        print(f"  {name}: the term alone {extra:.3f} s", file=sys.stderr)
         note = ""
         if name == "CE + NITP":
-            # the SwiGLU head: 3 matrices C x 4C -> 24 C^2 FLOPs per token forward, x3 with backward,
-            # plus AdamW; predicted time at the CE step's achieved FLOP rate
-            ce_flops = 6 * (2 * 12 * C * C + 50304 * C) * T + 12 * 2 * C * T * T
-            predicted = 3 * 24 * C * C * T / (ce_flops / times["CE", 2])
-            note = f"FLOP prediction {predicted:.2f} s: measured / predicted = {extra2 / predicted:.2f}"
-        rows.append((name, f"{times[name, 2]:.2f}", f"{full + extra24:.1f}", f"{100 * extra24 / full:.2f} %", note))
-    table(f"350M width (d 1024, T 2048, batch 1, V 50304), measured at 2 blocks, extrapolated to 24 "
-          f"(per block {per_block:.2f} s)", ["objective", "s / step at 2 blocks", "s / step at 24 blocks (extrap.)",
-                                             "extra at 24 blocks", "note"], rows)
+            # SwiGLU head C -> 4C -> C: 3 matrices of 4 C^2, 24 C^2 FLOPs per token forward, x3 with backward
+            predicted = 3 * 24 * C * C * T / rate
+            note = f"FLOP prediction {predicted:.2f} s at the CE step's {rate / 1e9:.0f} GFLOP/s: measured / predicted = {extra / predicted:.2f}"
+        rows.append((name, f"{steps[name, 2]:.2f}", f"{extra:.3f}", f"{full + extra:.1f}", f"{100 * extra / full:.2f} %", note))
+    table(f"350M width (d 1024, T 2048, batch 1, V 50304): CE step at 1 and 2 blocks extrapolated to 24 "
+          f"(per block {per_block:.2f} s); each term timed alone at 24 blocks",
+          ["objective", "s / step at 2 blocks", "the term alone, s", "s / step at 24 blocks", "extra at 24 blocks", "note"], rows)
 
 
 def cwt_vs_ce(args, device, dtype):

@@ -47,7 +47,7 @@ GRIDS = {
         "margin 0.6 + SE, N(0,1) rows": ("config/lowres_margin0.6_se_authors.py", ["--separate_embeddings=True"], 3),
     },
     "losses": {
-        "CE": ("config/lowres_baseline.py", [], 3),
+        "CE": ("config/lowres_baseline.py", ["--log_marginalization=True"], 3),
         "margin 0.6 + SE": ("config/lowres_margin0.6_se.py", [], 3),
         "SimReg": ("config/lowres_simreg.py", [], 3),
         "SimReg chunk 32": ("config/lowres_simreg_chunk.py", [], 3),
@@ -114,6 +114,51 @@ def launch(config, extra, seed, out_dir, threads, overrides):
     return wall
 
 
+def run_identity(commands):
+    """What makes two runs the same run: their train.py commands, minus where they write, how many
+    threads they use and the path of a chain's previous stage (none of which changes the numbers)."""
+    skip = ("--out_dir=", "--num_threads=", "--init_from=")
+    return json.dumps([[a for a in cmd[1:] if not a.startswith(skip)] for cmd in commands])
+
+
+def planned_commands(config, extra, seed, overrides):
+    configs = config if isinstance(config, tuple) else (config,)
+    return [[sys.executable, "train.py", c, f"--seed={seed}", *extra, *overrides] for c in configs]
+
+
+def reuse_identical(todo, root, overrides):
+    """A run that another grid already made (the same commands, e.g. the CE baseline of the
+    jostling grid, with its checkpoints still in root) is copied instead of trained again, and
+    re-evaluated with today's evaluate.py so its metrics.json has every metric the table needs.
+    run.json records where it came from. Returns the runs reused."""
+    finished = {}
+    for dirpath, _, files in os.walk(root):
+        if "run.json" in files and "best.pt" in files and "metrics.json" in files:
+            with open(os.path.join(dirpath, "run.json")) as f:
+                record = json.load(f)
+            commands = record.get("commands") or [record["command"]]  # older run.json: one command
+            finished.setdefault(run_identity(commands), dirpath)
+    reused = []
+    for method, seed, config, extra, out in todo:
+        source = finished.get(run_identity(planned_commands(config, extra, seed, overrides)))
+        if source is None or os.path.abspath(source) == os.path.abspath(out) or os.path.exists(os.path.join(out, "metrics.json")):
+            continue
+        tmp = out + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py"), os.path.join(tmp, "best.pt")], check=True,
+                       stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        with open(os.path.join(tmp, "run.json")) as f:
+            record = json.load(f)
+        record["reused_from"] = source
+        save_json(record, os.path.join(tmp, "run.json"))
+        shutil.rmtree(out, ignore_errors=True)  # an unfinished attempt
+        os.makedirs(os.path.dirname(out), exist_ok=True)
+        os.rename(tmp, out)
+        reused.append((method, seed))
+    return reused
+
+
 def cpu_name():
     try:
         with open("/proc/cpuinfo") as f:
@@ -156,6 +201,11 @@ def sync_archive(grid, root, archive):
 def run_grid(grid, root, workers, overrides, archive="results/runs"):
     done = sync_archive(grid, root, archive)
     todo = [r for r in runs_of(grid, root) if (r[0], r[1]) not in done]
+    reused = reuse_identical(todo, root, overrides)
+    if reused:
+        print(f"reused {len(reused)} identical finished run(s) of other grids: {reused}")
+        done = sync_archive(grid, root, archive)
+        todo = [r for r in todo if (r[0], r[1]) not in done]
     total = sum(1 for _ in runs_of(grid, root))
     print(f"grid '{grid}': {total} runs, {total - len(todo)} already done, {len(todo)} to run, {workers} at a time")
     threads = max(1, (os.cpu_count() or 1) // workers)

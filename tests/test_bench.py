@@ -22,3 +22,12 @@ def test_memory_child_reports_growth():
     out = subprocess.run([sys.executable, "bench.py", "--memory_child", "1024"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     assert '"peak_delta_mib"' in out
+
+
+def test_loss_time_runs_each_term_alone():
+    for name, kwargs in bench.LOSSES.items():
+        if name == "CE":
+            continue
+        kwargs = {**kwargs, "simreg_chunk_size": 8} if "chunk" in name else kwargs
+        kwargs = {**kwargs, "dispersion_positions": 4} if "positions" in name else kwargs
+        assert bench.loss_time(kwargs, n_layer=3, C=16, T=16, V=50, reps=1, device="cpu", dtype="float32") > 0

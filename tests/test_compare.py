@@ -90,6 +90,17 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     mtime = os.path.getmtime(os.path.join(chained, "metrics.json"))
     compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)  # nothing left to run
     assert os.path.getmtime(os.path.join(chained, "metrics.json")) == mtime
+    # another grid with the same run (same config, seed and overrides) copies it instead of training
+    monkeypatch.setitem(compare.GRIDS, "mini2", {"CE again": ("config/lowres_baseline.py", [], 1)})
+    monkeypatch.setattr(compare, "launch", lambda *a: pytest.fail("an identical run was trained again"))
+    compare.run_grid("mini2", root, workers=1, overrides=overrides, archive=archive)
+    with open(os.path.join(compare.run_dir(root, "mini2", "CE again", 1337), "run.json")) as f:
+        assert json.load(f)["reused_from"] == compare.run_dir(root, "mini", "CE", 1337)
+    assert os.path.exists(compare.run_dir(archive, "mini2", "CE again", 1337) + "/metrics.json")
+    # ... but not when anything differs (here one override)
+    with pytest.raises(pytest.fail.Exception, match="trained again"):
+        monkeypatch.setitem(compare.GRIDS, "mini3", {"CE, no dropout": ("config/lowres_baseline.py", ["--dropout=0.0"], 1)})
+        compare.run_grid("mini3", root, workers=1, overrides=overrides, archive=archive)
     # a fresh checkout has only the archive: still nothing to run
     shutil.rmtree(root)
     compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
