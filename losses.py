@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from model import SwiGLU  # NITP's projection head: the same C -> hidden -> C block as a LLaMA MLP
+
 
 def threshold_logits(logits, targets, margin, ignore_index=-1):
     """Stop Jostling's logit thresholding (Turumtaev 2024, Sec. 3).
@@ -293,19 +295,6 @@ def cwt(h, targets, wte, ignore_index=-1):
 # ----------------------------------------------------------------------------------------------
 # Composition: the objective a config names
 # ----------------------------------------------------------------------------------------------
-
-class SwiGLU(nn.Module):
-    """C -> hidden -> C without biases: down(silu(gate(x)) * up(x)). NITP's projection head."""
-
-    def __init__(self, n_embd, hidden):
-        super().__init__()
-        self.gate = nn.Linear(n_embd, hidden, bias=False)
-        self.up = nn.Linear(n_embd, hidden, bias=False)
-        self.down = nn.Linear(hidden, n_embd, bias=False)
-
-    def forward(self, x):
-        return self.down(F.silu(self.gate(x)) * self.up(x))
-
 
 class Objective(nn.Module):
     """The training objective of a run: a weighted sum of the losses above, each computed from

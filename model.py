@@ -1,5 +1,10 @@
 """
-A GPT-2 style language model, small enough to read in one sitting.
+A GPT-2 style language model, and the LLaMA / Mixtral variants the SimReg paper scales to, small
+enough to read in one sitting. `GPTConfig.arch` picks the block:
+
+    gpt2    pre-LN LayerNorm, learned positions, GELU MLP (the toy experiments)
+    llama   RMSNorm, rotary positions (RoPE), SwiGLU MLP, no biases, untied embeddings
+            (SPEC.md section 6); with n_expert > 1 the MLP is a Mixtral mixture of experts
 
 The model knows nothing about losses. Its forward pass returns the logits and, when asked, the
 hidden states that representation-level losses work on:
@@ -8,7 +13,9 @@ hidden states that representation-level losses work on:
     hidden_states[l]      residual stream after block l, l = 1..n_layer
     hidden_states[-1]     the final state after ln_f, the one that feeds the LM head
 
-train.py turns these into weighted losses (see losses.py). Parallelism, optimizers and the
+A mixture-of-experts model also leaves its router's load-balancing loss of the last forward
+pass in `model.aux_loss` (train.py adds it with its coefficient). train.py turns these into
+weighted losses (see losses.py). Parallelism, optimizers and the
 Stop Jostling "separated embeddings" (an optimizer-side property, see optim.py) live outside.
 """
 
@@ -31,6 +38,30 @@ class GPTConfig:
     bias: bool = False        # biases in Linear and LayerNorm (GPT-2: True; the toy: False)
     tie_weights: bool = True  # LM head shares the token embedding matrix (weight tying)
     embedding_init_std: float = 0.02  # std of the token embedding rows at init (Stop Jostling's SE rows: 1.0)
+    arch: str = "gpt2"        # gpt2 | llama
+    # llama only
+    ffn_hidden: int = 0       # SwiGLU hidden width; 0 = 8/3 n_embd rounded up to a multiple of 256
+    n_expert: int = 1         # > 1: Mixtral mixture-of-experts MLP with this many experts
+    top_k: int = 2            # experts per token
+    rope_theta: float = 10000.0
+    init_std: float = 0.01    # std of every weight matrix (LLaMA recipe); gpt2 uses 0.02
+
+    def __post_init__(self):
+        if self.arch not in ("gpt2", "llama"):
+            raise ValueError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
+        if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
+            raise ValueError(f"RoPE needs an even head size, got n_embd / n_head = {self.n_embd // self.n_head}")
+        if self.n_expert > 1 and not (self.arch == "llama" and 1 <= self.top_k <= self.n_expert):
+            raise ValueError(f"n_expert > 1 needs arch='llama' and 1 <= top_k <= n_expert, got arch={self.arch!r}, "
+                             f"top_k={self.top_k}, n_expert={self.n_expert}")
+
+    @property
+    def ffn_width(self):
+        if self.ffn_hidden:
+            return self.ffn_hidden
+        return 256 * math.ceil(8 * self.n_embd / 3 / 256)
 
 
 class LayerNorm(nn.Module):
@@ -94,17 +125,134 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+# LLaMA / Mixtral --------------------------------------------------------------
+
+def at_least_fp32(x):
+    """x in float32 if it is in a lower precision (bf16 under autocast), else as it is (float64 tests)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight (Zhang & Sennrich 2019): LayerNorm without centring or bias, in fp32."""
+
+    def __init__(self, ndim, eps=1e-5):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(at_least_fp32(x), self.weight.shape, at_least_fp32(self.weight), self.eps).type_as(x)
+
+
+def rope_angles(seq_len, head_dim, theta, device):
+    """cos and sin (T, head_dim/2) of RoPE (Su et al. 2021): the pair (2i, 2i+1) of a head at
+    position t is rotated by t * theta^(-2i/head_dim). Computed per forward pass: it is
+    T * head_dim / 2 numbers, nothing next to the matmuls, and there is no buffer to keep in
+    sync when the model is built on the meta device."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate (B, n_head, T, head_dim) by the angles; relative positions end up in q . k."""
+    x1, x2 = at_least_fp32(x).unflatten(-1, (-1, 2)).unbind(-1)
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return rotated.type_as(x)
+
+
+class RotaryAttention(nn.Module):
+
+    def __init__(self, config):
+        super().__init__()
+        self.wqkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
+        self.wo = nn.Linear(config.n_embd, config.n_embd, bias=False)
+        self.n_head = config.n_head
+
+    def forward(self, x, cos, sin):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.wqkv(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
+        return self.wo(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    """C -> hidden -> C without biases: down(silu(gate(x)) * up(x)) (Shazeer 2020). The LLaMA MLP,
+    one Mixtral expert, and NITP's projection head (losses.py)."""
+
+    def __init__(self, n_embd, hidden):
+        super().__init__()
+        self.gate = nn.Linear(n_embd, hidden, bias=False)
+        self.up = nn.Linear(n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class MixtureOfExperts(nn.Module):
+    """Mixtral's sparse MLP (SPEC 6): a linear router scores the experts, softmax in fp32 over all
+    of them, each token goes to its top_k, and their outputs are mixed with the top_k
+    probabilities renormalised to sum to 1. Each expert sees only its tokens (a loop over
+    experts, never over tokens), so compute per token is top_k experts' worth.
+
+    aux_loss: the load-balancing loss E * sum_e f_e * P_e (Switch Transformer, eq. 4; Mixtral),
+    f_e = fraction of the N * top_k routed slots that went to expert e, P_e = mean router
+    probability of e. It is 1 for a perfectly balanced router and E when one expert takes all."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
+        self.experts = nn.ModuleList([SwiGLU(config.n_embd, config.ffn_width) for _ in range(config.n_expert)])
+        self.top_k = config.top_k
+        self.aux_loss = None
+
+    def forward(self, x):
+        shape, E = x.shape, len(self.experts)
+        x = x.reshape(-1, shape[-1])  # (N, C)
+        probs = F.softmax(at_least_fp32(self.router(x)), dim=-1)  # (N, E), fp32 even under autocast
+        top_p, top_e = probs.topk(self.top_k, dim=-1)  # (N, k)
+        top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        slots = F.one_hot(top_e, E).sum(dim=1).to(probs.dtype)  # (N, E): 1 where a token goes to e
+        self.aux_loss = E * (slots.mean(dim=0) / self.top_k * probs.mean(dim=0)).sum()
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.where(top_e == e)
+            if token.numel():
+                out.index_add_(0, token, (expert(x[token]) * top_p[token, slot, None]).type_as(x))
+        return out.view(shape)
+
+
+class LlamaBlock(nn.Module):
+    """Pre-norm block with RMSNorm: x + attn(norm(x)), then x + mlp(norm(x)); mlp is SwiGLU or MoE."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.n_embd)
+        self.attn = RotaryAttention(config)
+        self.mlp_norm = RMSNorm(config.n_embd)
+        self.mlp = MixtureOfExperts(config) if config.n_expert > 1 else SwiGLU(config.n_embd, config.ffn_width)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+# the model ----------------------------------------------------------------------
+
 class GPT(nn.Module):
 
     def __init__(self, config):
         super().__init__()
         self.config = config
+        llama = config.arch == "llama"
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
-        self.wpe = nn.Embedding(config.block_size, config.n_embd)
+        self.wpe = None if llama else nn.Embedding(config.block_size, config.n_embd)  # llama: RoPE instead
         self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
-        self.ln_f = LayerNorm(config.n_embd, config.bias)
+        self.h = nn.ModuleList([LlamaBlock(config) if llama else Block(config) for _ in range(config.n_layer)])
+        self.ln_f = RMSNorm(config.n_embd) if llama else LayerNorm(config.n_embd, config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.aux_loss = None  # MoE: the router's load-balancing loss of the last forward, mean over layers
         self.tie_weights()
 
     def tie_weights(self):
@@ -121,6 +269,10 @@ class GPT(nn.Module):
         Separate from __init__ so a model built on the meta device can be materialised
         cheaply with to_empty() and then initialised once."""
         self.tie_weights()  # to_empty() may have un-shared the tied tensor
+        if self.config.arch == "llama":  # N(0, init_std) for every matrix, ones for the norms
+            for p in self.parameters():
+                nn.init.normal_(p, 0.0, self.config.init_std) if p.dim() == 2 else nn.init.ones_(p)
+            return
         std = 0.02
         for name, p in self.named_parameters():
             if name == "wte.weight":
@@ -142,10 +294,16 @@ class GPT(nn.Module):
         """(V, C) rows the final state is scored against (= input_embedding() when tied)."""
         return self.lm_head.weight
 
-    def num_params(self, non_embedding=False):
-        n = sum(p.numel() for p in self.parameters())  # parameters() counts a tied matrix once
-        if non_embedding:
+    def num_params(self, non_embedding=False, active=False):
+        """Parameter count; parameters() counts a tied matrix once. non_embedding drops the
+        position table; active counts, of each mixture of experts, only the top_k experts a
+        token runs through (Mixtral-8x7B: 47B parameters, 13B active)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and self.wpe is not None:
             n -= self.wpe.weight.numel()
+        if active and self.config.n_expert > 1:
+            expert = sum(p.numel() for p in self.h[0].mlp.experts[0].parameters())
+            n -= self.config.n_layer * (self.config.n_expert - self.config.top_k) * expert
         return n
 
     def flops_per_token(self, seq_len=None, with_head=True):
@@ -154,7 +312,7 @@ class GPT(nn.Module):
         with_head=False: a headless run that never computes the LM head."""
         T = seq_len or self.config.block_size
         # matmul weights: the blocks and the LM head. Lookups (wpe, and wte when untied) are free.
-        n = self.num_params(non_embedding=True)
+        n = self.num_params(non_embedding=True, active=True)
         if not self.config.tie_weights:
             n -= self.wte.weight.numel()
         if not with_head:
@@ -166,12 +324,19 @@ class GPT(nn.Module):
         compute_logits=False skips the LM head (headless training, e.g. CWT): logits is None."""
         B, T = idx.shape
         assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        if self.wpe is None:  # llama: positions enter as rotations of q and k in every block
+            x = self.drop(self.wte(idx))
+            cos, sin = rope_angles(T, self.config.n_embd // self.config.n_head, self.config.rope_theta, idx.device)
+            run = lambda block, x: block(x, cos, sin)  # noqa: E731
+        else:
+            x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
+            run = lambda block, x: block(x)  # noqa: E731
         hidden_states = [x]
         for block in self.h:
-            x = block(x)
+            x = run(block, x)
             hidden_states.append(x)
+        if self.config.n_expert > 1:
+            self.aux_loss = torch.stack([block.mlp.aux_loss for block in self.h]).mean()
         x = self.ln_f(x)
         hidden_states.append(x)
         logits = self.lm_head(x) if compute_logits else None

@@ -28,7 +28,7 @@ import evaluate
 import metrics
 from configurator import parse_config_or_exit
 from losses import Objective
-from model import GPTConfig, build_model
+from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
 from utils import autocast_context, choose_device, choose_dtype, peak_flops, save_json, save_text, save_torch
 
@@ -47,10 +47,12 @@ seed = 1337
 # data
 batch_size = 12
 block_size = 64
-gradient_accumulation_steps = 1
+gradient_accumulation_steps = 1      # micro-steps per optimizer step (derived when global_batch_size > 0)
+global_batch_size = 0                # sequences per optimizer step over all processes; 0 = batch_size x accumulation
 low_resource = True                  # add the simulated low-resource language (SPEC section 1)
 low_resource_prob = 0.02             # probability that a training window is in that language
 # model
+vocab_size = 0                       # 0 = the dataset's (meta.json); more pads the table (GPT-2 BPE: 50304)
 n_layer = 4
 n_head = 4
 n_embd = 128
@@ -58,6 +60,13 @@ dropout = 0.0
 bias = False
 tie_weights = True
 embedding_init_std = 0.02            # token embedding init std; the authors' SE rows start at 1.0 (torch.randn)
+arch = "gpt2"                        # gpt2 | llama (RMSNorm, RoPE, SwiGLU; SPEC section 6)
+ffn_hidden = 0                       # llama: SwiGLU width; 0 = 8/3 n_embd rounded up to a multiple of 256
+n_expert = 1                         # llama: > 1 = Mixtral mixture of experts
+top_k = 2                            # experts per token
+moe_aux_weight = 0.02                # weight of the router's load-balancing loss (Mixtral-8x7B's 0.02)
+rope_theta = 10000.0
+init_std = 0.01                      # llama: std of every weight matrix
 # loss: a weighted sum of the terms of losses.py, each *_weight = 0 switches it off (losses.Objective)
 ce_weight = 1.0                      # next-token cross-entropy; 0 with cwt_weight > 0 = headless
 margin = None                        # logit thresholding margin of the CE term (Stop Jostling); None = off
@@ -90,6 +99,7 @@ min_lr = 1e-4
 # analysis
 log_marginalization = False          # record Stop Jostling's per-row gradient parts every step
 # system
+dry_run = False                      # build the model on the meta device, print its parameter count, exit
 device = "auto"                      # auto = cuda > mps > cpu
 dtype = "auto"                       # auto = bfloat16 autocast on GPU, float32 on CPU
 num_threads = 0                      # CPU threads for torch; 0 = torch's default
@@ -107,6 +117,34 @@ if init_from not in ("scratch", "resume") and not os.path.isfile(init_from):
     sys.exit(f"error: key 'init_from' must be 'scratch', 'resume' or an existing checkpoint file, got {init_from!r}")
 if lr_schedule not in ("cosine", "constant"):
     sys.exit(f"error: key 'lr_schedule' must be 'cosine' or 'constant', got {lr_schedule!r}")
+
+world_size = 1
+if global_batch_size:  # the config names the batch the recipe needs; micro-steps follow from the hardware
+    if global_batch_size % (batch_size * world_size):
+        sys.exit(f"error: key 'global_batch_size' ({global_batch_size}) must be a multiple of batch_size "
+                 f"({batch_size}) x processes ({world_size})")
+    gradient_accumulation_steps = global_batch_size // (batch_size * world_size)
+
+def make_model_config(vocab):
+    try:
+        return GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
+                         dropout=dropout, bias=bias, tie_weights=tie_weights, embedding_init_std=embedding_init_std,
+                         arch=arch, ffn_hidden=ffn_hidden, n_expert=n_expert, top_k=top_k, rope_theta=rope_theta,
+                         init_std=init_std)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+
+
+meta_path = os.path.join(data_dir, "meta.json")
+if dry_run:  # the model's size without data, weights or memory: every tensor lives on the meta device
+    if not vocab_size and not os.path.exists(meta_path):
+        sys.exit(f"error: dry_run needs key 'vocab_size' or a dataset in data_dir '{data_dir}'")
+    with torch.device("meta"):
+        dry_model = GPT(make_model_config(vocab_size or json.load(open(meta_path))["vocab_size"]))
+    print(f"params: {dry_model.num_params()}")
+    if n_expert > 1:
+        print(f"active_params: {dry_model.num_params(active=True)}")
+    sys.exit(0)
 if num_threads > 0:
     torch.set_num_threads(num_threads)
 device = choose_device(device)
@@ -116,19 +154,23 @@ torch.manual_seed(seed)
 os.makedirs(out_dir, exist_ok=True)
 
 # data ------------------------------------------------------------------------
-meta_path = os.path.join(data_dir, "meta.json")
 if not os.path.exists(meta_path):
     sys.exit(f"error: no dataset in data_dir '{data_dir}' (missing meta.json); "
              f"run prepare_shakespeare.py --out_dir {data_dir} first")
 with open(meta_path) as f:
     meta = json.load(f)
 base_vocab = meta["vocab_size"]
-vocab_size = 2 * base_vocab if low_resource else base_vocab
+dataset_vocab = 2 * base_vocab if low_resource else base_vocab
+if vocab_size and vocab_size < dataset_vocab:
+    sys.exit(f"error: key 'vocab_size' is {vocab_size} but the dataset in {data_dir} has {dataset_vocab} tokens")
+vocab_size = vocab_size or dataset_vocab
 shift = base_vocab if low_resource else 0   # id offset of the low-resource language
 
 
 def load_tokens(split):
-    return torch.from_numpy(np.fromfile(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16).astype(np.int64))
+    """The split as a read-only uint16 memmap: a C4 shard is ~150M tokens, and only the sampled
+    windows are ever read and widened to int64."""
+    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
 
 
 train_data, val_data = load_tokens("train"), load_tokens("val")
@@ -140,7 +182,7 @@ def get_batch(data, generator, prob_low_resource):
     becomes the low-resource language with probability prob_low_resource (the authors' code
     decides per window at batch time)."""
     starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
-    windows = data[starts.unsqueeze(1) + torch.arange(block_size + 1)]
+    windows = torch.from_numpy(data[(starts.unsqueeze(1) + torch.arange(block_size + 1)).numpy()].astype(np.int64))
     is_low = torch.rand(batch_size, generator=generator) < prob_low_resource
     windows = windows + shift * is_low.unsqueeze(1)
     x, y = windows[:, :-1], windows[:, 1:]
@@ -150,9 +192,7 @@ def get_batch(data, generator, prob_low_resource):
 
 
 # model and optimizer ---------------------------------------------------------
-model_config = GPTConfig(vocab_size=vocab_size, block_size=block_size, n_layer=n_layer, n_head=n_head,
-                         n_embd=n_embd, dropout=dropout, bias=bias, tie_weights=tie_weights,
-                         embedding_init_std=embedding_init_std)
+model_config = make_model_config(vocab_size)
 model = build_model(model_config, device)
 try:
     objective = Objective(n_layer, n_embd, ce=ce_weight, margin=margin, simreg=simreg_weight, simreg_tau=simreg_tau,
@@ -174,9 +214,9 @@ if init_from == "resume":
     if not os.path.exists(ckpt_path):
         sys.exit(f"error: init_from='resume' but there is no checkpoint at {ckpt_path}")
     checkpoint = torch.load(ckpt_path, map_location=device, weights_only=False)
-    for key in ("n_layer", "n_head", "n_embd", "block_size", "bias", "tie_weights", "low_resource",
+    for key in ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias", "tie_weights", "low_resource",
                 "separate_embeddings", "data_dir"):
-        if checkpoint["config"][key] != config[key]:
+        if checkpoint["config"].get(key, config[key]) != config[key]:  # keys newer than the checkpoint: default
             sys.exit(f"error: cannot resume: key '{key}' is {config[key]!r} but the checkpoint "
                      f"was trained with {checkpoint['config'][key]!r}")
     model.load_state_dict(checkpoint["model"])
@@ -340,6 +380,9 @@ while True:
         with autocast:
             logits, hidden_states = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
             loss, terms = objective(logits, hidden_states, y, model.input_embedding())
+            if n_expert > 1:  # Mixtral: keep the router from sending every token to the same experts
+                terms["moe_aux"] = model.aux_loss
+                loss = loss + moe_aux_weight * model.aux_loss
         loss = loss / gradient_accumulation_steps
         if log_marginalization:
             logits.retain_grad()
@@ -376,7 +419,7 @@ bar.close()
 
 if log_marginalization and grad_parts:
     parts = torch.stack(grad_parts)  # (steps, 3, V)
-    ratios = evaluate.marginalization_report(parts, train_data, shift, meta["itos"])
+    ratios = evaluate.marginalization_report(parts, torch.from_numpy(train_data.astype(np.int64)), shift, meta["itos"])
     save_json(ratios, os.path.join(out_dir, "marginalization.json"))
 
 if final_eval:

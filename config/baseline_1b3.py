@@ -1,0 +1,15 @@
+# CE-only baseline of the SimReg paper's 1b3 model (SPEC.md section 6, Tables 4-5) on C4.
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "llama_c4.py")).read())
+out_dir = "out/baseline_1b3"
+n_layer = 24
+n_head = 32
+n_embd = 2048
+ffn_hidden = 5461
+n_expert = 1
+global_batch_size = 2048      # sequences of 2048 per optimizer step
+batch_size = 1              # per process and micro-step: raise it as far as memory allows
+learning_rate = 3e-4
+min_lr = 3e-4 / 10
+max_iters = 12500
+lr_decay_iters = 12500

@@ -1,0 +1,22 @@
+# The SimReg paper's pre-training recipe (SPEC.md section 6), shared by baseline_*.py and simreg_*.py:
+# LLaMA blocks (RMSNorm, RoPE, SwiGLU, no biases, untied embeddings, init std 0.01) on C4 with GPT-2 BPE,
+# sequences of 2048, AdamW (0.9, 0.95), weight decay 0.1, 2000 warm-up steps, cosine to 10 % of the peak.
+# Data: python prepare_c4.py --shards N (writes data/c4). A size config sets the width, batch, lr and steps.
+data_dir = "data/c4"
+low_resource = False
+vocab_size = 50304          # GPT-2 BPE's 50257 padded to a multiple of 64
+arch = "llama"
+tie_weights = False
+bias = False
+dropout = 0.0
+init_std = 0.01
+rope_theta = 10000.0
+block_size = 2048
+beta1 = 0.9
+beta2 = 0.95
+weight_decay = 0.1
+grad_clip = 1.0
+warmup_iters = 2000
+eval_interval = 500
+eval_iters = 20
+final_eval = False          # evaluate.py's full-vocabulary metrics are made for the char experiment

@@ -1,0 +1,6 @@
+# SimReg (SPEC.md section 2) on the moe_8x1b model: tau 0.01, lambda = 10 sqrt(d / 1024) = 14.14, on the final normed state.
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "baseline_moe_8x1b.py")).read())
+out_dir = "out/simreg_moe_8x1b"
+simreg_weight = 14.14
+simreg_tau = 0.01

@@ -1,0 +1,454 @@
+"""Prepare English C4 (allenai/c4, "en") as GPT-2 BPE tokens for train.py.
+
+The result is the same three files that prepare_shakespeare.py writes, in ``out_dir``:
+
+* ``train.bin`` / ``val.bin`` -- token ids as raw ``np.uint16`` arrays (nothing to parse);
+  every document is followed by the end-of-text token 50256, so documents are joined by EOT;
+* ``meta.json`` -- tokenizer, vocab_size, token and document counts, the shards used and sha256
+  of every shard and of both bins, so a run can be audited and reproduced.
+
+Usage::
+
+    python prepare_c4.py                           # 1 train shard (roughly 150M tokens) + 1 val shard
+    python prepare_c4.py --shards 8 --workers 16   # more data, more tokenizer processes
+
+C4 comes as 1024 train and 8 validation shards of gzipped JSON lines ({"text", "timestamp",
+"url"}). ``--shards N`` takes the first N train shards, ``--val_shards N`` the first N validation
+shards. The shards are kept next to the outputs, so a rerun needs no network; a rerun whose shards
+are unchanged (same sha256) finds meta.json up to date and rewrites nothing.
+
+Why the code looks the way it does:
+
+1. Big downloads fail. Each shard streams into ``<name>.part``; if that file exists, the next
+   attempt asks the server only for the missing bytes (HTTP ``Range``). Connection errors, 5xx
+   answers and transfers cut short are retried with exponential backoff, and a run that gives up
+   keeps the ``.part`` so the next run resumes. Only a complete shard is renamed to its name.
+2. A corrupt shard must not become a silently short dataset. Every shard is decompressed and
+   parsed (gzip intact, every line JSON with a "text" string) *before* anything is tokenised. A
+   bad one stops the run with one ``error:`` line naming it and is renamed to ``<name>.corrupt``
+   (kept for inspection, never read again), so rerunning downloads it afresh.
+3. Never leave half-written output. Bins and meta.json are written to a temp file and renamed
+   (``utils.atomic_write``). meta.json is removed first and written last: when it exists, the
+   bins next to it are complete and are the ones it describes.
+4. Tokenising is the slow part (minutes of CPU per train shard), so batches of documents go to
+   a pool of processes; results are taken back in submission order, so the output is the same
+   for any number of workers.
+
+The vocabulary is GPT-2's 50257 tokens (tiktoken "r50k_base", the same ranks as "gpt2"). meta.json
+says ``vocab_size`` 50304: padded up to a multiple of 64, as in nanoGPT, so the embedding and
+LM-head matmuls get GPU-friendly shapes; ids 50257..50303 never occur in the data.
+"""
+
+import argparse
+import collections
+import gzip
+import hashlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+import zlib
+
+import numpy as np
+import requests
+import tiktoken
+import urllib3
+from tqdm import tqdm
+
+DEFAULT_OUT_DIR = os.path.join("data", "c4")
+DEFAULT_BASE_URL = "https://huggingface.co/datasets/allenai/c4/resolve/main"
+N_TRAIN_SHARDS, N_VAL_SHARDS = 1024, 8
+TOKENIZER = "r50k_base"    # GPT-2 BPE; tiktoken's "gpt2" has identical ranks
+TOKENIZER_VOCAB = 50257
+EOT = 50256                # <|endoftext|>, appended after every document
+VOCAB_SIZE = 50304         # 50257 padded up to a multiple of 64
+DOCS_PER_BATCH = 256       # documents per task sent to a tokenizer process (~0.5 MB of C4 text)
+CHUNK_SIZE = 1 << 20       # download / hashing block
+DEFAULT_RETRIES = 5
+DEFAULT_RETRY_DELAY = 2.0  # seconds before the first retry; doubles every retry
+MAX_RETRY_DELAY = 60.0
+DEFAULT_TIMEOUT = 60.0     # seconds to connect, and at most between two received blocks
+
+
+class PrepareError(Exception):
+    """Anything that stops us from producing a correct dataset."""
+
+
+class _Retryable(Exception):
+    """A download failure that may well go away if we try again."""
+
+
+def shard_names(split, n):
+    """File names of the first ``n`` shards of ``split`` ('train' or 'validation')."""
+    total = N_TRAIN_SHARDS if split == "train" else N_VAL_SHARDS
+    if not 1 <= n <= total:
+        raise PrepareError(f"number of {split} shards must be between 1 and {total}, got {n}")
+    return [f"c4-{split}.{i:05d}-of-{total:05d}.json.gz" for i in range(n)]
+
+
+def _sha256_of_file(path):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(CHUNK_SIZE), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+# ---------------------------------------------------------------------------
+# step 1: download, resumably
+# ---------------------------------------------------------------------------
+
+def _parse_content_range(value):
+    """'bytes START-END/TOTAL' -> (START, TOTAL); 'bytes */TOTAL' -> (None, TOTAL)."""
+    m = re.fullmatch(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+)\s*", value or "")
+    if m is None:
+        return None, None
+    return (int(m.group(1)) if m.group(1) is not None else None), int(m.group(2))
+
+
+def _fetch_into(url, part, timeout):
+    """One attempt: bring ``part`` up to the full file. Raises _Retryable or PrepareError."""
+    have = os.path.getsize(part) if os.path.exists(part) else 0
+    # identity: we want the file's own bytes, never a server-side re-compression of them.
+    headers = {"Accept-Encoding": "identity"}
+    if have:
+        headers["Range"] = f"bytes={have}-"
+    name = os.path.basename(part).removesuffix(".part")
+    try:
+        with requests.get(url, headers=headers, stream=True, timeout=timeout) as resp:
+            status = resp.status_code
+            if status == 416 and have:  # nothing left to send: is the .part already complete?
+                if _parse_content_range(resp.headers.get("Content-Range"))[1] == have:
+                    return
+                os.remove(part)
+                raise _Retryable(f"server refused to resume at byte {have:,}; starting over")
+            if status == 429 or status >= 500:
+                raise _Retryable(f"HTTP {status} {resp.reason}")
+            if status >= 400 or status not in (200, 206):
+                raise PrepareError(f"download of {url} failed: HTTP {status} {resp.reason}")
+            if status == 206:
+                start, total = _parse_content_range(resp.headers.get("Content-Range"))
+                if start != have or total is None:
+                    os.remove(part)
+                    raise _Retryable("server resumed at the wrong offset; starting over")
+                mode = "ab"
+            else:  # 200: the whole file, whether or not we asked for a range
+                if have:
+                    print(f"{name}: server ignored the resume request, starting over")
+                have, mode = 0, "wb"
+                length = resp.headers.get("Content-Length")
+                total = int(length) if length and length.isdigit() else None
+            with open(part, mode) as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
+                                             unit_divisor=1024, desc=name, leave=False) as bar:
+                # raw.stream: the bytes as sent (no transparent decoding), block by block.
+                for chunk in resp.raw.stream(CHUNK_SIZE, decode_content=False):
+                    f.write(chunk)
+                    have += len(chunk)
+                    bar.update(len(chunk))
+            if total is not None and have != total:
+                raise _Retryable(f"connection closed after {have:,} of {total:,} bytes")
+    except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+            urllib3.exceptions.HTTPError) as exc:
+        raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
+    except requests.RequestException as exc:  # bad URL and the like: retrying will not help
+        raise PrepareError(f"download of {url} failed: {exc}") from exc
+    except OSError as exc:
+        raise PrepareError(f"could not write {part}: {exc}") from exc
+
+
+def download(url, dest_path, retries=DEFAULT_RETRIES, retry_delay=DEFAULT_RETRY_DELAY,
+             timeout=DEFAULT_TIMEOUT):
+    """Download ``url`` to ``dest_path`` unless that file exists; returns True if it downloaded.
+
+    Bytes go to ``dest_path + '.part'`` (resumed with a Range request if it exists) and are
+    renamed to ``dest_path`` only when complete. Up to ``retries`` retries, waiting
+    ``retry_delay * 2**k`` seconds (at most MAX_RETRY_DELAY) before retry k+1.
+    """
+    if os.path.isfile(dest_path):
+        return False
+    os.makedirs(os.path.dirname(dest_path) or ".", exist_ok=True)
+    part = dest_path + ".part"
+    for attempt in range(retries + 1):
+        try:
+            _fetch_into(url, part, timeout)
+            break
+        except _Retryable as exc:
+            if attempt == retries:
+                kept = (f"; the partial download {part} is kept, rerun to resume"
+                        if os.path.exists(part) else "")
+                raise PrepareError(
+                    f"download of {url} failed after {attempt + 1} attempts: {exc}{kept}") from None
+            delay = min(retry_delay * 2 ** attempt, MAX_RETRY_DELAY)
+            print(f"{os.path.basename(dest_path)}: {exc}; retry {attempt + 1}/{retries} "
+                  f"in {delay:.1f}s", file=sys.stderr)
+            time.sleep(delay)
+    os.replace(part, dest_path)
+    return True
+
+
+# ---------------------------------------------------------------------------
+# step 2: check every shard
+# ---------------------------------------------------------------------------
+
+def _corrupt(path, reason):
+    """Move a bad shard out of the way (a rerun downloads it again) and describe it."""
+    bad = path + ".corrupt"
+    os.replace(path, bad)
+    return PrepareError(f"{path} is corrupt ({reason}); moved it to {os.path.basename(bad)}, "
+                        "rerun to download it again")
+
+
+def iter_documents(path):
+    """Yield the "text" of every line of a shard; a damaged shard raises PrepareError."""
+    lineno = 0
+    try:
+        with gzip.open(path, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    doc = json.loads(line)
+                except ValueError as exc:  # also a line that is not UTF-8
+                    raise _corrupt(path, f"line {lineno} is not JSON: {exc}") from None
+                if not isinstance(doc, dict) or not isinstance(doc.get("text"), str):
+                    raise _corrupt(path, f'line {lineno} has no "text" string')
+                yield doc["text"]
+    except (gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        what = "truncated" if isinstance(exc, EOFError) else "bad gzip data"
+        raise _corrupt(path, f"{what} after line {lineno}: {exc}") from None
+    except FileNotFoundError:
+        raise PrepareError(f"shard {path} not found") from None
+    except OSError as exc:  # a read error of the disk, not of the data: leave the file alone
+        raise PrepareError(f"could not read {path}: {exc}") from exc
+    if lineno == 0:
+        raise _corrupt(path, "no documents")
+
+
+def count_documents(path):
+    """Read a shard completely (the validation pass) and return its number of documents."""
+    return sum(1 for _ in iter_documents(path))
+
+
+# ---------------------------------------------------------------------------
+# step 3: tokenise in parallel, write
+# ---------------------------------------------------------------------------
+
+def load_encoding():
+    try:
+        return tiktoken.get_encoding(TOKENIZER)
+    except Exception as exc:  # tiktoken fetches its BPE file once, then caches it
+        raise PrepareError(
+            f"could not load the tiktoken encoding {TOKENIZER!r} ({type(exc).__name__}: {exc}); "
+            "offline, point TIKTOKEN_CACHE_DIR at a directory that holds its cached BPE file"
+        ) from None
+
+
+def encode_batch(texts):
+    """GPT-2 ids of a list of documents, each followed by EOT, as one uint16 array.
+
+    encode_ordinary: a document that contains the string "<|endoftext|>" gets it as plain
+    text, so the only 50256s in the data are the separators we add.
+    """
+    enc = tiktoken.get_encoding(TOKENIZER)  # cached per process after the first call
+    ids = []
+    for text in texts:
+        ids.extend(enc.encode_ordinary(text))
+        ids.append(EOT)
+    return np.array(ids, dtype=np.uint16)
+
+
+def _batches(paths):
+    for path in paths:
+        batch = []
+        for text in iter_documents(path):
+            batch.append(text)
+            if len(batch) == DOCS_PER_BATCH:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+
+def _encode_in_order(batches, pool, ahead):
+    """Yield (number of documents, ids) per batch, in order.
+
+    Pool.imap would read the whole input ahead (all of a shard's text in memory); submitting at
+    most ``ahead`` batches keeps memory flat and every worker busy.
+    """
+    if pool is None:
+        for batch in batches:
+            yield len(batch), encode_batch(batch)
+        return
+    pending = collections.deque()
+    for batch in batches:
+        pending.append((len(batch), pool.apply_async(encode_batch, (batch,))))
+        if len(pending) >= ahead:
+            n, result = pending.popleft()
+            yield n, result.get()
+    while pending:
+        n, result = pending.popleft()
+        yield n, result.get()
+
+
+def tokenize_split(paths, out_path, n_docs, pool, ahead, desc):
+    """Stream the documents of ``paths`` through the tokenizer into ``out_path``.
+
+    Returns (number of tokens, sha256 of the file).
+    """
+    from utils import atomic_write  # here, not at the top: utils imports torch, and every
+    #                                 spawned tokenizer process imports this module
+    stats = {}
+
+    def write(tmp):
+        h, n_tokens = hashlib.sha256(), 0
+        with open(tmp, "wb") as f, tqdm(total=n_docs, unit="doc", desc=desc) as bar:
+            for n, ids in _encode_in_order(_batches(paths), pool, ahead):
+                data = ids.tobytes()
+                f.write(data)
+                h.update(data)
+                n_tokens += len(ids)
+                bar.update(n)
+        stats["n_tokens"], stats["sha256"] = n_tokens, h.hexdigest()
+
+    atomic_write(out_path, write)
+    return stats["n_tokens"], stats["sha256"]
+
+
+def _outputs_match(out_dir, train, val, shard_sha):
+    """True if meta.json and the bins already hold exactly these shards, tokenised."""
+    try:
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            meta = json.load(f)
+        return (meta.get("tokenizer") == TOKENIZER and meta.get("vocab_size") == VOCAB_SIZE
+                and meta.get("train_shards") == train and meta.get("val_shards") == val
+                and meta.get("shard_sha256") == shard_sha
+                and os.path.getsize(os.path.join(out_dir, "train.bin")) == 2 * meta["n_train"]
+                and os.path.getsize(os.path.join(out_dir, "val.bin")) == 2 * meta["n_val"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BASE_URL,
+            workers=None, retries=DEFAULT_RETRIES, retry_delay=DEFAULT_RETRY_DELAY,
+            timeout=DEFAULT_TIMEOUT):
+    """Download, check and tokenise; write train.bin, val.bin, meta.json; return the meta dict.
+
+    If meta.json already describes exactly these shards (same sha256) and the bins have the
+    sizes it records, nothing is rewritten.
+    """
+    from utils import save_json
+
+    train, val = shard_names("train", shards), shard_names("validation", val_shards)
+    workers = (os.cpu_count() or 1) if workers is None else workers
+    if workers < 1:
+        raise PrepareError(f"workers must be at least 1, got {workers}")
+    if retries < 0:
+        raise PrepareError(f"retries must be at least 0, got {retries}")
+    load_encoding()  # fail now, not after an hour of downloads
+    base_url = base_url.rstrip("/")
+    paths = {name: os.path.join(out_dir, name) for name in train + val}
+
+    for i, (name, path) in enumerate(paths.items(), 1):
+        if download(f"{base_url}/en/{name}", path, retries, retry_delay, timeout):
+            print(f"[{i}/{len(paths)}] downloaded {name}")
+        else:
+            print(f"[{i}/{len(paths)}] {name} already downloaded")
+
+    shard_sha = {name: _sha256_of_file(path) for name, path in paths.items()}
+    if _outputs_match(out_dir, train, val, shard_sha):
+        print(f"{out_dir}: train.bin, val.bin, meta.json are up to date for these shards")
+        with open(os.path.join(out_dir, "meta.json")) as f:
+            return json.load(f)
+
+    n_docs = {}
+    for name, path in tqdm(paths.items(), desc="checking shards", unit="shard"):
+        n_docs[name] = count_documents(path)
+
+    # From here on the old outputs are replaced: meta.json goes first, so no meta.json ever
+    # sits next to bins it does not describe.
+    meta_path = os.path.join(out_dir, "meta.json")
+    if os.path.exists(meta_path):
+        os.remove(meta_path)
+    ahead = 2 * workers
+    # spawn, not fork: forking a process that runs threads (tqdm's monitor, an HTTP client) can
+    # deadlock, and spawn behaves the same on Linux, macOS and Windows.
+    pool = multiprocessing.get_context("spawn").Pool(workers) if workers > 1 else None
+    try:
+        counts = {}
+        for split, names in (("train", train), ("val", val)):
+            counts[split] = tokenize_split(
+                [paths[n] for n in names], os.path.join(out_dir, f"{split}.bin"),
+                sum(n_docs[n] for n in names), pool, ahead, desc=f"tokenizing {split}")
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+
+    meta = {
+        "tokenizer": TOKENIZER,
+        "vocab_size": VOCAB_SIZE,
+        "tokenizer_vocab_size": TOKENIZER_VOCAB,
+        "eot_token": EOT,
+        "dtype": "uint16",
+        "n_train": counts["train"][0],
+        "n_val": counts["val"][0],
+        "n_train_docs": sum(n_docs[n] for n in train),
+        "n_val_docs": sum(n_docs[n] for n in val),
+        "source": f"{base_url}/en",
+        "train_shards": train,
+        "val_shards": val,
+        "shard_sha256": shard_sha,
+        "train_sha256": counts["train"][1],
+        "val_sha256": counts["val"][1],
+    }
+    save_json(meta, meta_path)  # last: its presence means the bins are done
+    return meta
+
+
+# ---------------------------------------------------------------------------
+# command line
+# ---------------------------------------------------------------------------
+
+def main(argv=None):
+    """Parse arguments, run ``prepare`` and print a summary.
+
+    Errors are reported as one ``error: ...`` line and exit code 1, instead of a traceback,
+    because they are about the data or the network, not about this code.
+    """
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shards", type=int, default=1,
+                        help=f"number of train shards, the first N of {N_TRAIN_SHARDS} (default: 1)")
+    parser.add_argument("--val_shards", type=int, default=1,
+                        help=f"number of validation shards, of {N_VAL_SHARDS} (default: 1)")
+    parser.add_argument("--base_url", default=DEFAULT_BASE_URL,
+                        help="the dataset root; shards are fetched from BASE_URL/en/NAME")
+    parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR,
+                        help=f"shards, train.bin, val.bin, meta.json go here (default: {DEFAULT_OUT_DIR})")
+    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
+                        help="tokenizer processes (default: all CPUs)")
+    parser.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
+                        help=f"retries per shard after a network error (default: {DEFAULT_RETRIES})")
+    parser.add_argument("--retry_delay", type=float, default=DEFAULT_RETRY_DELAY,
+                        help="seconds before the first retry, doubled every retry "
+                             f"(default: {DEFAULT_RETRY_DELAY})")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                        help=f"seconds to wait for the server before retrying (default: {DEFAULT_TIMEOUT})")
+    args = parser.parse_args(argv)
+
+    try:
+        meta = prepare(shards=args.shards, val_shards=args.val_shards, out_dir=args.out_dir,
+                       base_url=args.base_url, workers=args.workers, retries=args.retries,
+                       retry_delay=args.retry_delay, timeout=args.timeout)
+    except PrepareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+
+    print(f"vocab size:   {meta['vocab_size']:,} ({TOKENIZER}, {TOKENIZER_VOCAB:,} padded)")
+    print(f"train tokens: {meta['n_train']:,} ({meta['n_train_docs']:,} documents)")
+    print(f"val tokens:   {meta['n_val']:,} ({meta['n_val_docs']:,} documents)")
+    print(f"wrote train.bin, val.bin, meta.json to {args.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,161 @@
+"""model.py, LLaMA and Mixtral blocks: each piece against its formula written out by hand, the
+paper sizes against a closed-form count, and a forward/backward of every architecture."""
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import GPT, GPTConfig, MixtureOfExperts, RMSNorm, apply_rope, build_model, rope_angles  # noqa: E402
+
+LLAMA = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16, arch="llama", tie_weights=False,
+                  ffn_hidden=24)
+MOE = GPTConfig(**{**LLAMA.__dict__, "n_expert": 4, "top_k": 2})
+
+
+def test_rmsnorm_matches_formula():
+    x = torch.randn(3, 5, 8, dtype=torch.float64)
+    norm = RMSNorm(8).double()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(8))
+    expected = x / torch.sqrt((x ** 2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    torch.testing.assert_close(norm(x), expected)
+
+
+def test_rope_rotates_pairs_by_position_times_frequency():
+    T, D, theta = 6, 8, 10000.0
+    x = torch.randn(1, 1, T, D, dtype=torch.float64)
+    cos, sin = rope_angles(T, D, theta, "cpu")
+    out = apply_rope(x, cos.double(), sin.double())
+    for t in range(T):
+        for i in range(D // 2):
+            angle = t * theta ** (-2 * i / D)
+            a, b = x[0, 0, t, 2 * i].item(), x[0, 0, t, 2 * i + 1].item()
+            assert out[0, 0, t, 2 * i].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-6)
+            assert out[0, 0, t, 2 * i + 1].item() == pytest.approx(a * math.sin(angle) + b * math.cos(angle), abs=1e-6)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    D = 16
+    q, k = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
+    cos, sin = (a.double() for a in rope_angles(12, D, 10000.0, "cpu"))
+    rotated = lambda v, t: apply_rope(v.view(1, 1, 1, D).expand(1, 1, 12, D), cos, sin)[0, 0, t]  # noqa: E731
+    s1 = rotated(q, 7) @ rotated(k, 4)
+    s2 = rotated(q, 3) @ rotated(k, 0)
+    assert s1.item() == pytest.approx(s2.item(), rel=1e-6)  # the angles are computed in float32
+    assert not math.isclose((rotated(q, 7) @ rotated(k, 5)).item(), s1.item(), rel_tol=1e-6)
+
+
+def moe_by_hand(moe, x):
+    """Mixtral's MLP token by token: softmax over all experts, keep the top_k, renormalise."""
+    E, k = len(moe.experts), moe.top_k
+    out = torch.zeros_like(x)
+    f, P = torch.zeros(E, dtype=x.dtype), torch.zeros(E, dtype=x.dtype)
+    for n in range(x.size(0)):
+        probs = torch.softmax(moe.router.weight @ x[n], dim=0)
+        chosen = sorted(range(E), key=lambda e: -probs[e].item())[:k]
+        total = sum(probs[e] for e in chosen)
+        for e in chosen:
+            expert = moe.experts[e]
+            h = F.silu(expert.gate.weight @ x[n]) * (expert.up.weight @ x[n])
+            out[n] += probs[e] / total * (expert.down.weight @ h)
+            f[e] += 1.0 / (x.size(0) * k)
+        P += probs / x.size(0)
+    return out, E * (f * P).sum()
+
+
+def test_moe_matches_token_by_token_routing_and_balance_loss():
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(MOE).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.5)
+    x = torch.randn(2, 5, MOE.n_embd, dtype=torch.float64)
+    out = moe(x)
+    expected, aux = moe_by_hand(moe, x.view(-1, MOE.n_embd))
+    torch.testing.assert_close(out.view(-1, MOE.n_embd), expected)
+    torch.testing.assert_close(moe.aux_loss, aux)
+
+
+def test_moe_gradcheck():
+    torch.manual_seed(1)
+    moe = MixtureOfExperts(MOE).double()
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.5)
+    x = torch.randn(1, 4, MOE.n_embd, dtype=torch.float64, requires_grad=True)
+    # top-k is piecewise constant; a step of 1e-6 does not change which experts are chosen here
+    assert torch.autograd.gradcheck(lambda x: (moe(x), moe.aux_loss), (x,))
+
+
+def test_balance_loss_is_one_when_balanced_and_e_when_collapsed():
+    moe = MixtureOfExperts(GPTConfig(**{**MOE.__dict__, "top_k": 1}))
+    C, E = MOE.n_embd, MOE.n_expert
+    with torch.no_grad():
+        moe.router.weight.copy_(torch.eye(E, C) * 50)  # token e (one-hot) goes to expert e
+        moe(torch.eye(E, C).view(1, E, C))
+        assert moe.aux_loss.item() == pytest.approx(1.0, abs=1e-4)
+        moe(torch.eye(E, C)[:1].expand(E, C).reshape(1, E, C))  # every token to expert 0
+        assert moe.aux_loss.item() == pytest.approx(E, abs=1e-3)
+
+
+def closed_form_params(L, C, F_, V, E=1, k=None):
+    block = 4 * C * C + E * 3 * C * F_ + (C * E if E > 1 else 0) + 2 * C  # attn, experts, router, 2 norms
+    active = 4 * C * C + (k or E) * 3 * C * F_ + (C * E if E > 1 else 0) + 2 * C
+    return L * block + 2 * V * C + C, L * active + 2 * V * C + C
+
+
+@pytest.mark.parametrize("name, L, H, C, F_, E", [
+    ("350m", 24, 16, 1024, 2371, 1), ("1.3b", 24, 32, 2048, 5461, 1), ("3b", 26, 32, 3072, 8640, 1),
+    ("7b", 32, 32, 4096, 11008, 1), ("moe 8x1b", 24, 32, 2048, 5632, 8)])
+def test_paper_sizes_match_closed_form(name, L, H, C, F_, E):
+    config = GPTConfig(vocab_size=50304, block_size=2048, n_layer=L, n_head=H, n_embd=C, ffn_hidden=F_, n_expert=E,
+                       arch="llama", tie_weights=False)
+    with torch.device("meta"):
+        model = GPT(config)
+    total, active = closed_form_params(L, C, F_, 50304, E, 2 if E > 1 else None)
+    assert model.num_params() == total and model.num_params(active=True) == active
+    # FLOPs per token: 6 x (active matmul weights: no input embedding lookup) + attention
+    assert model.flops_per_token() == 6 * (active - 50304 * C) + 12 * L * C * 2048
+
+
+@pytest.mark.parametrize("config", [GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16), LLAMA, MOE],
+                         ids=["gpt2", "llama", "moe"])
+def test_every_architecture_trains_one_step_and_is_causal(config):
+    torch.manual_seed(0)
+    model = build_model(config)
+    x = torch.randint(0, 40, (3, 16))
+    logits, hidden = model(x, return_hidden_states=True)
+    assert logits.shape == (3, 16, 40) and len(hidden) == config.n_layer + 2
+    loss = F.cross_entropy(logits.flatten(0, 1), x.flatten())
+    if config.n_expert > 1:
+        loss = loss + 0.02 * model.aux_loss
+    loss.backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads)
+    changed = x.clone()
+    changed[:, 10:] = (changed[:, 10:] + 1) % 40
+    with torch.no_grad():
+        torch.testing.assert_close(model(changed)[:, :10], model(x)[:, :10])
+
+
+def test_llama_init_std_and_untied_head():
+    torch.manual_seed(0)
+    model = build_model(GPTConfig(vocab_size=2000, block_size=16, n_layer=2, n_head=4, n_embd=256, arch="llama",
+                                  tie_weights=False))
+    assert model.wpe is None and model.lm_head.weight is not model.wte.weight
+    assert model.wte.weight.std().item() == pytest.approx(0.01, rel=0.02)
+    assert model.h[0].mlp.gate.weight.std().item() == pytest.approx(0.01, rel=0.02)
+    assert model.config.ffn_width == 768  # 8/3 * 256 = 682.7 -> next multiple of 256
+    assert torch.equal(model.h[0].attn_norm.weight, torch.ones(256))
+
+
+def test_bad_architecture_settings_say_which_key():
+    with pytest.raises(ValueError, match="arch"):
+        GPTConfig(arch="mamba")
+    with pytest.raises(ValueError, match="top_k"):
+        GPTConfig(arch="llama", n_expert=4, top_k=5)
+    with pytest.raises(ValueError, match="n_expert"):
+        GPTConfig(arch="gpt2", n_expert=4)
