@@ -328,9 +328,36 @@ def _outputs_match(out_dir, train, val, shard_sha):
         return False
 
 
+def shards_from_text(text_path, paths, train, val):
+    """Offline stand-in for the download: cut a plain-text file into "documents" at blank lines
+    (tiny Shakespeare: one speech each), every 10th to validation, and deal them round-robin into
+    shards with the real C4 names and line format, so checking and tokenising run unchanged.
+    Shards already there are kept (a rerun finds everything up to date)."""
+    from utils import atomic_write
+
+    try:
+        with open(text_path, encoding="utf-8") as f:
+            docs = [d.strip("\n") for d in re.split(r"\n\s*\n", f.read()) if d.strip()]
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PrepareError(f"cannot read --from_text {text_path}: {exc}") from None
+    split_docs = {"train": [d for i, d in enumerate(docs) if i % 10 != 9], "val": docs[9::10]}
+    for split, names in (("train", train), ("val", val)):
+        if len(split_docs[split]) < len(names):
+            raise PrepareError(f"--from_text {text_path} has {len(docs)} paragraphs: too few for {len(names)} {split} shards")
+        for k, name in enumerate(names):
+            if os.path.exists(paths[name]):
+                continue
+            lines = "".join(json.dumps({"text": d, "timestamp": "", "url": f"file://{os.path.abspath(text_path)}"}) + "\n"
+                            for d in split_docs[split][k::len(names)])
+            def write(tmp, lines=lines):
+                with gzip.open(tmp, "wt", encoding="utf-8") as f:
+                    f.write(lines)
+            atomic_write(paths[name], write)
+
+
 def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BASE_URL,
             workers=None, retries=DEFAULT_RETRIES, retry_delay=DEFAULT_RETRY_DELAY,
-            timeout=DEFAULT_TIMEOUT):
+            timeout=DEFAULT_TIMEOUT, from_text=None):
     """Download, check and tokenise; write train.bin, val.bin, meta.json; return the meta dict.
 
     If meta.json already describes exactly these shards (same sha256) and the bins have the
@@ -348,7 +375,10 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
     base_url = base_url.rstrip("/")
     paths = {name: os.path.join(out_dir, name) for name in train + val}
 
-    for i, (name, path) in enumerate(paths.items(), 1):
+    os.makedirs(out_dir, exist_ok=True)
+    if from_text:
+        shards_from_text(from_text, paths, train, val)
+    for i, (name, path) in enumerate(() if from_text else paths.items(), 1):
         if download(f"{base_url}/en/{name}", path, retries, retry_delay, timeout):
             print(f"[{i}/{len(paths)}] downloaded {name}")
         else:
@@ -394,7 +424,7 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
         "n_val": counts["val"][0],
         "n_train_docs": sum(n_docs[n] for n in train),
         "n_val_docs": sum(n_docs[n] for n in val),
-        "source": f"{base_url}/en",
+        "source": f"file://{os.path.abspath(from_text)} (C4-format shards made from a text file)" if from_text else f"{base_url}/en",
         "train_shards": train,
         "val_shards": val,
         "shard_sha256": shard_sha,
@@ -433,12 +463,15 @@ def main(argv=None):
                              f"(default: {DEFAULT_RETRY_DELAY})")
     parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
                         help=f"seconds to wait for the server before retrying (default: {DEFAULT_TIMEOUT})")
+    parser.add_argument("--from_text", default=None, metavar="PATH",
+                        help="no download: make C4-format shards from a plain-text file's paragraphs "
+                             "(e.g. tiny Shakespeare, for config/c4_tiny.py on a machine without C4)")
     args = parser.parse_args(argv)
 
     try:
         meta = prepare(shards=args.shards, val_shards=args.val_shards, out_dir=args.out_dir,
                        base_url=args.base_url, workers=args.workers, retries=args.retries,
-                       retry_delay=args.retry_delay, timeout=args.timeout)
+                       retry_delay=args.retry_delay, timeout=args.timeout, from_text=args.from_text)
     except PrepareError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)

@@ -47,6 +47,9 @@ def atomic_write(path, write_fn):
     os.close(fd)
     try:
         write_fn(tmp)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the file the mode open() would
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

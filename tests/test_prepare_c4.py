@@ -453,3 +453,29 @@ def test_changed_shard_is_retokenised(tmp_path, server):
     (out_dir / val_name(0)).write_bytes(shard_bytes(new_docs))  # e.g. a hand-copied shard
     pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url, **FAST)
     check_outputs(out_dir, server.docs[train_name(0)], new_docs)
+
+
+def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
+    """The offline path: paragraphs of a text become C4-format shards (every 10th to validation),
+    checked and tokenised like downloaded ones; then config/c4_tiny.py trains on the result."""
+    paragraphs = [f"Paragraph {i}: to be, or not to be.\nThat is line two of {i}." for i in range(40)]
+    text = tmp_path / "input.txt"
+    text.write_text("\n\n".join(paragraphs) + "\n")
+    out = tmp_path / "c4"
+    meta = pc.prepare(out_dir=str(out), workers=1, from_text=str(text))
+    enc = tiktoken.get_encoding("r50k_base")
+    train = np.fromfile(out / "train.bin", dtype=np.uint16).tolist()
+    val = np.fromfile(out / "val.bin", dtype=np.uint16).tolist()
+    assert val == [t for p in paragraphs[9::10] for t in enc.encode_ordinary(p) + [pc.EOT]]
+    assert train == [t for i, p in enumerate(paragraphs) if i % 10 != 9 for t in enc.encode_ordinary(p) + [pc.EOT]]
+    assert meta["source"].startswith("file://") and meta["n_val_docs"] == 4
+    with gzip.open(out / train_name(0), "rt") as f:
+        assert json.loads(f.readline())["text"] == paragraphs[0]
+    assert pc.prepare(out_dir=str(out), workers=1, from_text=str(text)) == meta  # rerun: up to date
+    run = subprocess.run([sys.executable, "train.py", "config/c4_tiny.py", f"--data_dir={out}",
+                          f"--out_dir={tmp_path / 'run'}", "--max_iters=3", "--eval_interval=3", "--eval_iters=1",
+                          "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2", "--warmup_iters=1"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
+    assert records[-1]["iter"] == 3 and records[-1]["val"] < records[0]["val"]

@@ -1,0 +1,20 @@
+# A laptop-sized LLaMA-style run on C4-format data: the scale-up recipe (llama_c4.py: RMSNorm, RoPE,
+# SwiGLU, untied, GPT-2 BPE) cut to 4 x 128 and sequences of 128, minutes on 2 CPU cores.
+# Real C4:      python prepare_c4.py --shards 1 --out_dir data/c4
+# Offline here: python prepare_c4.py --from_text ../shared/data/tinyshakespeare/input.txt --out_dir data/c4_tiny
+import os
+exec(open(os.path.join(os.path.dirname(__file__), "llama_c4.py")).read())
+out_dir = "out/c4_tiny"
+data_dir = "data/c4_tiny"
+n_layer = 4
+n_head = 4
+n_embd = 128
+block_size = 128
+batch_size = 8
+learning_rate = 2e-3
+min_lr = 2e-4
+warmup_iters = 100
+max_iters = 1000
+lr_decay_iters = 1000
+eval_interval = 100
+eval_iters = 10
