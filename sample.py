@@ -6,7 +6,7 @@ Generate text from a checkpoint written by train.py:
 In the low-resource experiment every character exists twice, as an HR id and as its LR twin (id +
 vocab). `--lang` picks the language of the prompt; the model may switch language mid-sample, so
 the output reports how many generated characters were LR. Both languages print as the same
-characters.
+characters. A checkpoint trained on GPT-2 BPE data (prepare_c4.py) is decoded with tiktoken.
 """
 
 import argparse
@@ -16,6 +16,22 @@ import torch
 
 from evaluate import load_model
 from utils import choose_device
+
+
+def sample_bpe(model, meta, args, device):
+    """GPT-2 BPE checkpoints: ids past the tokenizer's vocabulary (the padding up to vocab_size)
+    never occur in the data; should the model sample one anyway, it prints as nothing."""
+    import tiktoken
+    enc = tiktoken.get_encoding(meta["tokenizer"])
+    if args.lang == "lr":
+        sys.exit("error: --lang lr needs a checkpoint trained with low_resource=True")
+    start = args.start if args.start != "\n" else "<|endoftext|>"
+    prompt = torch.tensor([enc.encode(start, allowed_special={"<|endoftext|>"})], device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)
+    for _ in range(args.num_samples):
+        ids = model.generate(prompt, args.max_new_tokens, args.temperature, args.top_k, generator)[0].tolist()
+        print(enc.decode([i for i in ids if i < enc.n_vocab]))
+        print("---")
 
 
 def main(argv=None):
@@ -33,7 +49,10 @@ def main(argv=None):
 
     device = choose_device(args.device)
     model, checkpoint = load_model(args.checkpoint, device)
-    itos = checkpoint["meta"]["itos"]
+    meta = checkpoint["meta"]
+    if "tokenizer" in meta:  # BPE data (prepare_c4.py): tiktoken encodes and decodes
+        return sample_bpe(model, meta, args, device)
+    itos = meta["itos"]
     stoi = {ch: i for i, ch in enumerate(itos)}
     missing = sorted(set(args.start) - set(stoi))
     if missing:

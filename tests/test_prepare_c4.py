@@ -479,3 +479,6 @@ def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert records[-1]["iter"] == 3 and records[-1]["val"] < records[0]["val"]
+    sample = subprocess.run([sys.executable, "sample.py", str(tmp_path / "run" / "best.pt"), "--start", "To be",
+                             "--max_new_tokens", "5"], cwd=REPO_ROOT, capture_output=True, text=True)
+    assert sample.returncode == 0 and sample.stdout.startswith("To be"), sample.stderr[-2000:]
