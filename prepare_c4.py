@@ -57,6 +57,8 @@ import tiktoken
 import urllib3
 from tqdm import tqdm
 
+from prepare_shakespeare import sha256_of_file
+
 DEFAULT_OUT_DIR = os.path.join("data", "c4")
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/allenai/c4/resolve/main"
 N_TRAIN_SHARDS, N_VAL_SHARDS = 1024, 8
@@ -86,14 +88,6 @@ def shard_names(split, n):
     if not 1 <= n <= total:
         raise PrepareError(f"number of {split} shards must be between 1 and {total}, got {n}")
     return [f"c4-{split}.{i:05d}-of-{total:05d}.json.gz" for i in range(n)]
-
-
-def _sha256_of_file(path):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK_SIZE), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------------
@@ -384,7 +378,7 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
         else:
             print(f"[{i}/{len(paths)}] {name} already downloaded")
 
-    shard_sha = {name: _sha256_of_file(path) for name, path in paths.items()}
+    shard_sha = {name: sha256_of_file(path) for name, path in paths.items()}
     if _outputs_match(out_dir, train, val, shard_sha):
         print(f"{out_dir}: train.bin, val.bin, meta.json are up to date for these shards")
         with open(os.path.join(out_dir, "meta.json")) as f:

@@ -76,7 +76,7 @@ def _normalize_sha256(sha256):
     return sha256
 
 
-def _sha256_of_file(path):
+def sha256_of_file(path):
     """Hash a file in chunks so big files do not need to fit in memory."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -146,7 +146,7 @@ def download(url, dest_path, sha256=None):
     expected = _normalize_sha256(sha256)
 
     if expected is not None and os.path.isfile(dest_path):
-        if _sha256_of_file(dest_path) == expected:
+        if sha256_of_file(dest_path) == expected:
             print(f"{dest_path} already downloaded and verified, skipping download")
             return expected
 
