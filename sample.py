@@ -50,7 +50,7 @@ def main(argv=None):
     device = choose_device(args.device)
     model, checkpoint = load_model(args.checkpoint, device)
     meta = checkpoint["meta"]
-    if "tokenizer" in meta:  # BPE data (prepare_c4.py): tiktoken encodes and decodes
+    if meta.get("tokenizer", "char") != "char":  # BPE data (prepare_c4.py): tiktoken encodes and decodes
         return sample_bpe(model, meta, args, device)
     itos = meta["itos"]
     stoi = {ch: i for i, ch in enumerate(itos)}
