@@ -44,7 +44,9 @@ DEFAULT_URL = (
 # download is caught here instead of showing up as a mysterious loss curve.
 DEFAULT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
-TOKENIZERS = ("char",)  # room for "gpt2" later
+TOKENIZERS = ("char", "gpt2")
+BPE_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE ranks (identical to "gpt2"; cached offline here)
+BPE_VOCAB_SIZE = 50304      # its 50257 tokens padded up to a multiple of 64 (GPU-friendly matmul shapes)
 TRAIN_FRACTION = 0.9
 # Ids are stored as uint16. We allow at most 65535 distinct characters, one
 # fewer than uint16 could hold, which keeps the id 65535 free for a later
@@ -255,9 +257,23 @@ def encode_char(text, itos):
     return np.array([stoi[ch] for ch in text], dtype=np.uint16)
 
 
+def default_out_dir(tokenizer):
+    return DEFAULT_OUT_DIR if tokenizer == "char" else os.path.join("data", "shakespeare_gpt2")
+
+
+def load_bpe():
+    import tiktoken  # only the BPE path needs it
+
+    try:
+        return tiktoken.get_encoding(BPE_ENCODING)
+    except Exception as exc:  # no network and no cache: say where the cache goes
+        raise PrepareError(f"cannot load tiktoken's {BPE_ENCODING} ranks ({type(exc).__name__}: {exc}); "
+                           "offline, point TIKTOKEN_CACHE_DIR at a cache that holds them") from None
+
+
 def prepare(
     input_path=None,
-    out_dir=DEFAULT_OUT_DIR,
+    out_dir=None,
     url=DEFAULT_URL,
     sha256=DEFAULT_SHA256,
     tokenizer="char",
@@ -274,6 +290,7 @@ def prepare(
             f"unknown tokenizer {tokenizer!r}: expected one of {', '.join(TOKENIZERS)}"
         )
     expected = _normalize_sha256(sha256)
+    out_dir = out_dir or default_out_dir(tokenizer)
 
     if input_path is None:
         source = url
@@ -290,18 +307,24 @@ def prepare(
             f"(sha256 {digest[:12]}..., expected {expected[:12]}...); using it anyway"
         )
 
-    itos = build_char_vocab(text, text_path)
-    ids = encode_char(text, itos)
-
     # Split by position, not at random: the val set is a contiguous chunk of
     # unseen text, so val loss measures generalisation to new passages.
-    n_train = int(len(ids) * TRAIN_FRACTION)
-    train_ids, val_ids = ids[:n_train], ids[n_train:]
+    if tokenizer == "char":
+        itos = build_char_vocab(text, text_path)
+        ids = encode_char(text, itos)
+        n_train = int(len(ids) * TRAIN_FRACTION)
+        train_ids, val_ids = ids[:n_train], ids[n_train:]
+        vocab = {"tokenizer": "char", "vocab_size": len(itos), "itos": itos}
+    else:  # GPT-2 BPE: the same character split, each side encoded on its own
+        encoding = load_bpe()
+        n_chars = int(len(text) * TRAIN_FRACTION)
+        train_ids, val_ids = (np.array(encoding.encode_ordinary(part), dtype=np.uint16)
+                              for part in (text[:n_chars], text[n_chars:]))
+        vocab = {"tokenizer": BPE_ENCODING, "vocab_size": BPE_VOCAB_SIZE,
+                 "tokenizer_vocab_size": encoding.n_vocab, "eot_token": encoding.eot_token}
 
     meta = {
-        "tokenizer": tokenizer,
-        "vocab_size": len(itos),
-        "itos": itos,
+        **vocab,
         "n_train": int(len(train_ids)),
         "n_val": int(len(val_ids)),
         "source": source,
@@ -333,15 +356,16 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", default=None,
                         help="use this local text file instead of downloading")
-    parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR,
+    parser.add_argument("--out_dir", default=None,
                         help="where to write train.bin, val.bin, meta.json "
-                             f"(default: {DEFAULT_OUT_DIR})")
+                             f"(default: {DEFAULT_OUT_DIR}, or data/shakespeare_gpt2 with --tokenizer gpt2)")
     parser.add_argument("--url", default=DEFAULT_URL,
                         help="where to download the text from")
     parser.add_argument("--sha256", default=DEFAULT_SHA256,
                         help="expected sha256 of the download; '' disables the check")
     parser.add_argument("--tokenizer", default="char", choices=TOKENIZERS,
-                        help="how to turn text into ids (only 'char' for now)")
+                        help="char: one id per character; gpt2: GPT-2 BPE through tiktoken "
+                             f"({BPE_ENCODING}, vocab padded to {BPE_VOCAB_SIZE})")
     args = parser.parse_args(argv)
 
     try:
@@ -359,7 +383,7 @@ def main(argv=None):
     print(f"vocab size:   {meta['vocab_size']:,}")
     print(f"train tokens: {meta['n_train']:,}")
     print(f"val tokens:   {meta['n_val']:,}")
-    print(f"wrote train.bin, val.bin, meta.json to {args.out_dir}")
+    print(f"wrote train.bin, val.bin, meta.json to {args.out_dir or default_out_dir(args.tokenizer)}")
     return 0
 
 

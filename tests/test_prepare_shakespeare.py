@@ -197,7 +197,21 @@ def test_error_keeps_previous_outputs_intact(tmp_path, sample_file):
 
 def test_unknown_tokenizer_is_rejected(tmp_path, sample_file):
     with pytest.raises(ps.PrepareError, match="unknown tokenizer"):
-        ps.prepare(input_path=str(sample_file), out_dir=str(tmp_path / "out"), tokenizer="gpt2")
+        ps.prepare(input_path=str(sample_file), out_dir=str(tmp_path / "out"), tokenizer="sentencepiece")
+
+
+def test_gpt2_bpe_splits_characters_then_encodes_each_side(tmp_path, sample_file, monkeypatch):
+    monkeypatch.setenv("TIKTOKEN_CACHE_DIR", os.environ.get("TIKTOKEN_CACHE_DIR", str(REPO_ROOT.parent / "shared" / "data" / "tiktoken")))
+    import tiktoken
+    text = sample_file.read_text(encoding="utf-8")
+    meta = ps.prepare(input_path=str(sample_file), out_dir=str(tmp_path / "out"), tokenizer="gpt2")
+    enc = tiktoken.get_encoding("r50k_base")
+    n = int(len(text) * 0.9)
+    train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist()
+    val = np.fromfile(tmp_path / "out" / "val.bin", dtype=np.uint16).tolist()
+    assert enc.decode(train) == text[:n] and enc.decode(val) == text[n:]
+    assert (meta["tokenizer"], meta["vocab_size"], meta["n_train"], meta["n_val"]) == ("r50k_base", 50304, len(train), len(val))
+    assert "itos" not in meta
 
 
 def test_invalid_sha256_argument(tmp_path, sample_file):
