@@ -85,3 +85,89 @@ def configure_optimizers(model, learning_rate, weight_decay, betas, separate_emb
         optimizers.append(SeparatedRowsAdamW(rowwise, lr=learning_rate, betas=betas,
                                              weight_decay=weight_decay))
     return optimizers
+
+
+class AdaGC:
+    """Adaptive per-tensor gradient clipping (Wang et al. 2025, "AdaGC"; SPEC.md section 6).
+
+    Global norm clipping lets one tensor's gradient spike pass as long as the total stays under
+    the threshold, and shrinks every tensor when one spikes. AdaGC bounds each tensor i against its
+    own history instead: with g_i its gradient at step t and gamma_i an EMA of its clipped norms,
+        warm-up (t < warmup):  g <- g * min(1, max_norm / ||g||)      (global, ||g|| over all tensors)
+                               gamma_i <- min(gamma_i, ||g_i||)        (the clipped norm; running minimum from +inf)
+        after:                 g_i <- g_i * min(1, rel * gamma_i / ||g_i||)
+                               gamma_i <- beta * gamma_i + (1 - beta) * ||g_i||   (the clipped norm)
+    Defaults beta 0.99, rel 1.04 (the SimReg paper), warm-up 100 steps at max_norm 1.0.
+    A tensor without a gradient this step keeps its gamma. The norms are computed on the device,
+    without a host sync. Under FSDP2 the gradients are shards (DTensors): each rank squares its
+    shard and one all-reduce adds the squares of every tensor at once.
+
+    Call clip_() after backward and before optimizer.step(); state_dict() holds the step count and
+    the EMAs, which checkpoints keep so that a resumed run clips exactly as an uninterrupted one.
+    """
+
+    def __init__(self, params, max_norm=1.0, beta=0.99, rel=1.04, warmup=100):
+        self.params = [p for p in params if p.requires_grad]
+        self.max_norm, self.beta, self.rel, self.warmup = max_norm, beta, rel, warmup
+        self.step = 0
+        self.ema = None  # (number of tensors,) float32 on the gradients' device; +inf until first seen
+
+    @torch.no_grad()
+    def clip_(self):
+        have = [i for i, p in enumerate(self.params) if p.grad is not None]
+        if not have:
+            return
+        grads = [self.params[i].grad for i in have]
+        device = _local(grads[0]).device
+        if self.ema is None:
+            self.ema = torch.full((len(self.params),), float("inf"), device=device)
+        present = torch.zeros(len(self.params), dtype=torch.bool, device=device)
+        present[have] = True
+        norms = torch.zeros(len(self.params), device=device)
+        norms[have] = tensor_norms(grads)
+        if self.step < self.warmup:
+            total = norms.square().sum().sqrt()
+            scale = (self.max_norm / (total + 1e-6)).clamp(max=1.0) if self.max_norm > 0 else total.new_ones(())
+            scale = scale.expand_as(norms)
+            clipped = norms * scale
+            ema = torch.minimum(self.ema, clipped)
+        else:
+            bound = self.rel * self.ema
+            scale = torch.where(norms > bound, bound / norms, torch.ones_like(norms))
+            clipped = norms * scale
+            # warmup=0: there is no history yet, the first norm starts the EMA
+            ema = torch.where(self.ema.isinf(), clipped, self.beta * self.ema + (1 - self.beta) * clipped)
+        self.ema = torch.where(present, ema, self.ema)
+        for i, grad in zip(have, grads):
+            _local(grad).mul_(scale[i].to(grad.dtype))
+        self.step += 1
+
+    def state_dict(self):
+        return {"step": self.step, "ema": None if self.ema is None else self.ema.cpu()}
+
+    def load_state_dict(self, state):
+        ema = state["ema"]
+        if ema is not None and ema.numel() != len(self.params):
+            raise ValueError(f"AdaGC state has {ema.numel()} tensors, this model {len(self.params)}")
+        self.step = state["step"]
+        self.ema = None if ema is None else ema.to(self.params[0].device)
+
+
+def _local(tensor):
+    """The part of a tensor this process holds: an FSDP2 DTensor's shard, else the tensor."""
+    from torch.distributed.tensor import DTensor
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def tensor_norms(tensors):
+    """L2 norm of each tensor, float32, (n,). DTensors sharded over ranks (FSDP2): the squares of
+    the local shards are summed over the ranks in one all-reduce."""
+    from torch.distributed.tensor import DTensor
+    sharded = [t for t in tensors if isinstance(t, DTensor)]
+    if not sharded:
+        return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
+    if len(sharded) != len(tensors) or any(t.device_mesh.ndim != 1 or not t.placements[0].is_shard() for t in sharded):
+        raise ValueError("tensor_norms takes plain tensors or DTensors sharded over a 1-D mesh (FSDP2)")
+    squares = torch.stack([torch.linalg.vector_norm(t.to_local(), dtype=torch.float32) for t in sharded]).square()
+    torch.distributed.all_reduce(squares, group=sharded[0].device_mesh.get_group())
+    return squares.sqrt()

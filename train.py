@@ -3,6 +3,7 @@ Train a GPT on a prepared dataset, nanoGPT style:
 
     python train.py config/lowres_baseline.py
     python train.py config/lowres_margin_0.6_se.py --seed=2 --out_dir=out/se_s2
+    torchrun --nproc_per_node=8 train.py config/baseline_1b3.py     # data parallel (parallelism.py)
 
 Defaults below are the Stop Jostling low-resource experiment (SPEC.md section 1): a 0.8M-parameter
 character GPT on tiny Shakespeare where each training window is, with probability
@@ -12,11 +13,14 @@ char vocabulary size). The run writes to out_dir:
     ckpt.pt/.json  the latest state (resume from it with --init_from=resume)
     best.pt/.json  the weights with the best validation loss (what the final metrics evaluate)
     metrics.json   metrics of best.pt (evaluate.py), and marginalization.json if asked
+Under torchrun only rank 0 writes them; with parallel='fsdp' the latest state is sharded
+(ckpt_dcp/, ckpt.pt then holds the step, RNG states and where the shards are).
 """
 
 import json
 import math
 import os
+import shutil
 import sys
 import time
 
@@ -26,10 +30,11 @@ from tqdm import tqdm
 
 import evaluate
 import metrics
+import parallelism
 from configurator import parse_config_or_exit
 from losses import Objective
 from model import GPT, GPTConfig, build_model
-from optim import configure_optimizers
+from optim import AdaGC, configure_optimizers
 from utils import autocast_context, choose_device, choose_dtype, peak_flops, save_json, save_text, save_torch
 
 # -----------------------------------------------------------------------------
@@ -91,7 +96,11 @@ max_iters = 8000
 weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99
-grad_clip = 1.0                      # clip the global gradient norm; 0 = off
+grad_clip = 1.0                      # clip the global gradient norm at this; 0 = off (adagc: during its warm-up)
+grad_clip_mode = "norm"              # norm: global norm clipping | adagc: per-tensor adaptive (SPEC 6, optim.AdaGC)
+adagc_beta = 0.99                    # AdaGC: EMA coefficient of each tensor's clipped gradient norm
+adagc_rel = 1.04                     # AdaGC: a tensor's norm is bounded by adagc_rel x its EMA
+adagc_warmup = 100                   # AdaGC: steps of global clipping at grad_clip while the EMAs start
 warmup_iters = 100
 lr_schedule = "cosine"               # cosine: decay to min_lr at lr_decay_iters; constant: stay at learning_rate
 lr_decay_iters = 8000
@@ -99,6 +108,8 @@ min_lr = 1e-4
 # analysis
 log_marginalization = False          # record Stop Jostling's per-row gradient parts every step
 # system
+parallel = "none"                    # none | ddp | fsdp (FSDP2): under torchrun --nproc_per_node=N (parallelism.py)
+activation_checkpointing = False     # recompute each block's activations in backward: memory for ~1/3 more compute
 dry_run = False                      # build the model on the meta device, print its parameter count, exit
 device = "auto"                      # auto = cuda > mps > cpu
 dtype = "auto"                       # auto = bfloat16 autocast on GPU, float32 on CPU
@@ -117,8 +128,19 @@ if init_from not in ("scratch", "resume") and not os.path.isfile(init_from):
     sys.exit(f"error: key 'init_from' must be 'scratch', 'resume' or an existing checkpoint file, got {init_from!r}")
 if lr_schedule not in ("cosine", "constant"):
     sys.exit(f"error: key 'lr_schedule' must be 'cosine' or 'constant', got {lr_schedule!r}")
+if grad_clip_mode not in ("norm", "adagc"):
+    sys.exit(f"error: key 'grad_clip_mode' must be 'norm' or 'adagc', got {grad_clip_mode!r}")
+if parallel not in ("none", "ddp", "fsdp"):
+    sys.exit(f"error: key 'parallel' must be 'none', 'ddp' or 'fsdp', got {parallel!r}")
+world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; a plain `python train.py` is one process
+if world_size > 1 and parallel == "none":
+    sys.exit(f"error: launched on {world_size} processes but key 'parallel' is 'none' (use ddp or fsdp)")
+if parallel != "none" and log_marginalization:
+    sys.exit("error: log_marginalization needs parallel='none' (it reads one process's gradients)")
+if parallel == "fsdp" and separate_embeddings:
+    sys.exit("error: separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps "
+             "per-row state as plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'")
 
-world_size = 1
 if global_batch_size:  # the config names the batch the recipe needs; micro-steps follow from the hardware
     if global_batch_size % (batch_size * world_size):
         sys.exit(f"error: key 'global_batch_size' ({global_batch_size}) must be a multiple of batch_size "
@@ -148,8 +170,18 @@ if dry_run:  # the model's size without data, weights or memory: every tensor li
 if num_threads > 0:
     torch.set_num_threads(num_threads)
 device = choose_device(device)
+rank, local_rank = 0, 0
+if parallel != "none":
+    rank, local_rank, world_size = parallelism.init_distributed("cuda" if device.startswith("cuda") else device)
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+master = rank == 0  # the one process that prints and writes files
+on_cuda = device.startswith("cuda")
 dtype = choose_dtype(dtype, device)
 autocast = autocast_context(device, dtype)
+# the same seed on every rank: the model starts identical everywhere (FSDP2 shards each rank's
+# own copy, it does not broadcast), and dropout masks and dispersion positions are shared
 torch.manual_seed(seed)
 os.makedirs(out_dir, exist_ok=True)
 
@@ -177,21 +209,31 @@ train_data, val_data = load_tokens("train"), load_tokens("val")
 data_generator = torch.Generator().manual_seed(seed)
 
 
-def get_batch(data, generator, prob_low_resource):
-    """B random windows of T+1 tokens -> inputs (B,T), targets (B,T). Each window independently
-    becomes the low-resource language with probability prob_low_resource (the authors' code
-    decides per window at batch time)."""
-    starts = torch.randint(len(data) - block_size, (batch_size,), generator=generator)
+def sample_windows(data, generator, n, prob_low_resource):
+    """n random windows: their start offsets and whether each is in the low-resource language
+    (independently with probability prob_low_resource; the authors' code decides per window at
+    batch time)."""
+    starts = torch.randint(len(data) - block_size, (n,), generator=generator)
+    is_low = torch.rand(n, generator=generator) < prob_low_resource
+    return starts, is_low
+
+
+def read_windows(data, starts, is_low):
+    """The windows of T+1 tokens -> inputs (B,T), targets (B,T) on the device."""
     windows = torch.from_numpy(data[(starts.unsqueeze(1) + torch.arange(block_size + 1)).numpy()].astype(np.int64))
-    is_low = torch.rand(batch_size, generator=generator) < prob_low_resource
     windows = windows + shift * is_low.unsqueeze(1)
     x, y = windows[:, :-1], windows[:, 1:]
-    if device == "cuda":
+    if on_cuda:
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
 
 
-# model and optimizer ---------------------------------------------------------
+def get_batch(data, generator, prob_low_resource):
+    """batch_size random windows -> inputs (B,T), targets (B,T)."""
+    return read_windows(data, *sample_windows(data, generator, batch_size, prob_low_resource))
+
+
+# model, parallelism and optimizer --------------------------------------------
 model_config = make_model_config(vocab_size)
 model = build_model(model_config, device)
 try:
@@ -204,12 +246,45 @@ try:
 except ValueError as e:
     sys.exit(f"error: {e}")
 objective.init_weights()  # trainable parts of the losses (NITP's head), if any
+
+if init_from not in ("scratch", "resume"):
+    # start from another run's weights (fresh optimizer, step 0), e.g. CWT's second stage:
+    # a headless model gets a new untied LM head initialised as a copy of its input embedding
+    source = torch.load(init_from, map_location=device, weights_only=False)
+    for key, value in source["model_config"].items():
+        if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
+            sys.exit(f"error: cannot start from {init_from}: model key '{key}' is "
+                     f"{getattr(model_config, key)!r} here but {value!r} there")
+    weights = dict(source["model"])
+    if head_from_embedding:
+        if tie_weights:
+            sys.exit("error: head_from_embedding=True needs tie_weights=False (a tied head is the embedding)")
+        weights["lm_head.weight"] = weights["wte.weight"].clone()
+    model.load_state_dict(weights)  # before parallelize: plain, whole tensors
+    if master:
+        print(f"initialised from {init_from}" + (" (LM head := copy of wte)" if head_from_embedding else ""))
+
+# parallelism goes on from outside, in one place: activation checkpointing first, then DDP or
+# FSDP2 (parallelism.py). train_model / train_objective are what the training step runs
+# forward through; `model` and `objective` stay the modules themselves for everything else.
+if activation_checkpointing:
+    parallelism.apply_activation_checkpointing(model)
+train_model, train_objective = parallelism.parallelize(
+    model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
+    # parameters without a gradient on some rank: experts that got no token; a headless run's untied LM head
+    unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights))
+# after parallelize: FSDP2 has replaced every parameter by its shard
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
                                   separate_embeddings, device, extra_modules=[objective])
+# gradient clipping covers the model's parameters (not the objective's NITP head), in both modes
+clipper = AdaGC(model.parameters(), grad_clip, adagc_beta, adagc_rel, adagc_warmup) if grad_clip_mode == "adagc" \
+    else None
 iter_num, best_val_loss = 0, float("inf")
 grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log_marginalization)
 
 ckpt_path, best_path, log_path = (os.path.join(out_dir, n) for n in ("ckpt.pt", "best.pt", "log.jsonl"))
+checkpointed = torch.nn.ModuleDict({"model": model, "objective": objective})  # the keys of FSDP's sharded checkpoints
+dcp_slot = None  # FSDP: the folder of ckpt_dcp/ that ckpt.pt points to
 if init_from == "resume":
     if not os.path.exists(ckpt_path):
         sys.exit(f"error: init_from='resume' but there is no checkpoint at {ckpt_path}")
@@ -219,46 +294,49 @@ if init_from == "resume":
         if checkpoint["config"].get(key, config[key]) != config[key]:  # keys newer than the checkpoint: default
             sys.exit(f"error: cannot resume: key '{key}' is {config[key]!r} but the checkpoint "
                      f"was trained with {checkpoint['config'][key]!r}")
-    model.load_state_dict(checkpoint["model"])
-    try:
-        objective.load_state_dict(checkpoint.get("objective", {}))
-    except RuntimeError:
-        sys.exit("error: cannot resume: the checkpoint's loss parameters (NITP head) do not match "
-                 "nitp_weight / nitp_hidden of this config")
-    for opt, state in zip(optimizers, checkpoint["optimizers"]):
-        opt.load_state_dict(state)
+    objective_mismatch = ("error: cannot resume: the checkpoint's loss parameters (NITP head) do not match "
+                          "nitp_weight / nitp_hidden of this config")
+    if "dcp" in checkpoint:  # written by an FSDP run: weights and optimizer state are in shards
+        if parallel != "fsdp":
+            sys.exit(f"error: cannot resume: {ckpt_path} was written with parallel='fsdp' (sharded in "
+                     f"{os.path.join(out_dir, checkpoint['dcp'])}); resume with --parallel=fsdp")
+        shapes = {name: list(value.shape) for name, value in objective.state_dict().items()}
+        if checkpoint["objective_shapes"] != shapes:
+            sys.exit(objective_mismatch)
+        dcp_slot = checkpoint["dcp"]
+        parallelism.load_sharded(os.path.join(out_dir, dcp_slot), checkpointed, optimizers,
+                                 with_optimizers=checkpoint["dcp_optimizers"])
+    else:
+        if parallel == "fsdp":
+            sys.exit(f"error: cannot resume: {ckpt_path} holds whole weights (written with parallel="
+                     f"'{checkpoint['config'].get('parallel', 'none')}'); resume it with that setting")
+        model.load_state_dict(checkpoint["model"])
+        try:
+            objective.load_state_dict(checkpoint.get("objective", {}))
+        except RuntimeError:
+            sys.exit(objective_mismatch)
+        for opt, state in zip(optimizers, checkpoint["optimizers"]):
+            opt.load_state_dict(state)
     iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
-    data_generator.set_state(checkpoint["data_rng"])
-    torch.set_rng_state(checkpoint["torch_rng"])
-    if device == "cuda" and checkpoint.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(checkpoint["cuda_rng"])
+    # RNG states must be CPU tensors, whatever map_location moved them to
+    data_generator.set_state(checkpoint["data_rng"].cpu())
+    torch.set_rng_state(checkpoint["torch_rng"].cpu())
+    if on_cuda and checkpoint.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(checkpoint["cuda_rng"].cpu())
+    if clipper is not None and checkpoint.get("adagc") is not None:
+        clipper.load_state_dict(checkpoint["adagc"])
     grad_parts = checkpoint.get("grad_parts", [])
     # drop log lines from iter_num on: the loop re-runs the evaluation at iter_num (same value)
     # and the steps an interrupted run logged after its last checkpoint
-    if os.path.exists(log_path):
+    if master and os.path.exists(log_path):
         with open(log_path) as f:
             records = [json.loads(line) for line in f if line.strip()]
         kept = [r for r in records if r["iter"] < iter_num]
         save_text("".join(json.dumps(r) + "\n" for r in kept), log_path)
-    print(f"resumed from {ckpt_path} at iter {iter_num}")
-else:
-    if os.path.exists(log_path):
-        os.remove(log_path)  # a fresh run starts a fresh log
-    if init_from != "scratch":
-        # start from another run's weights (fresh optimizer, step 0), e.g. CWT's second stage:
-        # a headless model gets a new untied LM head initialised as a copy of its input embedding
-        source = torch.load(init_from, map_location=device, weights_only=False)
-        for key, value in source["model_config"].items():
-            if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
-                sys.exit(f"error: cannot start from {init_from}: model key '{key}' is "
-                         f"{getattr(model_config, key)!r} here but {value!r} there")
-        weights = dict(source["model"])
-        if head_from_embedding:
-            if tie_weights:
-                sys.exit("error: head_from_embedding=True needs tie_weights=False (a tied head is the embedding)")
-            weights["lm_head.weight"] = weights["wte.weight"].clone()
-        model.load_state_dict(weights)
-        print(f"initialised from {init_from}" + (" (LM head := copy of wte)" if head_from_embedding else ""))
+    if master:
+        print(f"resumed from {ckpt_path} at iter {iter_num}")
+elif master and os.path.exists(log_path):
+    os.remove(log_path)  # a fresh run starts a fresh log
 
 
 def get_lr(it):
@@ -290,7 +368,7 @@ def estimate_val_loss():
     aux = [name for name, weight in objective.weights.items() if weight and name != "ce"]
     per_window = {"hr": [], "lr": []}
     masks, term_sums = [], dict.fromkeys(aux, 0.0)
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if device == "cuda" else []):
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_cuda else []):
         for _ in range(eval_iters):
             x, y = get_batch(val_data, generator, prob_low_resource=0.0)
             is_low = torch.rand(batch_size, generator=generator) < low_resource_prob
@@ -329,32 +407,64 @@ def estimate_val_loss():
 
 
 def save_checkpoint(path, full):
-    """Atomic torch.save plus a readable JSON beside it (config, step, losses)."""
-    state = {"model": model.state_dict(), "objective": objective.state_dict(), "model_config": model_config.__dict__, "config": config,
-             "iter_num": iter_num, "best_val_loss": best_val_loss, "meta": meta}
-    if full:  # everything needed to continue exactly where we stopped
-        state.update(optimizers=[opt.state_dict() for opt in optimizers], data_rng=data_generator.get_state(),
-                     torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
-                     cuda_rng=torch.cuda.get_rng_state() if device == "cuda" else None)
-    save_torch(state, path)
-    save_json({"config": config, "model_config": model_config.__dict__, "iter_num": iter_num,
-               "best_val_loss": best_val_loss, "last_eval": last_eval}, path[:-3] + ".json")
+    """Atomic torch.save plus a readable JSON beside it (config, step, losses), written by rank 0.
+    full=True: everything needed to continue exactly where we stopped. Under FSDP that state is
+    sharded (each rank writes its own part, torch.distributed.checkpoint) into ckpt_dcp/a and
+    ckpt_dcp/b in turn, and ckpt.pt names the folder only once it is complete: an interrupted save
+    never leaves a checkpoint that points at half-written shards. full=False (best.pt) gathers the
+    whole weights onto rank 0 in the single-process format, so evaluate.py reads it unchanged."""
+    global dcp_slot
+    state = {"model_config": model_config.__dict__, "config": config, "iter_num": iter_num,
+             "best_val_loss": best_val_loss, "meta": meta}
+    if parallel == "fsdp" and full:
+        dcp_slot = "ckpt_dcp/b" if dcp_slot == "ckpt_dcp/a" else "ckpt_dcp/a"
+        directory = os.path.join(out_dir, dcp_slot)
+        if master and os.path.exists(directory):
+            shutil.rmtree(directory)
+        parallelism.barrier()
+        has_optimizer_state = any(opt.state for opt in optimizers)  # none before the first step
+        parallelism.save_sharded(directory, checkpointed, optimizers, with_optimizers=has_optimizer_state)
+        parallelism.barrier()
+        state.update(dcp=dcp_slot, dcp_optimizers=has_optimizer_state,
+                     objective_shapes={name: list(value.shape) for name, value in objective.state_dict().items()})
+    elif parallel == "fsdp":
+        state.update(model=parallelism.full_state_dict(model), objective=parallelism.full_state_dict(objective))
+    else:  # single process or DDP: every rank holds the same whole state
+        state.update(model=model.state_dict(), objective=objective.state_dict())
+        if full:
+            state.update(optimizers=[opt.state_dict() for opt in optimizers])
+    if full:  # every rank draws the same random numbers, so rank 0's RNG states are everyone's
+        state.update(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
+                     cuda_rng=torch.cuda.get_rng_state() if on_cuda else None,
+                     adagc=clipper.state_dict() if clipper is not None else None)
+    if master:
+        save_torch(state, path)
+        save_json({"config": config, "model_config": model_config.__dict__, "iter_num": iter_num,
+                   "best_val_loss": best_val_loss, "last_eval": last_eval}, path[:-3] + ".json")
+        if "dcp" in state:  # ckpt.pt now names the new shards: the previous ones can go
+            shutil.rmtree(os.path.join(out_dir, "ckpt_dcp/b" if dcp_slot == "ckpt_dcp/a" else "ckpt_dcp/a"),
+                          ignore_errors=True)
 
 
 def log(record):
+    if not master:
+        return
     with open(log_path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
 # training loop ---------------------------------------------------------------
-tokens_per_iter = gradient_accumulation_steps * batch_size * block_size
+tokens_per_iter = gradient_accumulation_steps * batch_size * block_size * world_size  # over all processes
 flops_per_iter = model.flops_per_token(with_head=objective.needs_logits) * tokens_per_iter  # model only, not the losses
-peak = peak_flops(device, dtype)
-print(f"params: {model.num_params():,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
-      f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s")
+peak = peak_flops(device, dtype) * world_size
+if master:
+    processes = f" | {world_size} process{'es' if world_size > 1 else ''}, {parallel}" if parallel != "none" else ""
+    print(f"params: {model.num_params():,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
+          f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s{processes}")
 
 last_eval = None
-bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True)
+bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True,
+           disable=not master)
 t_window, window_iters = time.perf_counter(), 0
 while True:
     lr = get_lr(iter_num)
@@ -363,7 +473,7 @@ while True:
             group["lr"] = lr
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
-        last_eval = estimate_val_loss()
+        last_eval = estimate_val_loss()  # the same batches on every rank: the same result everywhere
         log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
         if last_eval["val"] < best_val_loss:
@@ -374,20 +484,33 @@ while True:
     if iter_num >= max_iters:
         break
 
-    step_parts = 0
+    # The step's whole global batch is drawn at once, identically on every rank, and micro-step k
+    # of rank r reads rows (k * world_size + r) * batch_size onwards: the union is the same global
+    # batch however it is split over processes and micro-steps (one process with batch_size B and
+    # 4 micro-steps sees exactly what 2 processes with 2 micro-steps each see).
+    starts, is_low = sample_windows(train_data, data_generator, gradient_accumulation_steps * world_size * batch_size,
+                                    low_resource_prob)
+    step_parts, step_loss, step_terms = 0, 0.0, {}
     for micro_step in range(gradient_accumulation_steps):
-        x, y = get_batch(train_data, data_generator, low_resource_prob)
-        with autocast:
-            logits, hidden_states = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
-            loss, terms = objective(logits, hidden_states, y, model.input_embedding())
-            if n_expert > 1:  # Mixtral: keep the router from sending every token to the same experts
-                terms["moe_aux"] = model.aux_loss
-                loss = loss + moe_aux_weight * model.aux_loss
-        loss = loss / gradient_accumulation_steps
-        if log_marginalization:
-            logits.retain_grad()
-            hidden_states[0].retain_grad()
-        loss.backward()
+        rows = slice((micro_step * world_size + rank) * batch_size, (micro_step * world_size + rank + 1) * batch_size)
+        x, y = read_windows(train_data, starts[rows], is_low[rows])
+        # gradients are averaged over the processes only in the step's last backward
+        with parallelism.gradient_sync((train_model, train_objective), micro_step == gradient_accumulation_steps - 1):
+            with autocast:
+                logits, hidden_states = train_model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
+                loss, terms = train_objective(logits, hidden_states, y, model.input_embedding())
+                if n_expert > 1:  # Mixtral: keep the router from sending every token to the same experts
+                    # (computed per micro-batch, like every term: per rank, as with accumulation)
+                    terms["moe_aux"] = model.aux_loss
+                    loss = loss + moe_aux_weight * model.aux_loss
+            loss = loss / gradient_accumulation_steps
+            if log_marginalization:
+                logits.retain_grad()
+                hidden_states[0].retain_grad()
+            loss.backward()
+        step_loss = step_loss + loss.detach()  # the step's loss: the mean over its micro-steps
+        for name, value in terms.items():
+            step_terms[name] = step_terms.get(name, 0) + value.detach() / gradient_accumulation_steps
         if log_marginalization:
             # raw gradient (before clipping) of each embedding row, split into input / target /
             # non-target parts; summed over micro-steps before taking norms
@@ -397,7 +520,10 @@ while True:
                 hidden_states[0].grad.reshape(-1, n_embd).float(), vocab_size))
     if log_marginalization:
         grad_parts.append(step_parts.norm(dim=-1).cpu())
-    if grad_clip > 0:
+    # both modes work on FSDP's sharded gradients: clip_grad_norm_ on DTensors, AdaGC by one all-reduce
+    if clipper is not None:
+        clipper.clip_()
+    elif grad_clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     for opt in optimizers:
         opt.step()
@@ -407,22 +533,27 @@ while True:
     bar.update(1)
 
     if iter_num % log_interval == 0:
-        loss_value = loss.item() * gradient_accumulation_steps  # .item() syncs: only when logging
+        # the loss of the global batch: mean over micro-steps here, over processes by one all-reduce
+        values = parallelism.mean_over_processes(torch.stack([v.float() for v in (step_loss, *step_terms.values())]))
+        loss_value, *term_values = values.tolist()  # .tolist() syncs: only when logging
         dt = (time.perf_counter() - t_window) / window_iters
-        record = {"iter": iter_num - 1, "loss": loss_value, **{k: v.item() for k, v in terms.items()},
+        record = {"iter": iter_num - 1, "loss": loss_value, **dict(zip(step_terms, term_values)),
                   "lr": lr, "ms_per_iter": 1000 * dt,
                   "tokens_per_s": tokens_per_iter / dt, "mfu": flops_per_iter / dt / peak}
         log(record)
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2f}")
         t_window, window_iters = time.perf_counter(), 0
 bar.close()
+if parallel != "none":
+    parallelism.barrier()
+    torch.distributed.destroy_process_group()
 
-if log_marginalization and grad_parts:
+if log_marginalization and grad_parts:  # (parallel='none' only: one process)
     parts = torch.stack(grad_parts)  # (steps, 3, V)
     ratios = evaluate.marginalization_report(parts, torch.from_numpy(train_data.astype(np.int64)), shift, meta["itos"])
     save_json(ratios, os.path.join(out_dir, "marginalization.json"))
 
-if final_eval:
+if final_eval and master:  # one process: best.pt holds the whole weights in any mode
     metrics = evaluate.evaluate_checkpoint(best_path, device=device)
     save_json(metrics, os.path.join(out_dir, "metrics.json"))
     print(evaluate.format_metrics(metrics))

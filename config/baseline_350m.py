@@ -13,3 +13,5 @@ learning_rate = 4e-4
 min_lr = 4e-4 / 10
 max_iters = 12500
 lr_decay_iters = 12500
+parallel = "ddp"              # 0.38B x 16 B = 6 GB of weights, gradients and AdamW state fit on every GPU: DDP, no all-gathers
+grad_clip_mode = "adagc"      # SPEC 6: per-tensor adaptive clipping (optim.AdaGC), global clipping at 1.0 for 100 steps first

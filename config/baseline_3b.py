@@ -13,3 +13,5 @@ learning_rate = 3e-4
 min_lr = 3e-4 / 10
 max_iters = 12500
 lr_decay_iters = 12500
+parallel = "fsdp"             # FSDP2: weights, gradients and AdamW state (16 B per parameter) sharded over the GPUs
+grad_clip_mode = "adagc"      # SPEC 6: per-tensor adaptive clipping (optim.AdaGC), global clipping at 1.0 for 100 steps first

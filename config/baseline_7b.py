@@ -13,3 +13,6 @@ learning_rate = 3e-4
 min_lr = 3e-4 / 10
 max_iters = 12500
 lr_decay_iters = 12500
+parallel = "fsdp"             # FSDP2: 6.9B x 16 B = 110 GB of weights, gradients and AdamW state, sharded over the GPUs
+activation_checkpointing = True   # 32 blocks of 2048 x 4096 activations: recompute them so batch_size can grow
+grad_clip_mode = "adagc"      # SPEC 6: per-tensor adaptive clipping (optim.AdaGC), global clipping at 1.0 for 100 steps first

@@ -15,3 +15,5 @@ learning_rate = 3e-4
 min_lr = 3e-4 / 10
 max_iters = 50000
 lr_decay_iters = 50000
+parallel = "fsdp"             # FSDP2: 7.3B parameters in all (2.3B active), sharded over the GPUs
+grad_clip_mode = "adagc"      # SPEC 6: per-tensor adaptive clipping (optim.AdaGC), global clipping at 1.0 for 100 steps first

@@ -1,0 +1,167 @@
+"""
+Data parallelism, applied to the model from outside (torchtitan style): model.py and losses.py
+know nothing about it. train.py launched by torchrun (which sets RANK, LOCAL_RANK, WORLD_SIZE)
+
+    torchrun --nproc_per_node=8 train.py config/baseline_1b3.py
+
+uses these pieces in this order:
+
+    rank, local_rank, world_size = init_distributed(device_type)
+    train_model, train_objective = parallelize(model, objective, parallel, ...)
+    with gradient_sync(train_model, train_objective, enabled=last_micro_step): forward, backward
+
+    ddp    every rank holds the whole model; gradients are averaged by all-reduce in backward
+    fsdp   FSDP2 (fully_shard): every block, then the root, is sharded over the ranks; a block's
+           parameters are all-gathered just before it runs and its gradients reduce-scattered
+           right after its backward, so each rank keeps 1/world of the weights, gradients and
+           AdamW moments
+
+Only data is split across ranks; every loss in losses.py is computed per rank on its own
+micro-batch and the gradients are averaged, exactly like gradient accumulation. SimReg and
+dispersion are per sequence and need nothing from other ranks. CWT's negatives are the positions
+of the micro-batch (per rank), as they are per micro-step with accumulation: no gathering, so the
+loss does not change with the number of GPUs as long as batch_size does.
+"""
+
+import contextlib
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+def init_distributed(device_type):
+    """Join the process group torchrun describes in the environment (nccl on CUDA, gloo on CPU)
+    and return (rank, local_rank, world_size). Without torchrun (no WORLD_SIZE) it makes a group
+    of one process, so `python train.py ... --parallel=fsdp` runs (and tests) the same code."""
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    if "WORLD_SIZE" not in os.environ:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        return 0, 0, 1
+    dist.init_process_group(backend)
+    return dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+
+
+def apply_activation_checkpointing(model):
+    """Recompute each block's activations in backward instead of storing them: one block's
+    worth of activations alive at a time, for ~1/3 more compute. Each block of model.h is
+    replaced in place, so GPT.forward still collects every block's output; the wrapper keeps
+    the state-dict keys of the unwrapped block, so checkpoints are unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    for i, block in enumerate(model.h):
+        model.h[i] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
+
+
+def parallelize(model, objective, parallel, device, param_dtype=None, unused_parameters=False):
+    """Apply `parallel` ('none' | 'ddp' | 'fsdp') to the model and to the objective if it has
+    parameters (NITP's head). Returns (train_model, train_objective): the callables the training
+    step runs forward through. Everything else (evaluation, the optimizer, checkpoints) uses
+    `model` and `objective` themselves, which FSDP2 shards in place and DDP leaves as they are.
+
+    param_dtype: FSDP2 all-gathers the weights in this dtype for compute (bf16 on GPU) and
+        reduces gradients in float32; None = float32 throughout.
+    unused_parameters: some parameters may get no gradient on some ranks (a mixture of experts
+        routes no token to an expert; a headless untied run never uses its LM head), which
+        DDP and FSDP must be told, or the ranks wait on each other forever. FSDP then reduces
+        zeros for them: a parameter that no rank used gets a zero gradient rather than none
+        (AdamW still decays it), unlike in a single process."""
+    if parallel == "none":
+        return model, objective
+    has_params = any(p.requires_grad for p in objective.parameters())
+    if parallel == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        device_ids = [torch.device(device).index] if device.startswith("cuda") else None
+        wrap = lambda m: DDP(m, device_ids=device_ids, find_unused_parameters=unused_parameters)  # noqa: E731
+        return wrap(model), (wrap(objective) if has_params else objective)
+    assert parallel == "fsdp", parallel
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for block in model.h:
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    # the root holds the embeddings, ln_f and the LM head; FSDP2 keeps a root's parameters
+    # unsharded from its forward to its backward, which is why losses.cwt can use
+    # model.input_embedding() (the gathered wte) after the forward pass
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    if has_params:  # the objective is its own root; it gets float32 logits and states as they are
+        fully_shard(objective, mesh=mesh,
+                    mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
+                                                   cast_forward_inputs=False))
+    if unused_parameters:
+        for module in (model, objective) if has_params else (model,):
+            module.set_reduce_scatter_unused_params(True)
+    return model, objective
+
+
+def gradient_sync(modules, enabled):
+    """Context for one micro-step's forward and backward: with enabled=False gradients only
+    accumulate locally (no communication); the last micro-step of an optimizer step syncs.
+    FSDP2 then holds full-size (unsharded) float32 gradients between micro-steps: it trades
+    memory for communication."""
+    stack = contextlib.ExitStack()
+    for module in modules:
+        if isinstance(module, nn.parallel.DistributedDataParallel):
+            if not enabled:
+                stack.enter_context(module.no_sync())
+        elif hasattr(module, "set_requires_gradient_sync"):  # an FSDP2 module
+            module.set_requires_gradient_sync(enabled)
+    return stack
+
+
+def mean_over_processes(values):
+    """The mean of a float tensor over all ranks (for logging: the loss of the global batch)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    values = values.clone()
+    dist.all_reduce(values)  # SUM: gloo has no AVG
+    return values / dist.get_world_size()
+
+
+def barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# FSDP checkpoints ------------------------------------------------------------------------------
+# Sharded: every rank writes and reads only its own shards (torch.distributed.checkpoint, DCP),
+# which can be loaded back on a different number of ranks. `modules` is an nn.ModuleDict holding
+# the model and the objective, so the checkpoint's keys are model.<name> and objective.<name>.
+
+def save_sharded(directory, modules, optimizers, with_optimizers=True):
+    """Write the shards of modules (and optimizers) into directory; collective.
+    with_optimizers=False before the first optimizer step: get_state_dict would otherwise
+    initialise the empty AdamW state with a zero-gradient step (step count 1), and the run would
+    no longer match a single-process one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    if with_optimizers:
+        model_state, optimizer_state = get_state_dict(modules, optimizers)
+        state = {"model": model_state, "optimizers": optimizer_state}
+    else:
+        state = {"model": get_model_state_dict(modules)}
+    dcp.save(state, checkpoint_id=directory)
+
+
+def load_sharded(directory, modules, optimizers, with_optimizers=True):
+    """Read back what save_sharded wrote, in place; collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict, set_state_dict)
+    if with_optimizers:
+        model_state, optimizer_state = get_state_dict(modules, optimizers)
+        state = {"model": model_state, "optimizers": optimizer_state}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(modules, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
+    else:
+        state = {"model": get_model_state_dict(modules)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(modules, state["model"])
+
+
+def full_state_dict(module):
+    """The module's complete state dict on rank 0's CPU (empty on the other ranks), with the keys
+    of the unsharded module: what a single-process checkpoint holds. Collective."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
