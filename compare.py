@@ -26,8 +26,11 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
+import numpy as np
 import torch
 from tqdm import tqdm
+
+import figures
 
 from utils import atomic_write, save_json, save_text
 
@@ -182,6 +185,24 @@ def archive_run(out_dir, dest):
         records = [json.loads(line) for line in f if line.strip()]
     kept = [r for r in records if "val" in r or (r["iter"] + 1) % 50 == 0]
     save_text("".join(json.dumps(r) + "\n" for r in kept), os.path.join(dest, "log.jsonl"))
+    archive_embedding(out_dir, dest)
+
+
+def archive_embedding(out_dir, dest):
+    """The input embedding of best.pt and the vocabulary, for the figures (embedding.npz, ~70 KB
+    for the char model; skipped for big vocabularies and when the checkpoint is gone)."""
+    source, target = os.path.join(out_dir, "best.pt"), os.path.join(dest, "embedding.npz")
+    if os.path.exists(target) or not os.path.exists(source):
+        return
+    checkpoint = torch.load(source, map_location="cpu", weights_only=False)
+    wte, itos = checkpoint["model"]["wte.weight"].float().numpy(), checkpoint["meta"].get("itos")
+    if itos is None or wte.size > 2 ** 16:
+        return
+
+    def write(tmp):
+        with open(tmp, "wb") as f:
+            np.savez(f, wte=wte, itos=np.array(itos))
+    atomic_write(target, write)
 
 
 def sync_archive(grid, root, archive):
@@ -192,6 +213,7 @@ def sync_archive(grid, root, archive):
             archive_run(out, dest)
         if os.path.exists(os.path.join(dest, "metrics.json")):
             done.add((method, seed))
+            archive_embedding(out, dest)  # runs archived before the figures existed
     wall, archived_wall = os.path.join(root, grid, "wall.json"), os.path.join(archive, grid, "wall.json")
     if os.path.exists(wall) and (not os.path.exists(archived_wall) or os.path.getmtime(wall) > os.path.getmtime(archived_wall)):
         atomic_write(archived_wall, lambda tmp: shutil.copyfile(wall, tmp))  # the grid's timing, from a call that ran in root
@@ -362,6 +384,67 @@ def build_table(grid, root):
     return "\n".join(lines) + "\n", results
 
 
+# which methods each figure compares (the first of a grid's methods is its baseline)
+FIGURE_METHODS = {
+    "jostling": {"condensation": ["baseline", "margin 0.6 + SE"], "embeddings": ["baseline", "margin 0.6 + SE"]},
+    "losses": {"condensation": ["CE", "dispersion", "SimReg"], "embeddings": ["CE", "margin 0.6 + SE"]},
+}
+
+
+def make_figures(grid, root, out_dir):
+    """PNGs of the archived runs under root into out_dir/figures (figures.py; needs matplotlib).
+    Returns [(title, path relative to out_dir)] of those written."""
+    if figures._pyplot() is None:
+        return []
+    runs = {}
+    for method, seed, _, _, out in runs_of(grid, root):
+        if os.path.exists(os.path.join(out, "metrics.json")):
+            runs.setdefault(method, []).append(out)
+    if not runs:
+        return []
+    chosen = FIGURE_METHODS.get(grid, {})
+    written, base = [], os.path.join(out_dir, "figures")
+
+    def add(title, name, path):
+        if path:
+            written.append((title, os.path.relpath(path, out_dir)))
+
+    curves = {}
+    for method, outs in runs.items():
+        for out in outs:
+            with open(os.path.join(out, "log.jsonl")) as f:
+                evals = [json.loads(line) for line in f if '"val"' in line]
+            curves.setdefault(method, []).append(([r["iter"] for r in evals], [r["val"] for r in evals]))
+    add("Validation loss, mean over seeds", "val", figures.val_loss_curves(curves, os.path.join(base, f"{grid}_val_loss.png")))
+
+    histograms = {}
+    for method in chosen.get("condensation", []):
+        geometries = []
+        for out in runs.get(method, []):
+            with open(os.path.join(out, "metrics.json")) as f:
+                geometry = json.load(f).get("geometry", {})
+            if geometry:
+                geometries.append(np.asarray(geometry.get("hr", geometry.get("val"))["cosine_histograms"]))
+        if geometries:
+            histograms[method] = np.mean(geometries, axis=0)
+    if histograms:
+        add("Condensation: pairwise-cosine histogram per depth (HR val, mean over seeds)", "cond",
+            figures.condensation_heatmaps(histograms, os.path.join(base, f"{grid}_condensation.png")))
+
+    embeddings, itos = {}, None
+    for method in chosen.get("embeddings", []):
+        path = os.path.join(runs.get(method, [""])[0], "embedding.npz")  # the first seed's run
+        if os.path.exists(path):
+            with np.load(path) as data:
+                embeddings[f"{method} (seed {SEEDS[0]})"], itos = data["wte"], [str(c) for c in data["itos"]]
+    if embeddings and all(len(E) == 2 * len(itos) for E in embeddings.values()):
+        add("Embedding cosine similarity, letters sorted, HR then LR (Stop Jostling Fig. 5)", "sim",
+            figures.embedding_similarity(embeddings, itos, os.path.join(base, f"{grid}_embedding_similarity.png")))
+        add("Embedding PCA, each letter joined to its twin (Stop Jostling Fig. 6)", "pca",
+            figures.embedding_pca(embeddings, itos, os.path.join(base, f"{grid}_embedding_pca.png")))
+    return written
+
+
 def update_readme(readme, grid, table):
     """Replace the text between <!-- results:<grid>:begin/end --> markers with the table, so
     README's results are generated, never typed."""
@@ -373,6 +456,7 @@ def update_readme(readme, grid, table):
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
     body = table.replace(f"# Grid `{grid}`", f"### Grid `{grid}`").replace("\n## ", "\n#### ")
+    body = body.replace("](figures/", "](results/figures/")  # README sits one folder up
     save_text(head + begin + "\n" + body + end + tail, readme)
     return True
 
@@ -393,6 +477,9 @@ def main(argv=None):
         run_grid(args.grid, args.root, args.workers, overrides, args.archive)
     sync_archive(args.grid, args.root, args.archive)
     table, _ = build_table(args.grid, args.archive)
+    drawn = make_figures(args.grid, args.archive, args.results)
+    if drawn:
+        table += "\n## Figures\n\n" + "\n\n".join(f"{title}:\n\n![{title}]({path})" for title, path in drawn) + "\n"
     os.makedirs(args.results, exist_ok=True)
     path = os.path.join(args.results, f"{args.grid}.md")
     save_text(table, path)

@@ -53,10 +53,53 @@ def prediction_metrics(logits, targets):
             **metrics.rank_metrics(logits, targets)}
 
 
+STREAM_ABOVE = 2 ** 24  # logits elements (64 MB in fp32) beyond which evaluation streams (GPT-2 BPE)
+
+
 @torch.no_grad()
-def forward_val(model, x, y, device, batch_size=256):
+def streamed_prediction_metrics(lm_head, finals, targets, chunk=2048):
+    """prediction_metrics without ever holding all (N, V) logits (a 50304-token vocabulary): the
+    logits are recomputed chunk by chunk from the final normed states (N, C). PPL, accuracy,
+    Recall@5 and MRR are means over tokens, so chunk means weighted by chunk size give them
+    exactly. PPL_best: the mean NLL is convex in 1/T (a log-sum-exp of functions linear in 1/T,
+    minus a linear one), hence unimodal in T, and a golden-section search over T in [0.05, 3]
+    finds its minimum to 1e-3 in ~17 passes of the LM head (the char experiment's grid of 200
+    temperatures would be 200 passes)."""
+    n = len(targets)
+    chunks = [(finals[i:i + chunk], targets[i:i + chunk]) for i in range(0, n, chunk)]
+    sums = {}
+    for h, t in chunks:
+        logits = lm_head(h).float()
+        batch = {"log_ppl": math.log(metrics.perplexity(logits, t)), **metrics.rank_metrics(logits, t)}
+        for key, value in batch.items():
+            sums[key] = sums.get(key, 0.0) + value * len(t)
+
+    def mean_nll(temperature):
+        return sum(math.log(metrics.best_temperature_perplexity(lm_head(h).float(), t, [temperature])[0]) * len(t)
+                   for h, t in chunks) / n
+
+    lo, hi, golden = 0.05, 3.0, (math.sqrt(5) - 1) / 2
+    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    fa, fb = mean_nll(a), mean_nll(b)
+    while hi - lo > 1e-3:
+        if fa <= fb:  # the minimum lies in [lo, b]
+            hi, b, fb = b, a, fa
+            a = hi - golden * (hi - lo)
+            fa = mean_nll(a)
+        else:  # in [a, hi]
+            lo, a, fa = a, b, fb
+            b = lo + golden * (hi - lo)
+            fb = mean_nll(b)
+    t_best, nll_best = (a, fa) if fa <= fb else (b, fb)
+    return {"ppl": math.exp(sums["log_ppl"] / n), "ppl_best": math.exp(nll_best), "t_best": t_best,
+            **{k: sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}}
+
+
+@torch.no_grad()
+def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
     """One pass over the blocks x (N, T) with next-token labels y (N, T). Returns the float32
-    logits (N*T, V) on the CPU and the hidden-state geometry:
+    logits (N*T, V) on the CPU -- or, with keep_logits=False, the final normed states (N*T, C)
+    they are computed from -- and the hidden-state geometry:
       mu            mean pairwise cosine mu(l) per depth l = 0 (embedding output), 1..L (blocks),
                     all T^2 pairs of a sequence, averaged over sequences (dispersion paper, Fig. 2)
       spearman_rho, kendall_tau   rank correlation of mu(l) with l over the blocks l = 1..L
@@ -71,7 +114,7 @@ def forward_val(model, x, y, device, batch_size=256):
     for i in range(0, len(x), batch_size):
         xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
         logits, hidden = model(xb, return_hidden_states=True)
-        all_logits.append(logits.float().cpu())
+        all_logits.append(logits.float().cpu() if keep_logits else hidden[-1].float().cpu())
         weight = len(xb) / len(x)
         for depth, z in enumerate(hidden[:L + 1] + [hidden[-1]]):
             m, h = metrics.pairwise_cosine_stats(z.float())
@@ -79,7 +122,7 @@ def forward_val(model, x, y, device, batch_size=256):
             hists[depth] += weight * torch.tensor(h, dtype=torch.float64)
         simreg_sum += weight * simreg(hidden[-1].float(), yb).item()
     depths = list(range(1, L + 1))
-    logits = torch.cat(all_logits).reshape(-1, model.config.vocab_size)
+    logits = torch.cat(all_logits).flatten(0, 1)
     rho, tau = metrics.spearman(mu[1:L + 1], depths), metrics.kendall(mu[1:L + 1], depths)
     return logits, {"mu": mu[:L + 1].tolist(),  # undefined correlations (one block) are written as null
             "spearman_rho": None if math.isnan(rho) else rho, "kendall_tau": None if math.isnan(tau) else tau, "final_cosine": mu[L + 1].item(),
@@ -91,9 +134,13 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     x, y = val_blocks(data_dir, model.config.block_size)
     W = model.output_embedding().detach().float().cpu()
     if not low_resource:
-        logits, geometry = forward_val(model, x, y, device)
-        return {"val": {**prediction_metrics(logits, y.reshape(-1)), "isotropy": metrics.isotropy(W)},
-                "geometry": {"val": geometry}}
+        if x.numel() * model.config.vocab_size <= STREAM_ABOVE:
+            logits, geometry = forward_val(model, x, y, device)
+            scores = prediction_metrics(logits, y.reshape(-1))
+        else:  # too many logits to hold at once (GPT-2 BPE): keep the final states instead
+            finals, geometry = forward_val(model, x, y, device, batch_size=32, keep_logits=False)
+            scores = streamed_prediction_metrics(lambda h: model.lm_head(h.to(device)).cpu(), finals, y.reshape(-1))
+        return {"val": {**scores, "isotropy": metrics.isotropy(W)}, "geometry": {"val": geometry}}
     shift = len(itos)
     result = {"geometry": {}}
     for lang, offset in (("hr", 0), ("lr", shift)):
@@ -109,7 +156,7 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
 def evaluate_checkpoint(path, device="cpu"):
     model, checkpoint = load_model(path, device)
     config = checkpoint["config"]
-    result = evaluate_model(model, config["data_dir"], config["low_resource"], checkpoint["meta"]["itos"], device)
+    result = evaluate_model(model, config["data_dir"], config["low_resource"], checkpoint["meta"].get("itos"), device)
     result["checkpoint"] = {"path": path, "iter": checkpoint["iter_num"], "val_loss": checkpoint["best_val_loss"]}
     return result
 

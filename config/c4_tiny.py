@@ -18,3 +18,4 @@ max_iters = 1000
 lr_decay_iters = 1000
 eval_interval = 100
 eval_iters = 10
+final_eval = True            # val metrics of best.pt (streamed: the logits of 50304 tokens are never all held)

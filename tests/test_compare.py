@@ -84,9 +84,16 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     with open(os.path.join(archive, "mini", "wall.json")) as f:
         assert json.load(f)["runs"] == 2
     archived = compare.run_dir(archive, "mini", "CWT + FT", 1337)
-    assert sorted(os.listdir(archived)) == ["log.jsonl", "metrics.json", "run.json"]  # no checkpoints
+    assert sorted(os.listdir(archived)) == ["embedding.npz", "log.jsonl", "metrics.json", "run.json"]  # no checkpoints
     table, results = compare.build_table("mini", archive)
     assert set(results) == {"CE", "CWT + FT"} and "## Hidden-state geometry" in table
+    drawn = compare.make_figures("mini", archive, str(tmp_path / "results"))
+    try:
+        import matplotlib  # noqa: F401
+        assert drawn == [("Validation loss, mean over seeds", os.path.join("figures", "mini_val_loss.png"))]
+        assert os.path.getsize(tmp_path / "results" / "figures" / "mini_val_loss.png") > 0
+    except ImportError:
+        assert drawn == []
     mtime = os.path.getmtime(os.path.join(chained, "metrics.json"))
     compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)  # nothing left to run
     assert os.path.getmtime(os.path.join(chained, "metrics.json")) == mtime

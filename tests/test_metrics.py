@@ -408,3 +408,25 @@ def test_pairwise_cosine_stats():
     loop = sum(torch.nn.functional.cosine_similarity(z[b, i], z[b, j], dim=0).item()
                for b in range(3) for i in range(4) for j in range(4)) / 48
     assert pairwise_cosine_stats(z)[0] == pytest.approx(loop, abs=1e-6)
+
+
+def test_streamed_prediction_metrics_equal_the_full_ones():
+    """evaluate.streamed_prediction_metrics (chunks, golden-section T) against prediction_metrics
+    on all logits at once (the grid of 200 temperatures)."""
+    import evaluate
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 300, bias=False).double()
+    with torch.no_grad():
+        head.weight.mul_(3.0)
+    h = torch.randn(500, 16, dtype=torch.float64)
+    logits = head(h)
+    targets = torch.where(torch.rand(500) < 0.6, logits.argmax(dim=1), torch.randint(0, 300, (500,)))
+    with torch.no_grad():
+        full = evaluate.prediction_metrics(logits.float(), targets)
+        streamed = evaluate.streamed_prediction_metrics(head, h, targets, chunk=64)
+    for key in ("ppl", "accuracy", "recall_at_5", "mrr"):
+        assert streamed[key] == pytest.approx(full[key], rel=1e-6), key
+    assert 0.05 < full["t_best"] < 2.0 and abs(streamed["t_best"] - full["t_best"]) <= 0.011
+    # the continuous minimum is at most the grid's, and the grid's is within a 0.005 step of it
+    assert streamed["ppl_best"] <= full["ppl_best"] * (1 + 1e-6)
+    assert streamed["ppl_best"] == pytest.approx(full["ppl_best"], rel=1e-3)

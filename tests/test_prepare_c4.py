@@ -459,7 +459,7 @@ def test_changed_shard_is_retokenised(tmp_path, server):
 def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     """The offline path: paragraphs of a text become C4-format shards (every 10th to validation),
     checked and tokenised like downloaded ones; then config/c4_tiny.py trains on the result."""
-    paragraphs = [f"Paragraph {i}: to be, or not to be.\nThat is line two of {i}." for i in range(40)]
+    paragraphs = [f"Paragraph {i}: to be, or not to be.\nThat is line two of {i}." for i in range(400)]
     text = tmp_path / "input.txt"
     text.write_text("\n\n".join(paragraphs) + "\n")
     out = tmp_path / "c4"
@@ -469,7 +469,7 @@ def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     val = np.fromfile(out / "val.bin", dtype=np.uint16).tolist()
     assert val == [t for p in paragraphs[9::10] for t in enc.encode_ordinary(p) + [pc.EOT]]
     assert train == [t for i, p in enumerate(paragraphs) if i % 10 != 9 for t in enc.encode_ordinary(p) + [pc.EOT]]
-    assert meta["source"].startswith("file://") and meta["n_val_docs"] == 4
+    assert meta["source"].startswith("file://") and meta["n_val_docs"] == 40
     with gzip.open(out / train_name(0), "rt") as f:
         assert json.loads(f.readline())["text"] == paragraphs[0]
     assert pc.prepare(out_dir=str(out), workers=1, from_text=str(text)) == meta  # rerun: up to date
@@ -480,6 +480,9 @@ def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     assert run.returncode == 0, run.stderr[-2000:]
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert records[-1]["iter"] == 3 and records[-1]["val"] < records[0]["val"]
+    # the final evaluation streams: 40 val documents (> 333 tokens) x 50304 logits is past evaluate.STREAM_ABOVE
+    scores = json.loads((tmp_path / "run" / "metrics.json").read_text())["val"]
+    assert len(val) * 50304 > 2 ** 24 and 1 < scores["ppl_best"] <= scores["ppl"] * 1.0001 and 0 <= scores["accuracy"] <= 1
     sample = subprocess.run([sys.executable, "sample.py", str(tmp_path / "run" / "best.pt"), "--start", "To be",
                              "--max_new_tokens", "5"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert sample.returncode == 0 and sample.stdout.startswith("To be"), sample.stderr[-2000:]

@@ -1,0 +1,50 @@
+"""figures.py: each figure function writes a PNG when matplotlib is installed, and every one of
+them returns None (writing nothing) when it is not."""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import figures  # noqa: E402
+
+ITOS = list("\n !,.ABCabc")
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def calls(tmp_path):
+    rng = np.random.default_rng(0)
+    E = {"CE": rng.normal(size=(2 * len(ITOS), 8)), "margin": rng.normal(size=(2 * len(ITOS), 8))}
+    hist = rng.random((5, 40))
+    return [
+        (figures.val_loss_curves, ({"CE": [([0, 250, 500], [4.0, 2.5, 2.0]), ([0, 250, 500], [4.1, 2.6, 2.1])],
+                                    "SimReg": [([0, 250, 500], [4.0, 2.4, 1.9])]}, str(tmp_path / "val.png"))),
+        (figures.condensation_heatmaps, ({"CE": hist, "dispersion": hist / 2}, str(tmp_path / "cond.png"))),
+        (figures.embedding_similarity, (E, ITOS, str(tmp_path / "sim.png"))),
+        (figures.embedding_pca, (E, ITOS, str(tmp_path / "pca.png"))),
+    ]
+
+
+def test_each_figure_is_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    for function, args in calls(tmp_path):
+        path = function(*args)
+        assert path == args[-1]
+        with open(path, "rb") as f:
+            assert f.read(8) == PNG, function.__name__
+    assert sorted(os.listdir(tmp_path)) == ["cond.png", "pca.png", "sim.png", "val.png"]  # no temp files left
+
+
+def test_without_matplotlib_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    for function, args in calls(tmp_path):
+        assert function(*args) is None
+    assert os.listdir(tmp_path) == []
+
+
+def test_letters_line_up_with_their_twins():
+    order, letters = figures.letter_order(ITOS, len(ITOS))
+    assert letters == list("AaBbCc")
+    assert order[len(letters):] == [i + len(ITOS) for i in order[:len(letters)]]
