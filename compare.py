@@ -301,6 +301,32 @@ def build_table(grid, root):
         lines.append(f"| {method} | {len(shared)} | {diff('lr', 'accuracy')} | {diff('lr', 'mrr')} | "
                      f"{diff('lr', 'ppl_best')} | {diff('hr', 'accuracy')} | {diff('hr', 'ppl_best')} | "
                      f"{diff('lr', 'isotropy')} |")
+    # SimReg's claim: the same loss in >= 30 % fewer steps
+    def val_curve(method, seed):
+        with open(os.path.join(run_dir(root, grid, method, seed), "log.jsonl")) as f:
+            return [(r["iter"], r["val"]) for r in map(json.loads, f) if "val" in r]
+    lines += ["", f"## Steps to reach {baseline}'s best val loss (same seed)", "",
+              f"The first evaluation (every eval_interval steps) at which a method's mixed val loss is at or below the "
+              f"best one {baseline} reached in its whole run on the same seed; a chained method counts its last stage's steps.", "",
+              "| method | seeds that reach it | steps (mean ± std) | fraction of the baseline's steps |", "|---|---|---|---|"]
+    for method in methods:
+        runs = results.get(method, {})
+        shared = sorted(set(runs) & set(base))
+        if not shared:
+            continue
+        reached, ratios = [], []
+        for seed in shared:
+            base_curve = val_curve(baseline, seed)
+            if not base_curve:
+                continue
+            target = min(v for _, v in base_curve)
+            base_steps = next(i for i, v in base_curve if v <= target)
+            steps = next((i for i, v in val_curve(method, seed) if v <= target), None)
+            if steps is not None:
+                reached.append(steps)
+                ratios.append(steps / base_steps)
+        cells = (f"{fmt(reached, 0)} | {fmt(ratios, 2)}" if reached else "— | —")
+        lines.append(f"| {method} | {len(reached)} of {len(shared)} | {cells} |")
     # geometry of the embedding
     lines += ["", "## Embedding geometry", "",
               "| method | I(W) all rows | twin in top-3 (of 130 rows) | 12 cases (A/a, HR/LR) | all letters (of 312) |",

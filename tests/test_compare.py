@@ -29,8 +29,10 @@ def tiny_grid(tmp_path, monkeypatch):
         os.makedirs(out)
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(fake_metrics(acc, ppl), f)
+        curve = [3.0, 2.0, 1.5] if method == "ce" else [3.0, 1.4 + seed - 1337, 1.2 + seed - 1337]
         with open(os.path.join(out, "log.jsonl"), "w") as f:
             f.write(json.dumps({"iter": 0, "loss": 1.0, "tokens_per_s": 1000.0, "ms_per_iter": 10.0, "mfu": 0.5}) + "\n")
+            f.writelines(json.dumps({"iter": 250 * k, "val": v}) + "\n" for k, v in enumerate(curve))
     return str(tmp_path)
 
 
@@ -42,6 +44,8 @@ def test_table_has_mean_std_and_paired_differences(tiny_grid):
     # paired LR accuracy differences m - ce: 0.05 and 0.07 -> 0.060 ± 0.014
     assert "| m | 2 | 0.060 ± 0.014 |" in table
     assert "| ce | 2 | 1000 | 10.0 | 0.50 |" in table
+    # ce's best val 1.5 at step 500; m gets there at step 250 on seed 1337 and never on seed 1338
+    assert "| m | 1 of 2 | 250 ± 0 | 0.50 ± 0.00 |" in table and "| ce | 2 of 2 | 500 ± 0 | 1.00 ± 0.00 |" in table
 
 
 def test_existing_runs_are_skipped_and_archived(tiny_grid, tmp_path):
