@@ -57,7 +57,7 @@ STREAM_ABOVE = 2 ** 24  # logits elements (64 MB in fp32) beyond which evaluatio
 
 
 @torch.no_grad()
-def streamed_prediction_metrics(lm_head, finals, targets, chunk=2048):
+def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
     """prediction_metrics without ever holding all (N, V) logits (a 50304-token vocabulary): the
     logits are recomputed chunk by chunk from the final normed states (N, C). PPL, accuracy,
     Recall@5 and MRR are means over tokens, so chunk means weighted by chunk size give them
