@@ -203,9 +203,12 @@ def test_unknown_tokenizer_is_rejected(tmp_path, sample_file):
 def test_gpt2_bpe_splits_characters_then_encodes_each_side(tmp_path, sample_file, monkeypatch):
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", os.environ.get("TIKTOKEN_CACHE_DIR", str(REPO_ROOT.parent / "shared" / "data" / "tiktoken")))
     import tiktoken
+    try:
+        enc = tiktoken.get_encoding("r50k_base")
+    except Exception as exc:  # no cache and no network
+        pytest.skip(f"GPT-2 BPE ranks unavailable ({type(exc).__name__}); set TIKTOKEN_CACHE_DIR")
     text = sample_file.read_text(encoding="utf-8")
     meta = ps.prepare(input_path=str(sample_file), out_dir=str(tmp_path / "out"), tokenizer="gpt2")
-    enc = tiktoken.get_encoding("r50k_base")
     n = int(len(text) * 0.9)
     train = np.fromfile(tmp_path / "out" / "train.bin", dtype=np.uint16).tolist()
     val = np.fromfile(tmp_path / "out" / "val.bin", dtype=np.uint16).tolist()
