@@ -102,8 +102,7 @@ def launch(config, extra, seed, out_dir, threads, overrides):
         # earlier stages of a chain go to out_dir/stage<k>; the last one is the run itself
         stage_dir = out_dir if stage == len(configs) - 1 else os.path.join(out_dir, f"stage{stage}")
         os.makedirs(stage_dir, exist_ok=True)
-        cmd = [sys.executable, "train.py", config_file, f"--seed={seed}", f"--out_dir={stage_dir}",
-               f"--num_threads={threads}", *extra, *overrides]
+        cmd = planned_commands(config_file, extra, seed, overrides)[0] + [f"--out_dir={stage_dir}", f"--num_threads={threads}"]
         if previous is not None:
             cmd.append(f"--init_from={os.path.join(previous, 'best.pt')}")
         with open(os.path.join(stage_dir, "train.out"), "w") as f:

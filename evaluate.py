@@ -70,14 +70,13 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
     chunks = [(finals[i:i + chunk], targets[i:i + chunk]) for i in range(0, n, chunk)]
 
     def pass_at(b, first=False):
-        """One pass: f(b), f'(b), f''(b) (and on the first pass the plain metrics' sums)."""
+        """One pass: f(b), f'(b), f''(b) (and on the first pass the rank metrics' sums)."""
         f = g = h2 = 0.0
         sums = {}
         for states, t in chunks:
             z = lm_head(states).float()
             if first:
-                batch = {"log_ppl": math.log(metrics.perplexity(z, t)), **metrics.rank_metrics(z, t)}
-                for key, value in batch.items():
+                for key, value in metrics.rank_metrics(z, t).items():
                     sums[key] = sums.get(key, 0.0) + value * len(t)
             d = z - z.max(dim=1, keepdim=True).values  # <= 0: exp never overflows
             logp = torch.log_softmax(b * d, dim=1)
@@ -92,6 +91,7 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
 
     b = 1.0
     f, g, h2, sums = pass_at(b, first=True)
+    log_ppl = f  # f(1): the plain mean NLL
     best = (f, b)
     for _ in range(20):
         step = -g / h2 if h2 > 0 else (1.0 if g < 0 else -0.5) * b
@@ -101,7 +101,7 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
         b = new_b
         f, g, h2, _ = pass_at(b)
         best = min(best, (f, b))
-    return {"ppl": math.exp(sums["log_ppl"] / n), "ppl_best": math.exp(best[0]), "t_best": 1.0 / best[1],
+    return {"ppl": math.exp(log_ppl), "ppl_best": math.exp(best[0]), "t_best": 1.0 / best[1],
             **{k: sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}}
 
 
@@ -123,7 +123,7 @@ def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
     simreg_sum, all_logits = 0.0, []
     for i in range(0, len(x), batch_size):
         xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
-        logits, hidden = model(xb, return_hidden_states=True)
+        logits, hidden = model(xb, return_hidden_states=True, compute_logits=keep_logits)
         all_logits.append(logits.float().cpu() if keep_logits else hidden[-1].float().cpu())
         weight = len(xb) / len(x)
         for depth, z in enumerate(hidden[:L + 1] + [hidden[-1]]):
