@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import figures
 
-from utils import atomic_write, save_json, save_text
+from utils import atomic_write, measure_matmul_flops, save_json, save_text
 
 SEEDS = [1337, 1338, 1339, 1340, 1341]
 
@@ -97,7 +97,7 @@ def launch(config, extra, seed, out_dir, threads, overrides):
         return 0.0
     configs = config if isinstance(config, tuple) else (config,)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    t0, commands, previous = time.time(), [], None
+    t0, commands, previous, flops = time.time(), [], None, 0
     for stage, config_file in enumerate(configs):
         # earlier stages of a chain go to out_dir/stage<k>; the last one is the run itself
         stage_dir = out_dir if stage == len(configs) - 1 else os.path.join(out_dir, f"stage{stage}")
@@ -110,9 +110,10 @@ def launch(config, extra, seed, out_dir, threads, overrides):
         if code != 0:
             raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {stage_dir}/train.out")
         commands.append(cmd)
+        flops += run_flops(stage_dir) or 0
         previous = stage_dir
     wall = time.time() - t0
-    save_json({"wall_s": wall, "threads": threads, "commands": commands}, os.path.join(out_dir, "run.json"))
+    save_json({"wall_s": wall, "threads": threads, "commands": commands, "flops": flops}, os.path.join(out_dir, "run.json"))
     return wall
 
 
@@ -159,6 +160,47 @@ def reuse_identical(todo, root, overrides):
         os.rename(tmp, out)
         reused.append((method, seed))
     return reused
+
+
+def run_flops(out_dir):
+    """The FLOPs a finished run executed (run.json: all stages of a chain; else its metrics.json,
+    written by train.py), or None for runs made before train.py counted them."""
+    for name in ("run.json", "metrics.json"):
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            with open(path) as f:
+                flops = json.load(f).get("flops")
+            if isinstance(flops, dict):
+                flops = flops.get("total")
+            if flops:
+                return flops
+    return None
+
+
+def bf16_matrix_units():
+    """Whether the CPU reports bf16 matrix/vector instructions (AMX or AVX512-BF16): only then is
+    bf16 worth measuring (on an AVX2-only CPU it runs ~100x slower than fp32)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def machine_peak():
+    """The machine's matmul peak on all its cores, the denominator of the grid's efficiency: a
+    2048^2 fp32 matmul, and a bf16 one where the CPU has bf16 units and it is faster there."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        peak = {"float32": measure_matmul_flops("cpu", torch.float32)}
+        if bf16_matrix_units():
+            peak["bfloat16"] = measure_matmul_flops("cpu", torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+    dtype = max(peak, key=peak.get)
+    return {"peak_flops": peak[dtype], "peak_dtype": dtype, "measured": peak}
 
 
 def cpu_name():
@@ -213,9 +255,6 @@ def sync_archive(grid, root, archive):
         if os.path.exists(os.path.join(dest, "metrics.json")):
             done.add((method, seed))
             archive_embedding(out, dest)  # runs archived before the figures existed
-    wall, archived_wall = os.path.join(root, grid, "wall.json"), os.path.join(archive, grid, "wall.json")
-    if os.path.exists(wall) and (not os.path.exists(archived_wall) or os.path.getmtime(wall) > os.path.getmtime(archived_wall)):
-        atomic_write(archived_wall, lambda tmp: shutil.copyfile(wall, tmp))  # the grid's timing, from a call that ran in root
     return done
 
 
@@ -229,22 +268,45 @@ def run_grid(grid, root, workers, overrides, archive="results/runs"):
         todo = [r for r in todo if (r[0], r[1]) not in done]
     total = sum(1 for _ in runs_of(grid, root))
     print(f"grid '{grid}': {total} runs, {total - len(todo)} already done, {len(todo)} to run, {workers} at a time")
+    if not todo:
+        return 0.0
     threads = max(1, (os.cpu_count() or 1) // workers)
-    t0 = time.time()
-    with ThreadPoolExecutor(workers) as pool, tqdm(total=len(todo), desc=grid, unit="run") as bar:
-        futures = {pool.submit(launch, config, extra, seed, out, threads, overrides): (method, seed, out)
-                   for method, seed, config, extra, out in todo}
-        for future in as_completed(futures):
-            future.result()
-            method, seed, out = futures[future]
-            archive_run(out, run_dir(archive, grid, method, seed))
-            bar.update(1)
-    wall = time.time() - t0
-    if todo:  # the grid's wall time, for the table (a call with nothing to do keeps the old record)
-        save_json({"wall_s": wall, "runs": len(todo), "workers": workers, "threads_per_run": threads,
-                   "cpu": cpu_name(), "cores": os.cpu_count(), "torch": torch.__version__},
-                  os.path.join(archive, grid, "wall.json"))
-    return wall
+    peak = machine_peak()  # before any run starts: the cores are idle
+    print(f"machine peak: {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_dtype']} 2048^2 matmul on "
+          f"{os.cpu_count()} cores, {cpu_name()})")
+    t0, finished, flops = time.time(), 0, 0
+    record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": cpu_name(), "cores": os.cpu_count(),
+              "torch": torch.__version__, **peak}
+    try:
+        with ThreadPoolExecutor(workers) as pool, tqdm(total=len(todo), desc=grid, unit="run") as bar:
+            futures = {pool.submit(launch, config, extra, seed, out, threads, overrides): (method, seed, out)
+                       for method, seed, config, extra, out in todo}
+            for future in as_completed(futures):
+                future.result()
+                method, seed, out = futures[future]
+                archive_run(out, run_dir(archive, grid, method, seed))
+                finished += 1
+                flops = None if flops is None or run_flops(out) is None else flops + run_flops(out)
+                bar.update(1)
+    finally:  # every call's wall time counts, an interrupted one too (its unfinished runs were wasted)
+        record.update(wall_s=time.time() - t0, runs=finished, flops=flops)
+        record_call(os.path.join(archive, grid, "wall.json"), record)
+    return record["wall_s"]
+
+
+def record_call(path, record):
+    """Append one compare.py call's record to wall.json (a grid may take several calls, in
+    several sessions: its wall time is the sum of theirs)."""
+    calls = grid_calls(path)
+    save_json({"calls": calls + [record]}, path)
+
+
+def grid_calls(path):
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        data = json.load(f)
+    return data.get("calls", [data])  # an older wall.json held one call
 
 
 def mean_std(values):
@@ -399,14 +461,40 @@ def build_table(grid, root):
             wall = f"{sum(walls) / len(walls) / 60:.1f} min" if walls else "n/a"
             lines.append(f"| {method} | {len(results.get(method, {}))} | {med['tokens_per_s']:.0f} | "
                          f"{med['ms_per_iter']:.1f} | {med['mfu']:.2f} | {wall} |")
-    wall_path = os.path.join(root, grid, "wall.json")
-    if os.path.exists(wall_path):
-        with open(wall_path) as f:
-            w = json.load(f)
-        lines += ["", f"Last `compare.py {grid}` call: {w['runs']} runs in {w['wall_s'] / 60:.1f} min, {w['workers']} at a "
-                  f"time with {w['threads_per_run']} thread(s) each, on {w['cpu']} ({w['cores']} cores), torch {w['torch']}. "
-                  "MFU = model FLOPs (6N + attention) / the run's own measured fp32 2048² matmul peak."]
+    lines += speed_summary(grid, root)
     return "\n".join(lines) + "\n", results
+
+
+def speed_summary(grid, root):
+    """The grid's wall time over all compare.py calls and its efficiency:
+    (grid FLOPs / peak) / wall time, where grid FLOPs are what the runs executed (training,
+    evaluation, fine-tuning; train.py counts them) and peak is the matmul peak each call
+    measured on all cores before starting."""
+    calls = grid_calls(os.path.join(root, grid, "wall.json"))
+    lines = ["", "MFU per run = model FLOPs (6N + attention) / that run's own measured fp32 2048² matmul peak "
+             "on its thread(s), measured while other runs may share the machine."]
+    if not calls:
+        return lines
+    wall = sum(c["wall_s"] for c in calls)
+    runs = sum(c["runs"] for c in calls)
+    last = calls[-1]
+    lines += ["", f"Wall time: {runs} runs in {wall / 3600:.2f} h over {len(calls)} `compare.py {grid}` call(s), "
+              f"{last['workers']} runs at a time with {last['threads_per_run']} thread(s) each, on {last['cpu']} "
+              f"({last['cores']} cores), torch {last['torch']}."]
+    counted = [c for c in calls if c.get("flops") is not None and c.get("peak_flops")]
+    if counted:
+        flops = sum(c["flops"] for c in counted)
+        at_peak = sum(c["flops"] / c["peak_flops"] for c in counted)
+        counted_wall = sum(c["wall_s"] for c in counted)
+        scope = "" if len(counted) == len(calls) else \
+            f" (the {len(counted)} call(s) whose runs counted their FLOPs: {sum(c['runs'] for c in counted)} runs, {counted_wall / 3600:.2f} h)"
+        lines += ["", f"**Efficiency = (grid FLOPs / peak) / wall time = {at_peak / counted_wall:.2f}**{scope}: "
+                  f"{flops / 1e15:.3f} PFLOP executed (training, evaluation and fine-tuning), which at the measured "
+                  f"peak of {last['peak_flops'] / 1e9:.0f} GFLOP/s ({last['peak_dtype']}, all cores) would take "
+                  f"{at_peak / 60:.1f} min."]
+    else:
+        lines += ["", "Efficiency: not available (these runs were made before train.py counted the FLOPs it executes)."]
+    return lines
 
 
 # which methods each figure compares (the first of a grid's methods is its baseline)

@@ -89,7 +89,7 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
             h2 += ((pd * d).sum(dim=1, dtype=torch.float64) - mean_d ** 2).clamp(min=0).sum().item()
         return f / n, g / n, h2 / n, sums
 
-    b = 1.0
+    b, passes = 1.0, 1
     f, g, h2, sums = pass_at(b, first=True)
     log_ppl = f  # f(1): the plain mean NLL
     best = (f, b)
@@ -100,9 +100,10 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
             break
         b = new_b
         f, g, h2, _ = pass_at(b)
+        passes += 1
         best = min(best, (f, b))
     return {"ppl": math.exp(log_ppl), "ppl_best": math.exp(best[0]), "t_best": 1.0 / best[1],
-            **{k: sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}}
+            **{k: sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}, "head_passes": passes}
 
 
 @torch.no_grad()
@@ -141,18 +142,25 @@ def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
 
 @torch.no_grad()
 def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
+    """The metrics of SPEC section 1 on the whole val split, plus "flops": the matmul FLOPs this
+    evaluation executed (forward passes, and the LM head's extra passes when streamed), for
+    compare.py's efficiency figure."""
     x, y = val_blocks(data_dir, model.config.block_size)
     W = model.output_embedding().detach().float().cpu()
+    forward_flops = x.numel() * model.flops_per_token(backward=False)
     if not low_resource:
         if x.numel() * model.config.vocab_size <= STREAM_ABOVE:
             logits, geometry = forward_val(model, x, y, device)
             scores = prediction_metrics(logits, y.reshape(-1))
+            flops = forward_flops
         else:  # too many logits to hold at once (GPT-2 BPE): keep the final states instead
             finals, geometry = forward_val(model, x, y, device, batch_size=32, keep_logits=False)
             scores = streamed_prediction_metrics(lambda h: model.lm_head(h.to(device)).cpu(), finals, y.reshape(-1))
-        return {"val": {**scores, "isotropy": metrics.isotropy(W)}, "geometry": {"val": geometry}}
+            head_flops = 2 * model.config.n_embd * model.config.vocab_size * x.numel()
+            flops = forward_flops - head_flops + scores.pop("head_passes") * head_flops
+        return {"val": {**scores, "isotropy": metrics.isotropy(W)}, "geometry": {"val": geometry}, "flops": flops}
     shift = len(itos)
-    result = {"geometry": {}}
+    result = {"geometry": {}, "flops": 2 * forward_flops}  # scored twice: HR and LR
     for lang, offset in (("hr", 0), ("lr", shift)):
         logits, result["geometry"][lang] = forward_val(model, x + offset, y + offset, device)
         result[lang] = {**prediction_metrics(logits, (y + offset).reshape(-1)),
@@ -168,6 +176,7 @@ def evaluate_checkpoint(path, device="cpu"):
     config = checkpoint["config"]
     result = evaluate_model(model, config["data_dir"], config["low_resource"], checkpoint["meta"].get("itos"), device)
     result["checkpoint"] = {"path": path, "iter": checkpoint["iter_num"], "val_loss": checkpoint["best_val_loss"]}
+    result["flops"] = {"final_eval": result["flops"], "total": result["flops"]}  # train.py adds its own
     return result
 
 

@@ -306,10 +306,11 @@ class GPT(nn.Module):
             n -= self.config.n_layer * (self.config.n_expert - self.config.top_k) * expert
         return n
 
-    def flops_per_token(self, seq_len=None, with_head=True):
+    def flops_per_token(self, seq_len=None, with_head=True, backward=True):
         """Training FLOPs per token (forward + backward), PaLM appendix B style:
         6 per parameter for the matmuls plus 12 * n_layer * n_embd * T for attention scores.
-        with_head=False: a headless run that never computes the LM head."""
+        with_head=False: a headless run that never computes the LM head. backward=False: the
+        forward pass alone (evaluation), a third of that: 2 per parameter + 4 * n_layer * n_embd * T."""
         T = seq_len or self.config.block_size
         # matmul weights: the blocks and the LM head. Lookups (wpe, and wte when untied) are free.
         n = self.num_params(non_embedding=True, active=True)
@@ -317,7 +318,8 @@ class GPT(nn.Module):
             n -= self.wte.weight.numel()
         if not with_head:
             n -= self.lm_head.weight.numel()
-        return 6 * n + 12 * self.config.n_layer * self.config.n_embd * T
+        training = 6 * n + 12 * self.config.n_layer * self.config.n_embd * T
+        return training if backward else training // 3
 
     def forward(self, idx, return_hidden_states=False, compute_logits=True):
         """idx (B, T) token ids -> logits (B, T, V), and the list of hidden states if asked.

@@ -435,7 +435,7 @@ def save_checkpoint(path, full):
             state.update(optimizers=[opt.state_dict() for opt in optimizers])
     if full:  # every rank draws the same random numbers, so rank 0's RNG states are everyone's
         state.update(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
-                     cuda_rng=torch.cuda.get_rng_state() if on_cuda else None,
+                     cuda_rng=torch.cuda.get_rng_state() if on_cuda else None, flops_done=dict(flops_done),
                      adagc=clipper.state_dict() if clipper is not None else None)
     if master:
         save_torch(state, path)
@@ -455,7 +455,17 @@ def log(record):
 
 # training loop ---------------------------------------------------------------
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size * world_size  # over all processes
-flops_per_iter = model.flops_per_token(with_head=objective.needs_logits) * tokens_per_iter  # model only, not the losses
+# model FLOPs (6N + attention) plus the objective's trainable head (NITP); the losses' own
+# similarity products are small and not counted
+objective_matmul_params = sum(p.numel() for p in objective.parameters() if p.dim() >= 2)
+flops_per_iter = (model.flops_per_token(with_head=objective.needs_logits) + 6 * objective_matmul_params) * tokens_per_iter
+# every evaluation: eval_iters batches, each scored in every language, with the LM head
+languages_evaluated = 2 if low_resource else 1
+flops_per_eval = eval_iters * languages_evaluated * batch_size * block_size * model.flops_per_token(backward=False)
+if init_from != "resume" or "flops_done" not in checkpoint:
+    flops_done = {"train": 0, "eval": 0}  # what this run has executed, for compare.py's efficiency figure
+else:
+    flops_done = checkpoint["flops_done"]
 peak = peak_flops(device, dtype) * world_size
 if master:
     processes = f" | {world_size} process{'es' if world_size > 1 else ''}, {parallel}" if parallel != "none" else ""
@@ -474,6 +484,7 @@ while True:
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
         last_eval = estimate_val_loss()  # the same batches on every rank: the same result everywhere
+        flops_done["eval"] += flops_per_eval * world_size  # every rank evaluates the same batches
         log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
         if last_eval["val"] < best_val_loss:
@@ -530,6 +541,7 @@ while True:
         opt.zero_grad(set_to_none=True)
     iter_num += 1
     window_iters += 1
+    flops_done["train"] += flops_per_iter
     bar.update(1)
 
     if iter_num % log_interval == 0:
@@ -555,5 +567,8 @@ if log_marginalization and grad_parts:  # (parallel='none' only: one process)
 
 if final_eval and master:  # one process: best.pt holds the whole weights in any mode
     metrics = evaluate.evaluate_checkpoint(best_path, device=device)
+    # FLOPs of the whole run (all processes), evaluation included: compare.py sums them over a grid
+    metrics["flops"] = {**flops_done, "final_eval": metrics["flops"]["final_eval"]}
+    metrics["flops"]["total"] = sum(metrics["flops"].values())
     save_json(metrics, os.path.join(out_dir, "metrics.json"))
     print(evaluate.format_metrics(metrics))

@@ -6,6 +6,7 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -86,11 +87,24 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     assert commands[0][2] == "config/lowres_cwt.py" and commands[1][-1] == f"--init_from={chained}/stage0/best.pt"
     assert os.path.exists(os.path.join(chained, "stage0", "metrics.json"))
     with open(os.path.join(archive, "mini", "wall.json")) as f:
-        assert json.load(f)["runs"] == 2
+        (call,) = json.load(f)["calls"]
+    # the grid's FLOPs: what train.py counted in each run, a chain's stages summed
+    stage_flops = []
+    for stage in (os.path.join(chained, "stage0"), chained):
+        with open(os.path.join(stage, "metrics.json")) as f:
+            stage_flops.append(json.load(f)["flops"]["total"])
+    with open(os.path.join(chained, "run.json")) as f:
+        assert json.load(f)["flops"] == sum(stage_flops) > 0
+    with open(os.path.join(compare.run_dir(root, "mini", "CE", 1337), "metrics.json")) as f:
+        ce_flops = json.load(f)["flops"]["total"]
+    assert call["runs"] == 2 and call["flops"] == sum(stage_flops) + ce_flops
+    assert call["peak_dtype"] == "float32" and call["peak_flops"] > 1e9 and call["wall_s"] > 0
     archived = compare.run_dir(archive, "mini", "CWT + FT", 1337)
     assert sorted(os.listdir(archived)) == ["embedding.npz", "log.jsonl", "metrics.json", "run.json"]  # no checkpoints
     table, results = compare.build_table("mini", archive)
     assert set(results) == {"CE", "CWT + FT"} and "## Hidden-state geometry" in table
+    efficiency = call["flops"] / call["peak_flops"] / call["wall_s"]
+    assert f"**Efficiency = (grid FLOPs / peak) / wall time = {efficiency:.2f}**:" in table
     drawn = compare.make_figures("mini", archive, str(tmp_path / "results"))
     try:
         import matplotlib  # noqa: F401
@@ -101,6 +115,8 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     mtime = os.path.getmtime(os.path.join(chained, "metrics.json"))
     compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)  # nothing left to run
     assert os.path.getmtime(os.path.join(chained, "metrics.json")) == mtime
+    with open(os.path.join(archive, "mini", "wall.json")) as f:
+        assert len(json.load(f)["calls"]) == 1  # a call with nothing to do adds no wall time
     # another grid with the same run (same config, seed and overrides) copies it instead of training
     monkeypatch.setitem(compare.GRIDS, "mini2", {"CE again": ("config/lowres_baseline.py", [], 1)})
     monkeypatch.setattr(compare, "launch", lambda *a: pytest.fail("an identical run was trained again"))
@@ -116,3 +132,33 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     shutil.rmtree(root)
     compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
     assert not os.path.exists(root + "/mini/CE")
+
+
+def test_efficiency_sums_calls_and_says_when_runs_did_not_count(tiny_grid):
+    """A grid run in several compare.py calls: its wall time is the sum of theirs, and its
+    efficiency sum(FLOPs_i / peak_i) / sum(wall_i) over the calls whose runs counted FLOPs."""
+    path = os.path.join(tiny_grid, "tiny", "wall.json")
+    common = {"workers": 2, "threads_per_run": 1, "cpu": "Test CPU", "cores": 2, "torch": "x", "peak_dtype": "float32"}
+    with open(path, "w") as f:  # an older, single-call wall.json: no FLOPs
+        json.dump({"wall_s": 1800.0, "runs": 1, **{k: v for k, v in common.items() if k != "peak_dtype"}}, f)
+    table, _ = compare.build_table("tiny", tiny_grid)
+    assert "1 runs in 0.50 h over 1 `compare.py tiny` call(s)" in table and "Efficiency: not available" in table
+    compare.record_call(path, {**common, "wall_s": 3600.0, "runs": 2, "flops": 2.0e14, "peak_flops": 1.0e11})
+    compare.record_call(path, {**common, "wall_s": 1800.0, "runs": 1, "flops": 0.6e14, "peak_flops": 1.5e11})
+    table, _ = compare.build_table("tiny", tiny_grid)
+    # (2000 s + 400 s at peak) / 5400 s = 0.444...
+    assert "4 runs in 2.00 h over 3 `compare.py tiny` call(s)" in table
+    assert ("**Efficiency = (grid FLOPs / peak) / wall time = 0.44** (the 2 call(s) whose runs counted their "
+            "FLOPs: 3 runs, 1.50 h): 0.260 PFLOP executed") in table
+
+
+def test_machine_peak_measures_fp32_and_bf16_only_with_bf16_units(monkeypatch):
+    monkeypatch.setattr(compare, "bf16_matrix_units", lambda: False)
+    peak = compare.machine_peak()
+    assert set(peak["measured"]) == {"float32"} and peak["peak_dtype"] == "float32" and peak["peak_flops"] > 1e9
+    monkeypatch.setattr(compare, "bf16_matrix_units", lambda: True)
+    monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype: 3e11 if dtype == torch.bfloat16 else 1e11)
+    assert compare.machine_peak() == {"peak_flops": 3e11, "peak_dtype": "bfloat16",
+                                      "measured": {"float32": 1e11, "bfloat16": 3e11}}
+    monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype: 1e9 if dtype == torch.bfloat16 else 1e11)
+    assert compare.machine_peak()["peak_dtype"] == "float32"  # bf16 units, but slower: fp32 is the peak

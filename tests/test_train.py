@@ -134,8 +134,38 @@ def test_evaluate_cli_reproduces_metrics(tmp_path, baseline_run):
                             cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     with open(target) as f, open(os.path.join(out, "metrics.json")) as g:
-        # equal up to the last bits that a different thread count may change in a matmul
-        assert_close(json.load(f), json.load(g))
+        alone, in_training = json.load(f), json.load(g)
+    # the evaluation's own FLOPs are the same; training's are only known to train.py
+    assert alone.pop("flops") == {"final_eval": in_training["flops"]["final_eval"], "total": in_training["flops"]["final_eval"]}
+    in_training.pop("flops")
+    assert_close(alone, in_training)  # equal up to the last bits that a different thread count may change in a matmul
+
+
+def test_flops_executed_match_a_count_of_the_matmuls(baseline_run, data_dir, tmp_path):
+    """metrics.json's FLOPs against an independent count: 2 FLOPs per parameter per token forward
+    (every matmul weight, the tied LM head included, and the norms' gains, as nanoGPT's 6N counts
+    them; not the position table, a lookup), 4 L C T for attention scores, backward = 2x forward; 3 evaluations of eval_iters batches in both languages; the final evaluation scores
+    the whole val split in both languages. The NITP head adds 6 per weight per training token."""
+    import torch
+    sys.path.insert(0, REPO)
+    import evaluate
+    out, _ = baseline_run
+    model, _ = evaluate.load_model(os.path.join(out, "best.pt"))
+    linear = sum(p.numel() for name, p in model.named_parameters() if name != "wpe.weight")
+    L, C, T, B = 1, 16, 16, 4
+    forward = 2 * linear + 4 * L * C * T
+    x, _ = evaluate.val_blocks(data_dir, T)
+    with open(os.path.join(out, "metrics.json")) as f:
+        flops = json.load(f)["flops"]
+    assert flops["train"] == 20 * B * T * 3 * forward
+    assert flops["eval"] == 3 * 2 * 2 * B * T * forward
+    assert flops["final_eval"] == 2 * x.numel() * forward
+    assert flops["total"] == flops["train"] + flops["eval"] + flops["final_eval"]
+    nitp = tmp_path / "nitp"
+    train(nitp, data_dir, "--nitp_weight=1.0", "--final_eval=False", "--max_iters=2")
+    checkpoint = torch.load(nitp / "ckpt.pt", weights_only=False)
+    head = sum(v.numel() for k, v in checkpoint["objective"].items() if v.dim() == 2)
+    assert head == 3 * C * 4 * C and checkpoint["flops_done"]["train"] == 2 * B * T * (3 * forward + 6 * head)
 
 
 def assert_close(a, b, path=""):
