@@ -63,6 +63,20 @@ GRIDS = {
         "SimReg + dispersion": ("config/lowres_simreg_dispersion.py", [], 3),
     },
 }
+# The same methods on the BPE toy (config/bpe_baseline.py), with the settings of the lowres_*.py
+# configs given as overrides; CWT's two stages have their own configs.
+BPE = "config/bpe_baseline.py"
+GRIDS["bpe"] = {
+    "CE": (BPE, [], 3),
+    "margin 0.6 + SE": (BPE, ["--margin=0.6", "--separate_embeddings=True"], 3),
+    "SimReg": (BPE, ["--simreg_weight=3.54"], 3),
+    "SimReg chunk 32": (BPE, ["--simreg_weight=3.54", "--simreg_chunk_size=32"], 3),
+    **{f"dispersion{'' if variant == 'angular' else ' ' + variant}": (BPE, ["--dispersion_weight=0.1", f"--dispersion_variant={variant}"], 3)
+       for variant in ("angular", "decorrelation", "l2_repel", "orthogonalization")},
+    "NITP": (BPE, ["--nitp_weight=1.0", "--nitp_layer=1"], 3),
+    "CWT + FT": (("config/bpe_cwt.py", "config/bpe_cwt_ft.py"), [], 3),
+    "SimReg + dispersion": (BPE, ["--simreg_weight=3.54", "--dispersion_weight=0.1"], 3),
+}
 
 # The authors' numbers, HR / LR (SPEC.md section 1: margins 2 and 1 from the paper's Table 7;
 # baseline and 0.6 + SE from the authors' notebooks, one seed). (ppl, ppl_best, t_best, acc, r@5, mrr, I(W))
@@ -330,12 +344,16 @@ def build_table(grid, root):
             with open(path) as f:
                 results.setdefault(method, {})[seed] = json.load(f)
     baseline = next(iter(methods))
+    # the char grids score the val split in two languages (HR, LR); the BPE grid in one ("val")
+    low_resource = any("lr" in r for runs in results.values() for r in runs.values())
+    langs = ("hr", "lr") if low_resource else ("val",)
     lines = [f"# Grid `{grid}`", "",
              f"Produced by `python compare.py {grid}` from the runs' `metrics.json` (mean ± std over seeds "
              f"{', '.join(map(str, SEEDS))}, as many as each method lists). Evaluation on the whole val split, "
-             "never thresholded; the checkpoint with the best mixed val loss. `paper` rows: SPEC.md section 1.", ""]
-    for lang in ("hr", "lr"):
-        lines += [f"## {lang.upper()} validation", "",
+             "never thresholded; the checkpoint with the best " + ("mixed " if low_resource else "") + "val loss." +
+             (" `paper` rows: SPEC.md section 1." if grid in PAPER else ""), ""]
+    for lang in langs:
+        lines += [f"## {lang.upper()} validation" if low_resource else "## Validation", "",
                   "| method | seeds | " + " | ".join(METRICS) + " |", "|---" * (len(METRICS) + 2) + "|"]
         for method in methods:
             runs = results.get(method, {})
@@ -350,8 +368,13 @@ def build_table(grid, root):
         lines.append("")
     # paired differences to the baseline on shared seeds
     base = results.get(baseline, {})
+    # (column title, language, metric)
+    columns = [("LR acc", "lr", "accuracy"), ("LR MRR", "lr", "mrr"), ("LR PPL_best", "lr", "ppl_best"),
+               ("HR acc", "hr", "accuracy"), ("HR PPL_best", "hr", "ppl_best"), ("LR I(W)", "lr", "isotropy")] \
+        if low_resource else [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
+                              ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
     lines += [f"## Paired difference to {baseline} (same seeds, method − {baseline})", "",
-              "| method | seeds | LR acc | LR MRR | LR PPL_best | HR acc | HR PPL_best | LR I(W) |", "|---" * 8 + "|"]
+              "| method | seeds | " + " | ".join(c[0] for c in columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for method in list(methods)[1:]:
         runs = results.get(method, {})
         shared = sorted(set(runs) & set(base))
@@ -359,15 +382,13 @@ def build_table(grid, root):
             continue
         def diff(lang, key):
             return fmt([runs[s][lang][key] - base[s][lang][key] for s in shared], 3)
-        lines.append(f"| {method} | {len(shared)} | {diff('lr', 'accuracy')} | {diff('lr', 'mrr')} | "
-                     f"{diff('lr', 'ppl_best')} | {diff('hr', 'accuracy')} | {diff('hr', 'ppl_best')} | "
-                     f"{diff('lr', 'isotropy')} |")
+        lines.append(f"| {method} | {len(shared)} | " + " | ".join(diff(lang, key) for _, lang, key in columns) + " |")
     # SimReg's claim: the same loss in >= 30 % fewer steps
     def val_curve(method, seed):
         with open(os.path.join(run_dir(root, grid, method, seed), "log.jsonl")) as f:
             return [(r["iter"], r["val"]) for r in map(json.loads, f) if "val" in r]
     lines += ["", f"## Steps to reach {baseline}'s best val loss (same seed)", "",
-              f"The first evaluation (every eval_interval steps) at which a method's mixed val loss is at or below the "
+              f"The first evaluation (every eval_interval steps) at which a method's {'mixed ' if low_resource else ''}val loss is at or below the "
               f"best one {baseline} reached in its whole run on the same seed; a chained method counts its last stage's steps.", "",
               "| method | seeds that reach it | steps (mean ± std) | fraction of the baseline's steps |", "|---|---|---|---|"]
     for method in methods:
@@ -388,11 +409,11 @@ def build_table(grid, root):
                 ratios.append(steps / base_steps)
         cells = (f"{fmt(reached, 0)} | {fmt(ratios, 2)}" if reached else "— | —")
         lines.append(f"| {method} | {len(reached)} of {len(shared)} | {cells} |")
-    # geometry of the embedding
-    lines += ["", "## Embedding geometry", "",
+    # geometry of the embedding (the char grids: twins across languages)
+    lines += [] if not low_resource else ["", "## Embedding geometry", "",
               "| method | I(W) all rows | twin in top-3 (of 130 rows) | 12 cases (A/a, HR/LR) | all letters (of 312) |",
               "|---|---|---|---|---|"]
-    for method in methods:
+    for method in methods if low_resource else []:
         runs = list(results.get(method, {}).values())
         if runs:
             t = [r["translations"] for r in runs]
@@ -401,14 +422,14 @@ def build_table(grid, root):
                          f"{fmt([x['cases_letters'] for x in t], 1)} |")
     # hidden-state geometry (runs evaluated with geometry metrics)
     if any("geometry" in r for runs in results.values() for r in runs.values()):
-        lines += ["", "## Hidden-state geometry (HR val)", "",
+        lines += ["", "## Hidden-state geometry" + (" (HR val)" if low_resource else " (val)"), "",
                   "mu(l): mean pairwise cosine of a sequence's states after block l; rho / tau: Spearman and "
                   "Kendall correlation of mu(l) with depth (positive = condensing with depth); SimReg value of "
                   "the final states at tau 0.01.", "",
                   "| method | mu(last block) | Spearman rho | Kendall tau | final-state cosine | SimReg(final) |",
                   "|---|---|---|---|---|---|"]
         for method in methods:
-            runs = [r["geometry"]["hr"] for r in results.get(method, {}).values() if "geometry" in r]
+            runs = [r["geometry"][langs[0]] for r in results.get(method, {}).values() if "geometry" in r]
             if runs:
                 simreg_values = [g["simreg_final"] for g in runs]
                 corr = {k: [g[k] for g in runs if g[k] is not None] for k in ("spearman_rho", "kendall_tau")}
@@ -501,6 +522,7 @@ def speed_summary(grid, root):
 FIGURE_METHODS = {
     "jostling": {"condensation": ["baseline", "margin 0.6 + SE"], "embeddings": ["baseline", "margin 0.6 + SE"]},
     "losses": {"condensation": ["CE", "dispersion", "SimReg"], "embeddings": ["CE", "margin 0.6 + SE"]},
+    "bpe": {"condensation": ["CE", "dispersion", "SimReg"]},
 }
 
 
@@ -530,18 +552,19 @@ def make_figures(grid, root, out_dir):
             curves.setdefault(method, []).append(([r["iter"] for r in evals], [r["val"] for r in evals]))
     add("Validation loss, mean over seeds", "val", figures.val_loss_curves(curves, os.path.join(base, f"{grid}_val_loss.png")))
 
-    histograms = {}
+    histograms, split = {}, "val"
     for method in chosen.get("condensation", []):
         geometries = []
         for out in runs.get(method, []):
             with open(os.path.join(out, "metrics.json")) as f:
                 geometry = json.load(f).get("geometry", {})
             if geometry:
+                split = "HR val" if "hr" in geometry else "val"  # the char grids: the HR language
                 geometries.append(np.asarray(geometry.get("hr", geometry.get("val"))["cosine_histograms"]))
         if geometries:
             histograms[method] = np.mean(geometries, axis=0)
     if histograms:
-        add("Condensation: pairwise-cosine histogram per depth (HR val, mean over seeds)", "cond",
+        add(f"Condensation: pairwise-cosine histogram per depth ({split}, mean over seeds)", "cond",
             figures.condensation_heatmaps(histograms, os.path.join(base, f"{grid}_condensation.png")))
 
     embeddings, itos = {}, None

@@ -24,7 +24,7 @@ import torch
 import metrics
 from losses import simreg
 from model import GPT, GPTConfig
-from utils import choose_device, save_json
+from utils import choose_device, keep_freed_memory, save_json
 
 
 def load_model(path, device="cpu"):
@@ -225,6 +225,7 @@ if __name__ == "__main__":
     parser.add_argument("--out", default=None, help="where to write the metrics (default: metrics.json beside it)")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
+    keep_freed_memory()
     if not os.path.exists(args.checkpoint):
         raise SystemExit(f"error: no checkpoint at {args.checkpoint}")
     result = evaluate_checkpoint(args.checkpoint, choose_device(args.device))

@@ -35,7 +35,9 @@ from configurator import parse_config_or_exit
 from losses import Objective
 from model import GPT, GPTConfig, build_model
 from optim import AdaGC, configure_optimizers
-from utils import autocast_context, choose_device, choose_dtype, peak_flops, save_json, save_text, save_torch
+from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops, save_json, save_text, save_torch
+
+keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted in anew every step
 
 # -----------------------------------------------------------------------------
 # default config (every key can be set in a config file or with --key=value)

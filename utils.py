@@ -1,12 +1,32 @@
 """Small shared pieces: device and precision choice, atomic file writes, peak FLOP/s for MFU."""
 
 import contextlib
+import ctypes
 import json
 import os
+import sys
 import tempfile
 import time
 
 import torch
+
+
+def keep_freed_memory():
+    """Tell glibc's malloc to keep freed memory for reuse instead of handing it back to the OS.
+    By default every block above 32 MB is mmap-ed on allocation and munmap-ed on free, so the next
+    block of that size faults all its pages in again, each one zeroed by the kernel. With a
+    50304-token vocabulary every step's logits are such blocks (1024 tokens: 206 MB), and the page
+    faults cost more than the matmuls: one streamed BPE evaluation spent 3 min 39 s in the kernel
+    and 1 min 36 s computing; with this, 2 s in the kernel and the same metrics bit for bit. A
+    no-op off Linux/glibc. Memory stays at the process's peak instead of shrinking between steps."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4  # mallopt parameters from glibc's malloc.h
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2 ** 31 - 1))
 
 
 def choose_device(device="auto"):

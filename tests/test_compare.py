@@ -162,3 +162,69 @@ def test_machine_peak_measures_fp32_and_bf16_only_with_bf16_units(monkeypatch):
                                       "measured": {"float32": 1e11, "bfloat16": 3e11}}
     monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype: 1e9 if dtype == torch.bfloat16 else 1e11)
     assert compare.machine_peak()["peak_dtype"] == "float32"  # bf16 units, but slower: fp32 is the peak
+
+
+def test_single_language_grid_table(tmp_path, monkeypatch):
+    """The BPE grid's runs are scored on one val split: one table, paired differences over its
+    metrics, no embedding-twin or marginalization sections."""
+    monkeypatch.setitem(compare.GRIDS, "onelang", {"CE": ("config/bpe_baseline.py", [], 2),
+                                                   "SimReg": ("config/bpe_baseline.py", ["--simreg_weight=3.54"], 2)})
+    values = {("CE", 1337): (0.20, 300.0), ("CE", 1338): (0.22, 280.0), ("SimReg", 1337): (0.21, 290.0),
+              ("SimReg", 1338): (0.24, 260.0)}
+    for (method, seed), (acc, ppl) in values.items():
+        out = compare.run_dir(str(tmp_path), "onelang", method, seed)
+        os.makedirs(out)
+        val = {"ppl": ppl, "ppl_best": ppl - 10, "t_best": 1.1, "accuracy": acc, "recall_at_5": 0.4, "mrr": 0.3,
+               "isotropy": 0.5}
+        geometry = {"mu": [0.1, 0.5], "spearman_rho": None, "kendall_tau": None, "final_cosine": 0.9,
+                    "simreg_final": 1e-2, "cosine_histograms": [[0.025] * 40] * 2}
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump({"val": val, "geometry": {"val": geometry}}, f)
+        with open(os.path.join(out, "log.jsonl"), "w") as f:
+            f.writelines(json.dumps({"iter": 50 * k, "val": v}) + "\n" for k, v in enumerate([7.0, 6.0, 5.5]))
+    table, results = compare.build_table("onelang", str(tmp_path))
+    assert "## Validation" in table and "HR validation" not in table and "Embedding geometry" not in table
+    assert "| CE | 2 | 290.00 ± 14.14 |" in table  # ppl: 300, 280
+    # paired: acc +0.01, +0.02 -> 0.015 ± 0.007; ppl -10, -20 -> -15.000 ± 7.071
+    assert "| SimReg | 2 | 0.015 ± 0.007 | 0.000 ± 0.000 | -15.000 ± 7.071 |" in table
+    assert "## Hidden-state geometry (val)" in table and "paper" not in table
+
+
+def train_defaults():
+    """train.py's config keys and defaults, read from its source the way train.py collects them
+    (top-level assignments of plain values, up to config_keys)."""
+    import ast
+    with open(os.path.join(REPO, "train.py")) as f:
+        tree = ast.parse(f.read())
+    defaults = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id == "config_keys":
+                break
+            try:
+                defaults[node.targets[0].id] = ast.literal_eval(node.value)
+            except ValueError:
+                pass
+    return defaults
+
+
+def test_every_grid_command_is_a_valid_config(monkeypatch):
+    """Each run of every grid parses (config files, overrides, types): a typo would otherwise
+    surface hours into a grid. One of them goes through train.py itself (--dry_run)."""
+    import subprocess
+    import configurator
+    monkeypatch.chdir(REPO)
+    defaults = train_defaults()
+    assert defaults["n_layer"] == 4 and defaults["margin"] is None and len(defaults) > 60
+    for grid in compare.GRIDS:
+        for method, (config, extra, _) in compare.GRIDS[grid].items():
+            for cmd in compare.planned_commands(config, extra, 1337, []):
+                parsed = configurator.parse_config(cmd[2:], defaults)
+                assert parsed["seed"] == 1337 and parsed["max_iters"] > 0, (grid, method)
+    bpe = compare.GRIDS["bpe"]
+    simreg = configurator.parse_config(compare.planned_commands(*bpe["SimReg chunk 32"][:2], 1338, [])[0][2:], defaults)
+    assert (simreg["data_dir"], simreg["simreg_weight"], simreg["simreg_chunk_size"], simreg["low_resource"]) == \
+        ("data/shakespeare_gpt2", 3.54, 32, False)
+    cmd = compare.planned_commands(*bpe["CE"][:2], 1337, [])[0]
+    result = subprocess.run(cmd + ["--dry_run=True", "--vocab_size=50304"], capture_output=True, text=True)
+    assert result.returncode == 0 and "params: 7242880" in result.stdout, result.stderr[-500:]
