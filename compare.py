@@ -30,6 +30,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import evaluate
 import figures
 
 from utils import atomic_write, measure_matmul_flops, save_json, save_text
@@ -373,6 +374,21 @@ def build_table(grid, root):
                ("HR acc", "hr", "accuracy"), ("HR PPL_best", "hr", "ppl_best"), ("LR I(W)", "lr", "isotropy")] \
         if low_resource else [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
                               ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
+    with_rare = not low_resource and results and all("rare" in r for runs in results.values() for r in runs.values())
+    if with_rare:
+        columns += [("rare acc", "rare", "accuracy"), ("rare PPL", "rare", "ppl")]
+        rare_max = evaluate.RARE_MAX_COUNT
+        lines += ["## Rare targets", "",
+                  f"The val positions whose target token occurs at most {rare_max} times in the training split "
+                  "(the long tail; Stop Jostling's low-resource tokens on a natural vocabulary).", "",
+                  "| method | seeds | fraction of val | PPL | accuracy | MRR |", "|---|---|---|---|---|---|"]
+        for method in methods:
+            runs = [r["rare"] for r in results.get(method, {}).values()]
+            if runs:
+                lines.append(f"| {method} | {len(runs)} | {fmt([r['fraction'] for r in runs])} | "
+                             f"{fmt([r['ppl'] for r in runs], 0)} | {fmt([r['accuracy'] for r in runs])} | "
+                             f"{fmt([r['mrr'] for r in runs])} |")
+        lines.append("")
     lines += [f"## Paired difference to {baseline} (same seeds, method − {baseline})", "",
               "| method | seeds | " + " | ".join(c[0] for c in columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for method in list(methods)[1:]:

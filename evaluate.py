@@ -54,10 +54,40 @@ def prediction_metrics(logits, targets):
 
 
 STREAM_ABOVE = 2 ** 24  # logits elements (64 MB in fp32) beyond which evaluation streams (GPT-2 BPE)
+RARE_MAX_COUNT = 10  # a val target is "rare" if it occurs at most this often in train.bin
+
+
+def rare_targets(data_dir, targets):
+    """Which val targets are rare: seen at most RARE_MAX_COUNT times in the training split. With
+    GPT-2 BPE on tiny Shakespeare that is 11 % of val positions (2 % never seen at all): the long
+    tail that Stop Jostling says a tied embedding marginalizes, on a natural vocabulary."""
+    train = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
+    counts = torch.from_numpy(np.bincount(train, minlength=int(targets.max()) + 1))
+    return counts[targets] <= RARE_MAX_COUNT
+
+
+def tail_sums(logits, targets, mask):
+    """Sums over the positions in mask (for the rare-target metrics, chunk by chunk): tokens,
+    top-1 hits, reciprocal ranks and NLL at temperature 1 (ranks as in metrics.rank_metrics)."""
+    z, t = logits[mask].float(), targets[mask]
+    target_logit = z.gather(1, t.view(-1, 1))
+    rank = 1 + (z > target_logit).sum(dim=1).double()
+    nll = torch.logsumexp(z, dim=1).double() - target_logit.squeeze(1).double()
+    return torch.stack([torch.tensor(float(len(t)), dtype=torch.float64), (rank == 1).double().sum(),
+                        (1.0 / rank).sum(), nll.sum()])
+
+
+def tail_metrics(sums, n_total):
+    """tail_sums added up -> the rare-target metrics (None when there is no rare target)."""
+    tokens, hits, reciprocal, nll = sums.tolist()
+    if tokens == 0:
+        return None
+    return {"tokens": int(tokens), "fraction": tokens / n_total, "accuracy": hits / tokens, "mrr": reciprocal / tokens,
+            "ppl": math.exp(nll / tokens)}
 
 
 @torch.no_grad()
-def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
+def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024, rare=None):
     """prediction_metrics without ever holding all (N, V) logits (a 50304-token vocabulary): the
     logits are recomputed chunk by chunk from the final normed states (N, C). PPL, accuracy,
     Recall@5 and MRR are means over tokens, so chunk means weighted by chunk size give them
@@ -65,19 +95,23 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
     convex (f''(b) = mean_t Var_softmax(b z_t)(z_t) >= 0), so Newton's method on b finds its
     minimum in a handful of passes of the LM head -- where the char experiment's grid of 200
     temperatures would take 200. Steps are limited to a factor of 2 in b and T stays in
-    [0.01, 10]; the result is the best b visited."""
+    [0.01, 10]; the result is the best b visited. rare (N,) bool: also the metrics of those
+    positions alone ("rare", tail_metrics), from the first pass."""
     n = len(targets)
-    chunks = [(finals[i:i + chunk], targets[i:i + chunk]) for i in range(0, n, chunk)]
+    rare = torch.zeros(n, dtype=torch.bool) if rare is None else rare
+    chunks = [(finals[i:i + chunk], targets[i:i + chunk], rare[i:i + chunk]) for i in range(0, n, chunk)]
+    rare_sums = torch.zeros(4, dtype=torch.float64)
 
     def pass_at(b, first=False):
         """One pass: f(b), f'(b), f''(b) (and on the first pass the rank metrics' sums)."""
         f = g = h2 = 0.0
         sums = {}
-        for states, t in chunks:
+        for states, t, r in chunks:
             z = lm_head(states).float()
             if first:
                 for key, value in metrics.rank_metrics(z, t).items():
                     sums[key] = sums.get(key, 0.0) + value * len(t)
+                rare_sums.add_(tail_sums(z, t, r))
             d = z - z.max(dim=1, keepdim=True).values  # <= 0: exp never overflows
             logp = torch.log_softmax(b * d, dim=1)
             p = logp.exp()
@@ -103,7 +137,8 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024):
         passes += 1
         best = min(best, (f, b))
     return {"ppl": math.exp(log_ppl), "ppl_best": math.exp(best[0]), "t_best": 1.0 / best[1],
-            **{k: sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}, "head_passes": passes}
+            **{k: sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}, "head_passes": passes,
+            "rare": tail_metrics(rare_sums, n)}
 
 
 @torch.no_grad()
@@ -148,17 +183,22 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     x, y = val_blocks(data_dir, model.config.block_size)
     W = model.output_embedding().detach().float().cpu()
     forward_flops = x.numel() * model.flops_per_token(backward=False)
-    if not low_resource:
+    if not low_resource:  # one language; a natural vocabulary: the rare targets get their own metrics
+        rare = rare_targets(data_dir, y.reshape(-1))
         if x.numel() * model.config.vocab_size <= STREAM_ABOVE:
             logits, geometry = forward_val(model, x, y, device)
             scores = prediction_metrics(logits, y.reshape(-1))
+            scores["rare"] = tail_metrics(tail_sums(logits, y.reshape(-1), rare), rare.numel())
             flops = forward_flops
         else:  # too many logits to hold at once (GPT-2 BPE): keep the final states instead
             finals, geometry = forward_val(model, x, y, device, batch_size=32, keep_logits=False)
-            scores = streamed_prediction_metrics(lambda h: model.lm_head(h.to(device)).cpu(), finals, y.reshape(-1))
+            scores = streamed_prediction_metrics(lambda h: model.lm_head(h.to(device)).cpu(), finals, y.reshape(-1),
+                                                 rare=rare)
             head_flops = 2 * model.config.n_embd * model.config.vocab_size * x.numel()
             flops = forward_flops - head_flops + scores.pop("head_passes") * head_flops
-        return {"val": {**scores, "isotropy": metrics.isotropy(W)}, "geometry": {"val": geometry}, "flops": flops}
+        rare_scores = scores.pop("rare")
+        return {"val": {**scores, "isotropy": metrics.isotropy(W)}, "geometry": {"val": geometry}, "flops": flops,
+                **({"rare": rare_scores} if rare_scores else {})}
     shift = len(itos)
     result = {"geometry": {}, "flops": 2 * forward_flops}  # scored twice: HR and LR
     for lang, offset in (("hr", 0), ("lr", shift)):
@@ -207,6 +247,10 @@ def format_metrics(result):
     lines = ["metric       " + "".join(f"{lang:>10}" for lang in langs)]
     for key in keys:
         lines.append(f"{key:<13}" + "".join(f"{result[lang][key]:>10.4f}" for lang in langs))
+    if result.get("rare"):
+        r = result["rare"]
+        lines.append(f"rare targets (seen <= {RARE_MAX_COUNT}x in train, {r['fraction']:.1%} of val): ppl {r['ppl']:.2f} "
+                     f"| accuracy {r['accuracy']:.4f} | mrr {r['mrr']:.4f}")
     for lang, g in result.get("geometry", {}).items():
         lines.append(f"geometry {lang}: mu(l) " + " ".join(f"{m:.3f}" for m in g["mu"]) +
                      " | spearman " + ("n/a" if g["spearman_rho"] is None else f"{g['spearman_rho']:.2f}") +

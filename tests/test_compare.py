@@ -178,8 +178,9 @@ def test_single_language_grid_table(tmp_path, monkeypatch):
                "isotropy": 0.5}
         geometry = {"mu": [0.1, 0.5], "spearman_rho": None, "kendall_tau": None, "final_cosine": 0.9,
                     "simreg_final": 1e-2, "cosine_histograms": [[0.025] * 40] * 2}
+        rare = {"tokens": 100, "fraction": 0.1, "accuracy": acc / 4, "mrr": acc / 2, "ppl": 10 * ppl}
         with open(os.path.join(out, "metrics.json"), "w") as f:
-            json.dump({"val": val, "geometry": {"val": geometry}}, f)
+            json.dump({"val": val, "geometry": {"val": geometry}, "rare": rare}, f)
         with open(os.path.join(out, "log.jsonl"), "w") as f:
             f.writelines(json.dumps({"iter": 50 * k, "val": v}) + "\n" for k, v in enumerate([7.0, 6.0, 5.5]))
     table, results = compare.build_table("onelang", str(tmp_path))
@@ -187,6 +188,9 @@ def test_single_language_grid_table(tmp_path, monkeypatch):
     assert "| CE | 2 | 290.00 ± 14.14 |" in table  # ppl: 300, 280
     # paired: acc +0.01, +0.02 -> 0.015 ± 0.007; ppl -10, -20 -> -15.000 ± 7.071
     assert "| SimReg | 2 | 0.015 ± 0.007 | 0.000 ± 0.000 | -15.000 ± 7.071 |" in table
+    assert "## Rare targets" in table and f"| CE | 2 | 0.100 ± 0.000 | 2900 ± 141 | {compare.fmt([0.05, 0.055])} | 0.105 ± 0.007 |" in table
+    # paired rare columns: acc/4 -> +0.0025, +0.005; ppl x10 -> -100, -200
+    assert f"| {compare.fmt([0.0525 - 0.05, 0.06 - 0.055])} | -150.000 ± 70.711 |" in table
     assert "## Hidden-state geometry (val)" in table and "paper" not in table
 
 

@@ -421,11 +421,20 @@ def test_streamed_prediction_metrics_equal_the_full_ones():
     h = torch.randn(500, 16, dtype=torch.float64)
     logits = head(h)
     targets = torch.where(torch.rand(500) < 0.6, logits.argmax(dim=1), torch.randint(0, 300, (500,)))
+    rare = torch.rand(500) < 0.2
     with torch.no_grad():
         full = evaluate.prediction_metrics(logits.float(), targets)
-        streamed = evaluate.streamed_prediction_metrics(head, h, targets, chunk=64)
+        streamed = evaluate.streamed_prediction_metrics(head, h, targets, chunk=64, rare=rare)
     for key in ("ppl", "accuracy", "recall_at_5", "mrr"):
         assert streamed[key] == pytest.approx(full[key], rel=1e-6), key
+    # the rare positions' metrics against a loop over them
+    picked = [i for i in range(500) if rare[i]]
+    ranks = [1 + int((logits[i] > logits[i, targets[i]]).sum()) for i in picked]
+    nll = [float(torch.logsumexp(logits[i], 0) - logits[i, targets[i]]) for i in picked]
+    expected = {"tokens": len(picked), "fraction": len(picked) / 500, "accuracy": sum(r == 1 for r in ranks) / len(picked),
+                "mrr": sum(1 / r for r in ranks) / len(picked), "ppl": math.exp(sum(nll) / len(picked))}
+    assert streamed["rare"] == pytest.approx(expected, rel=1e-5)
+    assert evaluate.streamed_prediction_metrics(head, h, targets, chunk=64)["rare"] is None  # no rare positions
     assert 0.05 < full["t_best"] < 2.0 and abs(streamed["t_best"] - full["t_best"]) <= 0.011
     # the continuous minimum is at most the grid's, and the grid's is within a 0.005 step of it
     assert streamed["ppl_best"] <= full["ppl_best"] * (1 + 1e-6)

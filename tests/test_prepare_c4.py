@@ -485,8 +485,14 @@ def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "run" / "log.jsonl").read_text().splitlines()]
     assert records[-1]["iter"] == 3 and records[-1]["val"] < records[0]["val"]
     # the final evaluation streams: 40 val documents (> 333 tokens) x 50304 logits is past evaluate.STREAM_ABOVE
-    scores = json.loads((tmp_path / "run" / "metrics.json").read_text())["val"]
+    result = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    scores = result["val"]
     assert len(val) * 50304 > 2 ** 24 and 1 < scores["ppl_best"] <= scores["ppl"] * 1.0001 and 0 <= scores["accuracy"] <= 1
+    # the rare targets: val tokens seen at most 10 times in train
+    counts = np.bincount(train, minlength=50304)
+    n_blocks = (len(val) - 1) // 16
+    targets = np.array(val[1:n_blocks * 16 + 1])
+    assert result["rare"]["tokens"] == int((counts[targets] <= 10).sum()) > 0 and result["rare"]["ppl"] > 1
     sample = subprocess.run([sys.executable, "sample.py", str(tmp_path / "run" / "best.pt"), "--start", "To be",
                              "--max_new_tokens", "5"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert sample.returncode == 0 and sample.stdout.startswith("To be"), sample.stderr[-2000:]
