@@ -50,7 +50,7 @@ GRIDS = {
         "margin 0.6, N(0,1) rows": ("config/lowres_margin0.6_se_authors.py", [], 3),
         "margin 0.6 + SE, N(0,1) rows": ("config/lowres_margin0.6_se_authors.py", ["--separate_embeddings=True"], 3),
     },
-    "losses": {
+    "lowres": {
         "CE": ("config/lowres_baseline.py", ["--log_marginalization=True"], 3),
         "margin 0.6 + SE": ("config/lowres_margin0.6_se.py", [], 3),
         "SimReg": ("config/lowres_simreg.py", [], 3),
@@ -537,7 +537,7 @@ def speed_summary(grid, root):
 # which methods each figure compares (the first of a grid's methods is its baseline)
 FIGURE_METHODS = {
     "jostling": {"condensation": ["baseline", "margin 0.6 + SE"], "embeddings": ["baseline", "margin 0.6 + SE"]},
-    "losses": {"condensation": ["CE", "dispersion", "SimReg"], "embeddings": ["CE", "margin 0.6 + SE"]},
+    "lowres": {"condensation": ["CE", "dispersion", "SimReg"], "embeddings": ["CE", "margin 0.6 + SE"]},
     "bpe": {"condensation": ["CE", "dispersion", "SimReg"]},
 }
 
