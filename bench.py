@@ -3,7 +3,7 @@ What does each loss cost? Times real training steps (forward, backward, AdamW) w
 switched on, as ratios to the cross-entropy step measured in the same process:
 
     python bench.py                 # every section
-    python bench.py --section toy   # toy | 350m | cwt | memory
+    python bench.py --section toy   # toy | 350m | cwt | memory | efficiency
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
   350m    the SimReg paper's 350M width cut to fit here: d = 1024, 16 heads, T = 2048, batch 1,
@@ -15,6 +15,10 @@ switched on, as ratios to the cross-entropy step measured in the same process:
   cwt     CWT vs CE at V = 50304 on a small model (4 x 128, T = 64, batch 12)
   memory  peak resident memory of SimReg forward + backward at T = 2048, C = 1024, full vs
           chunk 1024, each in a fresh process (Linux /proc peak RSS)
+  efficiency  how close the grids' CE training step (lowres: the char model; bpe: the GPT-2 BPE
+          toy) comes to the machine's arithmetic limit: model FLOPs per second (train.py's 6N +
+          attention) / the 2048^2 fp32 matmul peak on all cores, for one process on all cores
+          and for one 1-thread process per core running side by side (how compare.py runs a grid)
 
 Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
 model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
@@ -22,6 +26,7 @@ model runs in float32 (see utils.choose_dtype). Results print as a Markdown tabl
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -30,9 +35,9 @@ import time
 import torch
 
 from losses import Objective, simreg
-from model import GPTConfig, build_model
+from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
-from utils import autocast_context, choose_device, choose_dtype
+from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops
 
 
 def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device, dtype):
@@ -198,7 +203,47 @@ def memory(args, device, dtype):
           ["SimReg", "peak MiB"], rows)
 
 
-SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory}
+EFFICIENCY_SETTINGS = {  # name -> (model config, batch size): the CE runs of compare.py's grids
+    "lowres": (dict(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128), 12),
+    "bpe": (dict(vocab_size=50304, block_size=128, n_layer=4, n_head=4, n_embd=128), 8),
+}
+
+
+def efficiency_child(setting, steps, warmup):
+    """In a fresh process (its thread count set by OMP_NUM_THREADS): the median CE step of a grid
+    setting and its model FLOPs, as JSON."""
+    keep_freed_memory()
+    config, batch_size = EFFICIENCY_SETTINGS[setting]
+    config = GPTConfig(**config)
+    seconds = step_time(config, {}, batch_size, steps, warmup, "cpu", "float32")
+    with torch.device("meta"):
+        flops = GPT(config).flops_per_token() * batch_size * config.block_size
+    print(json.dumps({"seconds": seconds, "flops": flops}))
+
+
+def efficiency(args, device, dtype):
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    peak = measure_matmul_flops("cpu", torch.float32)
+    rows = []
+    for setting in EFFICIENCY_SETTINGS:
+        steps = args.steps * (20 if setting == "lowres" else 4)
+        command = [sys.executable, __file__, "--efficiency_child", setting, "--steps", str(steps), "--warmup", "3"]
+        alone = json.loads(subprocess.run(command, capture_output=True, text=True, check=True,
+                                          env=dict(os.environ, OMP_NUM_THREADS=str(cores))).stdout)
+        children = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                    for _ in range(cores)]
+        side_by_side = [json.loads(child.communicate()[0]) for child in children]
+        rate = sum(r["flops"] / r["seconds"] for r in side_by_side)
+        rows += [(setting, f"1 process x {cores} threads", f"{1000 * alone['seconds']:.1f}",
+                  f"{alone['flops'] / alone['seconds'] / peak:.2f}"),
+                 (setting, f"{cores} processes x 1 thread", " / ".join(f"{1000 * r['seconds']:.1f}" for r in side_by_side),
+                  f"{rate / peak:.2f}")]
+    table(f"CE training step vs the {peak / 1e9:.0f} GFLOP/s fp32 matmul peak of {cores} cores",
+          ["grid", "processes", "ms / step", "model FLOP/s / peak"], rows)
+
+
+SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency}
 
 
 def main():
@@ -208,9 +253,12 @@ def main():
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="auto")
     parser.add_argument("--memory_child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--efficiency_child", choices=sorted(EFFICIENCY_SETTINGS), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.memory_child is not None:
         return memory_child(args.memory_child)
+    if args.efficiency_child is not None:
+        return efficiency_child(args.efficiency_child, args.steps, args.warmup)
     device = choose_device(args.device)
     dtype = choose_dtype("auto", device)
     print(f"device {device}, {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads")

@@ -31,3 +31,11 @@ def test_loss_time_runs_each_term_alone():
         kwargs = {**kwargs, "simreg_chunk_size": 8} if "chunk" in name else kwargs
         kwargs = {**kwargs, "dispersion_positions": 4} if "positions" in name else kwargs
         assert bench.loss_time(kwargs, n_layer=3, C=16, T=16, V=50, reps=1, device="cpu", dtype="float32") > 0
+
+
+def test_efficiency_child_reports_a_step_and_its_flops():
+    out = subprocess.run([sys.executable, "bench.py", "--efficiency_child", "lowres", "--steps", "1", "--warmup", "0"],
+                         cwd=REPO, capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    result = __import__("json").loads(out.stdout)
+    # the lowres CE step: 12 x 64 tokens, 6N + 12 L C T per token with N = 812,416 - 64 x 128 positions
+    assert result["seconds"] > 0 and result["flops"] == 12 * 64 * (6 * (812_416 - 64 * 128) + 12 * 4 * 128 * 64)
