@@ -457,10 +457,13 @@ def log(record):
 
 # training loop ---------------------------------------------------------------
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size * world_size  # over all processes
-# model FLOPs (6N + attention) plus the objective's trainable head (NITP); the losses' own
-# similarity products are small and not counted
+# model FLOPs (6N + attention), plus the objective's trainable head (NITP) and CWT's in-batch
+# logits, which stand in for the LM head (each token against the N = batch_size x block_size
+# embeddings of a micro-batch: 6 N C); the other losses' similarity products are not counted
 objective_matmul_params = sum(p.numel() for p in objective.parameters() if p.dim() >= 2)
-flops_per_iter = (model.flops_per_token(with_head=objective.needs_logits) + 6 * objective_matmul_params) * tokens_per_iter
+cwt_flops_per_token = 6 * batch_size * block_size * n_embd if cwt_weight > 0 else 0
+flops_per_iter = (model.flops_per_token(with_head=objective.needs_logits) + 6 * objective_matmul_params
+                  + cwt_flops_per_token) * tokens_per_iter
 # every evaluation: eval_iters batches, each scored in every language, with the LM head
 languages_evaluated = 2 if low_resource else 1
 flops_per_eval = eval_iters * languages_evaluated * batch_size * block_size * model.flops_per_token(backward=False)

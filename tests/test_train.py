@@ -166,6 +166,12 @@ def test_flops_executed_match_a_count_of_the_matmuls(baseline_run, data_dir, tmp
     checkpoint = torch.load(nitp / "ckpt.pt", weights_only=False)
     head = sum(v.numel() for k, v in checkpoint["objective"].items() if v.dim() == 2)
     assert head == 3 * C * 4 * C and checkpoint["flops_done"]["train"] == 2 * B * T * (3 * forward + 6 * head)
+    # headless CWT: no LM head, but each token's logits against the batch's B x T target embeddings
+    cwt = tmp_path / "cwt"
+    train(cwt, data_dir, "--ce_weight=0.0", "--cwt_weight=1.0", "--final_eval=False", "--max_iters=2")
+    checkpoint = torch.load(cwt / "ckpt.pt", weights_only=False)
+    V = model.config.vocab_size
+    assert checkpoint["flops_done"]["train"] == 2 * B * T * (3 * (forward - 2 * V * C) + 6 * B * T * C)
 
 
 def assert_close(a, b, path=""):
