@@ -2,6 +2,8 @@
 Run a named grid of methods x seeds and write a results table, e.g.
 
     python compare.py jostling               # the Stop Jostling reproduction (SPEC.md section 1)
+    python compare.py lowres                 # every loss on the char experiment, 3 seeds
+    python compare.py bpe                    # every loss on the GPT-2 BPE toy, 3 seeds
     python compare.py jostling --table_only  # only rebuild results/jostling.md from finished runs
 
 Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/seed<S>`. When it
@@ -14,6 +16,10 @@ a laptop busier than one 2-thread process). The table gives mean +- std over see
 metric in metrics.json, the paper's number beside ours where it has one, and each method's
 paired difference to the baseline on the same seeds -- a seed moves every method together, so the
 paired figure is what separates an effect from noise.
+
+Speed: before a call starts its runs it measures the machine's matmul peak on all cores; each run
+reports the FLOPs it executed (train.py, evaluate.py); wall.json keeps one record per call, and
+the table ends with the grid's efficiency = (grid FLOPs / peak) / wall time over all its calls.
 """
 
 import argparse
