@@ -419,7 +419,7 @@ def test_streamed_prediction_metrics_equal_the_full_ones():
     with torch.no_grad():
         head.weight.mul_(3.0)
     h = torch.randn(500, 16, dtype=torch.float64)
-    logits = head(h)
+    logits = head(h).detach()
     targets = torch.where(torch.rand(500) < 0.6, logits.argmax(dim=1), torch.randint(0, 300, (500,)))
     rare = torch.rand(500) < 0.2
     with torch.no_grad():
