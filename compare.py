@@ -307,7 +307,8 @@ def run_grid(grid, root, workers, overrides, archive="results/runs"):
                 method, seed, out = futures[future]
                 archive_run(out, run_dir(archive, grid, method, seed))
                 finished += 1
-                flops = None if flops is None or run_flops(out) is None else flops + run_flops(out)
+                run = run_flops(out)
+                flops = None if flops is None or run is None else flops + run
                 bar.update(1)
     finally:  # every call's wall time counts, an interrupted one too (its unfinished runs were wasted)
         record.update(wall_s=time.time() - t0, runs=finished, flops=flops)

@@ -467,10 +467,9 @@ flops_per_iter = (model.flops_per_token(with_head=objective.needs_logits) + 6 * 
 # every evaluation: eval_iters batches, each scored in every language, with the LM head
 languages_evaluated = 2 if low_resource else 1
 flops_per_eval = eval_iters * languages_evaluated * batch_size * block_size * model.flops_per_token(backward=False)
-if init_from != "resume" or "flops_done" not in checkpoint:
-    flops_done = {"train": 0, "eval": 0}  # what this run has executed, for compare.py's efficiency figure
-else:
-    flops_done = checkpoint["flops_done"]
+flops_done = {"train": 0, "eval": 0}  # what this run has executed, for compare.py's efficiency figure
+if init_from == "resume":
+    flops_done = checkpoint.get("flops_done", flops_done)  # checkpoints from before the count: from 0
 peak = peak_flops(device, dtype) * world_size
 if master:
     processes = f" | {world_size} process{'es' if world_size > 1 else ''}, {parallel}" if parallel != "none" else ""
