@@ -10,7 +10,8 @@ Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/
 finishes, its small files (metrics.json, marginalization.json, run.json and a thinned log.jsonl)
 are copied to results/runs/<grid>/<method>/seed<S>, which is committed: the tables are built from
 there, and a run found there (or finished in <root>) is skipped, so an interrupted grid resumes
-where it stopped, in this checkout or a fresh one. Runs go
+where it stopped, in this checkout or a fresh one. Ctrl-C (or `kill`) stops a call cleanly: its
+wall time is recorded and the runs it stopped go on from their last checkpoint next time. Runs go
 `--workers` at a time, each on cores/workers threads (two 1-thread processes keep both cores of
 a laptop busier than one 2-thread process). The table gives mean +- std over seeds of every
 metric in metrics.json, the paper's number beside ours where it has one, and each method's
@@ -27,8 +28,10 @@ import json
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -113,7 +116,10 @@ def runs_of(grid, root):
 
 def launch(config, extra, seed, out_dir, threads, overrides):
     """One training run in its own process (or a chain of them); output in out_dir/train.out.
-    A run finished meanwhile (e.g. by another compare.py call) is skipped."""
+    A run finished meanwhile (e.g. by another compare.py call) is skipped; a run an earlier call
+    stopped part-way goes on from its last checkpoint (train.py --init_from=resume, which
+    continues exactly: weights, optimizer, data and RNG state), and a chain from its first
+    unfinished stage."""
     if os.path.exists(os.path.join(out_dir, "metrics.json")):
         return 0.0
     configs = config if isinstance(config, tuple) else (config,)
@@ -126,16 +132,57 @@ def launch(config, extra, seed, out_dir, threads, overrides):
         cmd = planned_commands(config_file, extra, seed, overrides)[0] + [f"--out_dir={stage_dir}", f"--num_threads={threads}"]
         if previous is not None:
             cmd.append(f"--init_from={os.path.join(previous, 'best.pt')}")
-        with open(os.path.join(stage_dir, "train.out"), "w") as f:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env).returncode
+        commands.append(cmd)
+        previous = stage_dir
+        if os.path.exists(os.path.join(stage_dir, "metrics.json")):  # a stage finished by an earlier call
+            flops += run_flops(stage_dir) or 0
+            continue
+        resume = os.path.exists(os.path.join(stage_dir, "ckpt.pt"))
+        with open(os.path.join(stage_dir, "train.out"), "a" if resume else "w") as f:
+            code = run_process([a for a in cmd if not a.startswith("--init_from=")] + ["--init_from=resume"]
+                               if resume else cmd, f, env)
         if code != 0:
             raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {stage_dir}/train.out")
-        commands.append(cmd)
         flops += run_flops(stage_dir) or 0
-        previous = stage_dir
     wall = time.time() - t0
     save_json({"wall_s": wall, "threads": threads, "commands": commands, "flops": flops}, os.path.join(out_dir, "run.json"))
     return wall
+
+
+# The train.py processes of this call. On Ctrl-C or SIGTERM, run_grid stops them and starts no
+# new one; each goes on from its last checkpoint in the next call.
+_running, _running_lock, _stopping = set(), threading.Lock(), threading.Event()
+
+
+class Stopped(Exception):
+    pass
+
+
+def run_process(cmd, out, env):
+    with _running_lock:  # checked under the lock: a process is either never started or stopped
+        if _stopping.is_set():
+            raise Stopped()
+        # its own session: a terminal's Ctrl-C reaches compare.py only, which stops the runs itself
+        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        _running.add(process)
+    try:
+        return process.wait()
+    finally:
+        with _running_lock:
+            _running.discard(process)
+
+
+def stop_runs():
+    """Start no new run and stop the running ones (SIGTERM; a checkpoint is written atomically,
+    so the last complete one survives)."""
+    with _running_lock:
+        _stopping.set()
+        running = list(_running)
+    for process in running:
+        process.terminate()
+    for process in running:
+        process.wait()
+    return len(running)
 
 
 def run_identity(commands):
@@ -298,8 +345,9 @@ def run_grid(grid, root, workers, overrides, archive="results/runs"):
     t0, finished, flops = time.time(), 0, 0
     record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": cpu_name(), "cores": os.cpu_count(),
               "torch": torch.__version__, **peak}
+    pool = ThreadPoolExecutor(workers)
     try:
-        with ThreadPoolExecutor(workers) as pool, tqdm(total=len(todo), desc=grid, unit="run") as bar:
+        with tqdm(total=len(todo), desc=grid, unit="run") as bar:
             futures = {pool.submit(launch, config, extra, seed, out, threads, overrides): (method, seed, out)
                        for method, seed, config, extra, out in todo}
             for future in as_completed(futures):
@@ -310,7 +358,16 @@ def run_grid(grid, root, workers, overrides, archive="results/runs"):
                 run = run_flops(out)
                 flops = None if flops is None or run is None else flops + run
                 bar.update(1)
-    finally:  # every call's wall time counts, an interrupted one too (its unfinished runs were wasted)
+    except BaseException:  # Ctrl-C, SIGTERM or a failed run: stop everything, keep what finished
+        pool.shutdown(wait=False, cancel_futures=True)
+        stopped = stop_runs()
+        print(f"stopped: {finished} run(s) finished in this call; {stopped} running one(s) go on from their last "
+              f"checkpoint in the next call", file=sys.stderr)
+        raise
+    finally:  # every call's wall time counts, an interrupted one too (the steps since a run's
+        # last checkpoint are lost; those runs' FLOPs count when they finish)
+        pool.shutdown(wait=True)
+        _stopping.clear()
         record.update(wall_s=time.time() - t0, runs=finished, flops=flops)
         record_call(os.path.join(archive, grid, "wall.json"), record)
     return record["wall_s"]
@@ -633,6 +690,7 @@ def main(argv=None):
     args, unknown = parser.parse_known_args(argv)
     overrides = args.overrides + unknown
     if not args.table_only:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the grid as Ctrl-C does
         run_grid(args.grid, args.root, args.workers, overrides, args.archive)
     sync_archive(args.grid, args.root, args.archive)
     table, _ = build_table(args.grid, args.archive)

@@ -134,6 +134,63 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     assert not os.path.exists(root + "/mini/CE")
 
 
+def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monkeypatch):
+    """SIGTERM (as Ctrl-C) stops compare.py and every train.py it started, records the call in
+    wall.json, and the next call continues a stopped run from its last checkpoint."""
+    import subprocess
+    import time
+    import prepare_shakespeare
+    text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
+    (tmp_path / "input.txt").write_text(text)
+    prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
+    root, archive = str(tmp_path / "runs"), str(tmp_path / "archive")
+    tiny = [f"--data_dir={tmp_path / 'data'}", "--eval_interval=3", "--eval_iters=1", "--warmup_iters=1",
+            "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--log_interval=1"]
+    grid = subprocess.Popen([sys.executable, "compare.py", "lowres", f"--root={root}", f"--archive={archive}",
+                             f"--results={tmp_path / 'results'}", "--readme=", *tiny, "--max_iters=1000000"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = compare.run_dir(root, "lowres", "CE", 1337)
+    deadline = time.time() + 120
+    while time.time() < deadline:  # until the first run has a checkpoint past step 0
+        try:
+            with open(os.path.join(out, "ckpt.json")) as f:
+                if json.load(f)["iter_num"] >= 3:
+                    break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    else:
+        grid.kill()
+        pytest.fail("the first run wrote no checkpoint: " + grid.communicate()[1][-2000:])
+    grid.terminate()
+    _, stderr = grid.communicate(timeout=60)
+    assert grid.returncode != 0 and "stopped: 0 run(s) finished in this call; 2 running one(s)" in stderr
+    with open(os.path.join(archive, "lowres", "wall.json")) as f:
+        (call,) = json.load(f)["calls"]
+    assert call["runs"] == 0 and call["flops"] == 0 and call["wall_s"] > 0
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if root.encode() in f.read():
+                    left.append(pid)
+        except OSError:
+            pass
+    assert left == [], "train.py processes outlived compare.py"
+    with open(os.path.join(out, "ckpt.json")) as f:
+        stopped_at = json.load(f)["iter_num"]
+    monkeypatch.chdir(REPO)
+    config, extra, _ = compare.GRIDS["lowres"]["CE"]
+    compare.launch(config, extra, 1337, out, 1, [*tiny, f"--max_iters={stopped_at + 2}"])
+    with open(os.path.join(out, "train.out")) as f:
+        log = f.read()
+    assert log.count("params:") == 2 and f"resumed from {out}/ckpt.pt at iter {stopped_at}" in log
+    with open(os.path.join(out, "log.jsonl")) as f:
+        steps = [json.loads(line)["iter"] for line in f if '"loss"' in line]
+    assert steps == list(range(stopped_at + 2))  # no step lost or repeated in the log
+    assert os.path.exists(os.path.join(out, "metrics.json"))
+
+
 def test_efficiency_sums_calls_and_says_when_runs_did_not_count(tiny_grid):
     """A grid run in several compare.py calls: its wall time is the sum of theirs, and its
     efficiency sum(FLOPs_i / peak_i) / sum(wall_i) over the calls whose runs counted FLOPs."""
