@@ -214,10 +214,10 @@ def test_machine_peak_measures_fp32_and_bf16_only_with_bf16_units(monkeypatch):
     peak = compare.machine_peak()
     assert set(peak["measured"]) == {"float32"} and peak["peak_dtype"] == "float32" and peak["peak_flops"] > 1e9
     monkeypatch.setattr(compare, "bf16_matrix_units", lambda: True)
-    monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype: 3e11 if dtype == torch.bfloat16 else 1e11)
+    monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype, repeats: 3e11 if dtype == torch.bfloat16 else 1e11)
     assert compare.machine_peak() == {"peak_flops": 3e11, "peak_dtype": "bfloat16",
                                       "measured": {"float32": 1e11, "bfloat16": 3e11}}
-    monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype: 1e9 if dtype == torch.bfloat16 else 1e11)
+    monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype, repeats: 1e9 if dtype == torch.bfloat16 else 1e11)
     assert compare.machine_peak()["peak_dtype"] == "float32"  # bf16 units, but slower: fp32 is the peak
 
 
