@@ -93,8 +93,8 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024, rare=None)
     Recall@5 and MRR are means over tokens, so chunk means weighted by chunk size give them
     exactly. PPL_best: with b = 1/T the mean NLL f(b) = mean_t [logsumexp(b z_t) - b z_ty] is
     convex (f''(b) = mean_t Var_softmax(b z_t)(z_t) >= 0), so Newton's method on b finds its
-    minimum in a handful of passes of the LM head -- where the char experiment's grid of 200
-    temperatures would take 200. Steps are limited to a factor of 2 in b and T stays in
+    minimum in a handful of passes of the LM head, at a T not rounded to the char experiment's
+    0.01 grid. Steps are limited to a factor of 2 in b and T stays in
     [0.01, 10]; the result is the best b visited. rare (N,) bool: also the metrics of those
     positions alone ("rare", tail_metrics), from the first pass."""
     n = len(targets)

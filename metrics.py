@@ -74,7 +74,7 @@ def default_temperatures():
 
 
 @torch.no_grad()
-def best_temperature_perplexity(logits, targets, temperatures=None, max_block_elems=2**22):
+def best_temperature_perplexity(logits, targets, temperatures=None, max_block_elems=2**22, points_per_pass=8):
     """
     Perplexity after the best single temperature:
         PPL_best = min_T exp( mean_t NLL_t(T) ),
@@ -83,6 +83,15 @@ def best_temperature_perplexity(logits, targets, temperatures=None, max_block_el
     leave a model whose ranking is fine but whose logits are badly scaled;
     rescaling by 1/T removes that calibration error, so PPL_best compares the
     information in the logits rather than their temperature.
+
+    The grid need not be scored everywhere: with b = 1/T the mean NLL is convex
+    in b (its second derivative is a variance), so along a sorted grid of T it
+    falls, then rises (unimodal). Each pass scores up to `points_per_pass`
+    not-yet-scored temperatures spread over the bracket that must hold the
+    minimum, then shrinks the bracket to the best point's scored neighbours;
+    it stops when every temperature in the bracket is scored. The answer is
+    the grid's own minimum (tested against scoring all of it) from ~30 of the
+    200 temperatures, in 3-4 passes over the logits.
 
     Implementation: subtract the row max m_t first (d = z - m <= 0); since
     z_y - m = d_y the m/T terms cancel and NLL_t(T) = logsumexp(d_t/T) - d_ty/T.
@@ -95,30 +104,43 @@ def best_temperature_perplexity(logits, targets, temperatures=None, max_block_el
     """
     if temperatures is None:
         temperatures = default_temperatures()
-    temps = torch.as_tensor(temperatures, dtype=torch.float64, device=logits.device).flatten()
-    inv_t32 = (1.0 / temps).float().view(-1, 1, 1)                 # (T, 1, 1)
-    n_temps = temps.numel()
-
+    temps = torch.as_tensor(temperatures, dtype=torch.float64, device=logits.device).flatten().sort().values
     z = logits.float()
     N, V = z.shape
     d = z - z.max(dim=1, keepdim=True).values                      # (N, V), <= 0
     d_target_sum = d.gather(1, targets.view(-1, 1)).double().sum()  # sum_t d_ty
-    lse_sum = torch.zeros_like(temps)                              # sum_t logsumexp(d_t/T)
 
-    chunk = max(1, max_block_elems // (n_temps * V))
-    buf = z.new_empty(n_temps, min(chunk, N), V)                   # reused block
-    for start in range(0, N, chunk):
-        rows = d[start:start + chunk]
-        block = buf[:, :rows.shape[0]]                             # (T, n, V)
-        torch.mul(rows.unsqueeze(0), inv_t32, out=block)
-        # exp(-80) ~ 2e-35 is invisible next to the max term exp(0) = 1 in
-        # float32, and clamping avoids exp's slow path for huge negative inputs
-        block.clamp_(min=-80.0).exp_()
-        lse_sum += block.sum(dim=2).log_().double().sum(dim=1)     # (T,)
+    def mean_nll(indices):
+        """mean_t NLL_t(T) for the temperatures temps[indices], in one pass over d."""
+        t = temps[indices]
+        inv_t32 = (1.0 / t).float().view(-1, 1, 1)                 # (k, 1, 1)
+        lse_sum = torch.zeros_like(t)                              # sum_t logsumexp(d_t/T)
+        chunk = max(1, max_block_elems // (len(indices) * V))
+        buf = z.new_empty(len(indices), min(chunk, N), V)          # reused block
+        for start in range(0, N, chunk):
+            rows = d[start:start + chunk]
+            block = buf[:, :rows.shape[0]]                         # (k, n, V)
+            torch.mul(rows.unsqueeze(0), inv_t32, out=block)
+            # exp(-80) ~ 2e-35 is invisible next to the max term exp(0) = 1 in
+            # float32, and clamping avoids exp's slow path for huge negative inputs
+            block.clamp_(min=-80.0).exp_()
+            lse_sum += block.sum(dim=2).log_().double().sum(dim=1)
+        return ((lse_sum - d_target_sum / t) / N).tolist()
 
-    mean_nll = (lse_sum - d_target_sum / temps) / N                # (T,)
-    best = int(torch.argmin(mean_nll))
-    return math.exp(mean_nll[best].item()), float(temps[best].item())
+    scored = {}                                                    # grid index -> mean NLL
+    lo, hi = 0, temps.numel() - 1
+    while True:
+        todo = [i for i in range(lo, hi + 1) if i not in scored]
+        if not todo:
+            break
+        if len(todo) > points_per_pass:                            # spread over the bracket
+            todo = sorted({todo[round(k * (len(todo) - 1) / (points_per_pass - 1))] for k in range(points_per_pass)})
+        scored.update(zip(todo, mean_nll(todo)))
+        inside = sorted(i for i in scored if lo <= i <= hi)
+        k = inside.index(min(inside, key=lambda i: (scored[i], i)))
+        lo, hi = inside[max(k - 1, 0)], inside[min(k + 1, len(inside) - 1)]
+    best = min(scored, key=lambda i: (scored[i], i))
+    return math.exp(scored[best]), float(temps[best].item())
 
 
 # -----------------------------------------------------------------------------

@@ -103,6 +103,30 @@ def test_best_temperature_matches_brute_force():
     assert t3 in (0.5, 1.0, 1.5)
 
 
+@pytest.mark.parametrize("scale", [0.005, 0.3, 1.0, 3.0, 40.0, 300.0])
+def test_best_temperature_search_finds_the_grid_minimum(scale):
+    # The search scores a few temperatures per pass; its answer must be the minimum over the
+    # whole grid by brute force -- at the grid's low edge (logits far too flat: T_best 0.01),
+    # inside it, and at its high edge (logits far too sharp: T_best 2.00).
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(60, 7, generator=g)
+    targets = torch.multinomial(F.softmax(z, dim=1), 1, generator=g).squeeze(1)
+    logits = z / scale
+    grid = metrics.default_temperatures()
+    nlls = [_loop_nll(logits, targets, T) for T in grid]
+    k = min(range(len(grid)), key=lambda i: (nlls[i], i))
+    for points in (3, 8, 200):  # 200: every temperature in one pass
+        ppl, t = metrics.best_temperature_perplexity(logits, targets, points_per_pass=points)
+        assert t == grid[k]
+        assert ppl == pytest.approx(math.exp(nlls[k]), rel=1e-6)
+    if scale == 0.005:
+        assert grid[k] == 2.0
+    if scale == 40.0:
+        assert 0.01 < grid[k] < 0.05
+    if scale == 300.0:
+        assert grid[k] == 0.01
+
+
 def test_best_temperature_recovers_known_scale():
     # targets drawn from softmax(z); the model reports logits 2*z, so dividing
     # by T = 2 gives back the true distribution, which minimises expected NLL.
