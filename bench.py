@@ -224,7 +224,7 @@ def efficiency_child(setting, steps, warmup):
 def efficiency(args, device, dtype):
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
-    peak = measure_matmul_flops("cpu", torch.float32)
+    peak = measure_matmul_flops("cpu", torch.float32, repeats=20)  # as compare.py: a best of 3 can read low
     rows = []
     for setting in EFFICIENCY_SETTINGS:
         steps = args.steps * (20 if setting == "lowres" else 4)

@@ -124,7 +124,27 @@ def launch(config, extra, seed, out_dir, threads, overrides):
         return 0.0
     configs = config if isinstance(config, tuple) else (config,)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    t0, commands, previous, flops = time.time(), [], None, 0
+    t0, commands = time.time(), []
+    # the time earlier calls spent on this run before they were stopped: its wall time is the sum
+    stopped_path = os.path.join(out_dir, "stopped_wall.json")
+    earlier = 0.0
+    if os.path.exists(stopped_path):
+        with open(stopped_path) as f:
+            earlier = json.load(f)["wall_s"]
+    try:
+        flops = run_stages(configs, extra, seed, out_dir, threads, overrides, env, commands)
+    except BaseException:
+        os.makedirs(out_dir, exist_ok=True)
+        save_json({"wall_s": earlier + time.time() - t0}, stopped_path)
+        raise
+    wall = earlier + time.time() - t0
+    save_json({"wall_s": wall, "threads": threads, "commands": commands, "flops": flops}, os.path.join(out_dir, "run.json"))
+    return wall
+
+
+def run_stages(configs, extra, seed, out_dir, threads, overrides, env, commands):
+    """launch's stages, one train.py process each (appended to commands); returns their FLOPs."""
+    previous, flops = None, 0
     for stage, config_file in enumerate(configs):
         # earlier stages of a chain go to out_dir/stage<k>; the last one is the run itself
         stage_dir = out_dir if stage == len(configs) - 1 else os.path.join(out_dir, f"stage{stage}")
@@ -144,9 +164,7 @@ def launch(config, extra, seed, out_dir, threads, overrides):
         if code != 0:
             raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {stage_dir}/train.out")
         flops += run_flops(stage_dir) or 0
-    wall = time.time() - t0
-    save_json({"wall_s": wall, "threads": threads, "commands": commands, "flops": flops}, os.path.join(out_dir, "run.json"))
-    return wall
+    return flops
 
 
 # The train.py processes of this call. On Ctrl-C or SIGTERM, run_grid stops them and starts no
@@ -462,7 +480,10 @@ def build_table(grid, root):
         if not shared:
             continue
         def diff(lang, key):
-            return fmt([runs[s][lang][key] - base[s][lang][key] for s in shared], 3)
+            digits = 3  # rates; perplexities with as many decimals as their size needs
+            if key in ("ppl", "ppl_best"):
+                digits = 2 if mean_std([base[s][lang][key] for s in shared])[0] < 100 else 0
+            return fmt([runs[s][lang][key] - base[s][lang][key] for s in shared], digits)
         lines.append(f"| {method} | {len(shared)} | " + " | ".join(diff(lang, key) for _, lang, key in columns) + " |")
     # SimReg's claim: the same loss in >= 30 % fewer steps
     def val_curve(method, seed):

@@ -44,6 +44,8 @@ def test_table_has_mean_std_and_paired_differences(tiny_grid):
     assert "| ce | 2 | 6.00 ± 1.41 |" in table
     # paired LR accuracy differences m - ce: 0.05 and 0.07 -> 0.060 ± 0.014
     assert "| m | 2 | 0.060 ± 0.014 |" in table
+    # paired HR PPL_best (two decimals at PPL ~6): +1.0 on both seeds
+    assert "| 0.000 ± 0.000 | 1.00 ± 0.00 | 0.000 ± 0.000 |" in table
     assert "| ce | 2 | 1000 | 10.0 | 0.50 |" in table
     # ce's best val 1.5 at step 500; m gets there at step 250 on seed 1337 and never on seed 1338
     assert "| m | 1 of 2 | 250 ± 0 | 0.50 ± 0.00 |" in table and "| ce | 2 of 2 | 500 ± 0 | 1.00 ± 0.00 |" in table
@@ -179,9 +181,15 @@ def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monk
     assert left == [], "train.py processes outlived compare.py"
     with open(os.path.join(out, "ckpt.json")) as f:
         stopped_at = json.load(f)["iter_num"]
+    with open(os.path.join(out, "stopped_wall.json")) as f:  # the stopped call's time on this run
+        stopped_wall = json.load(f)["wall_s"]
+    assert 0 < stopped_wall <= call["wall_s"]
     monkeypatch.chdir(REPO)
     config, extra, _ = compare.GRIDS["lowres"]["CE"]
+    t0 = time.time()
     compare.launch(config, extra, 1337, out, 1, [*tiny, f"--max_iters={stopped_at + 2}"])
+    with open(os.path.join(out, "run.json")) as f:  # the run's wall time: both calls
+        assert stopped_wall < json.load(f)["wall_s"] <= stopped_wall + time.time() - t0
     with open(os.path.join(out, "train.out")) as f:
         log = f.read()
     assert log.count("params:") == 2 and f"resumed from {out}/ckpt.pt at iter {stopped_at}" in log
@@ -243,11 +251,11 @@ def test_single_language_grid_table(tmp_path, monkeypatch):
     table, results = compare.build_table("onelang", str(tmp_path))
     assert "## Validation" in table and "HR validation" not in table and "Embedding geometry" not in table
     assert "| CE | 2 | 290.00 ± 14.14 |" in table  # ppl: 300, 280
-    # paired: acc +0.01, +0.02 -> 0.015 ± 0.007; ppl -10, -20 -> -15.000 ± 7.071
-    assert "| SimReg | 2 | 0.015 ± 0.007 | 0.000 ± 0.000 | -15.000 ± 7.071 |" in table
+    # paired: acc +0.01, +0.02 -> 0.015 ± 0.007; ppl -10, -20 -> -15 ± 7 (no decimals at PPL ~300)
+    assert "| SimReg | 2 | 0.015 ± 0.007 | 0.000 ± 0.000 | -15 ± 7 |" in table
     assert "## Rare targets" in table and f"| CE | 2 | 0.100 ± 0.000 | 2900 ± 141 | {compare.fmt([0.05, 0.055])} | 0.105 ± 0.007 |" in table
     # paired rare columns: acc/4 -> +0.0025, +0.005; ppl x10 -> -100, -200
-    assert f"| {compare.fmt([0.0525 - 0.05, 0.06 - 0.055])} | -150.000 ± 70.711 |" in table
+    assert f"| {compare.fmt([0.0525 - 0.05, 0.06 - 0.055])} | -150 ± 71 |" in table
     assert "## Hidden-state geometry (val)" in table and "paper" not in table
 
 
