@@ -3,7 +3,7 @@ What does each loss cost? Times real training steps (forward, backward, AdamW) w
 switched on, as ratios to the cross-entropy step measured in the same process:
 
     python bench.py                 # every section
-    python bench.py --section toy   # toy | 350m | cwt | memory | efficiency
+    python bench.py --section toy   # toy | 350m | cwt | memory | efficiency | softmax
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
   350m    the SimReg paper's 350M width cut to fit here: d = 1024, 16 heads, T = 2048, batch 1,
@@ -19,6 +19,8 @@ switched on, as ratios to the cross-entropy step measured in the same process:
           toy) comes to the machine's arithmetic limit: model FLOPs per second (train.py's 6N +
           attention) / the 2048^2 fp32 matmul peak on all cores, for one process on all cores
           and for one 1-thread process per core running side by side (how compare.py runs a grid)
+  softmax the cross-entropy alone on the BPE toy's logits (1024 x 50304), forward + backward on
+          1 thread: losses.cross_entropy vs F.cross_entropy, alternating so both see the same load
 
 Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
 model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
@@ -34,7 +36,9 @@ import time
 
 import torch
 
-from losses import Objective, simreg
+import torch.nn.functional as F
+
+from losses import Objective, cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
 from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops
@@ -243,7 +247,39 @@ def efficiency(args, device, dtype):
           ["grid", "processes", "ms / step", "model FLOP/s / peak"], rows)
 
 
-SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency}
+def softmax_cross_entropy(args, device, dtype):
+    """The softmax is the biggest non-matmul cost of a BPE step. losses.cross_entropy keeps
+    exp(z - max z) from its forward for the backward; F.cross_entropy writes and rereads
+    log_softmax and a zero-filled nll gradient. Timed on 1 thread, the two alternating, so a
+    background load slows both alike. Freed memory is kept, as train.py keeps it (see
+    utils.keep_freed_memory), so neither pays for the kernel zeroing 206 MB of fresh pages."""
+    keep_freed_memory()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    logits = (3 * torch.randn(1024, 50304, device=device)).requires_grad_()
+    targets = torch.randint(0, 50304, (1024,), device=device)
+    functions = {"F.cross_entropy": F.cross_entropy, "losses.cross_entropy": cross_entropy}
+    times = {name: [] for name in functions}
+    for i in range(args.warmup + 4 * args.steps):
+        for name, function in functions.items():
+            t0 = time.perf_counter()
+            function(logits, targets).backward()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+            logits.grad = None
+    torch.set_num_threads(threads)
+    base = statistics.median(times["F.cross_entropy"])
+    table("cross-entropy alone, 1024 x 50304 float32 logits, forward + backward, 1 thread",
+          ["function", "median ms", "min ms", "ratio to F.cross_entropy"],
+          [(name, f"{1000 * statistics.median(t):.0f}", f"{1000 * min(t):.0f}", f"{statistics.median(t) / base:.2f}")
+           for name, t in times.items()])
+
+
+SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
+            "softmax": softmax_cross_entropy}
 
 
 def main():

@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import threading
@@ -588,6 +589,16 @@ def build_table(grid, root):
     return "\n".join(lines) + "\n", results
 
 
+def peak_range(calls):
+    """'measured peak of 176 GFLOP/s (float32, all cores)', or, when calls measured different
+    peaks, their range: each call's FLOPs are divided by the peak measured at that call's start."""
+    calls = [c for c in calls if c["flops"]] or calls  # a call stopped before any FLOPs used no peak
+    peaks, dtype = sorted({round(c["peak_flops"] / 1e9) for c in calls}), calls[-1]["peak_dtype"]
+    if len(peaks) == 1:
+        return f"measured peak of {peaks[0]} GFLOP/s ({dtype}, all cores)"
+    return f"peaks measured at each call's start ({dtype}, all cores: {peaks[0]}–{peaks[-1]} GFLOP/s)"
+
+
 def speed_summary(grid, root):
     """The grid's wall time over all compare.py calls and its efficiency:
     (grid FLOPs / peak) / wall time, where grid FLOPs are what the runs executed (training,
@@ -612,12 +623,36 @@ def speed_summary(grid, root):
         scope = "" if len(counted) == len(calls) else \
             f" (the {len(counted)} call(s) whose runs counted their FLOPs: {sum(c['runs'] for c in counted)} runs, {counted_wall / 3600:.2f} h)"
         lines += ["", f"**Efficiency = (grid FLOPs / peak) / wall time = {at_peak / counted_wall:.2f}**{scope}: "
-                  f"{flops / 1e15:.3f} PFLOP executed (training, evaluation and fine-tuning), which at the measured "
-                  f"peak of {last['peak_flops'] / 1e9:.0f} GFLOP/s ({last['peak_dtype']}, all cores) would take "
-                  f"{at_peak / 60:.1f} min."]
+                  f"{flops / 1e15:.3f} PFLOP executed (training, evaluation and fine-tuning), which at the "
+                  f"{peak_range(counted)} would take {at_peak / 60:.1f} min."]
     else:
         lines += ["", "Efficiency: not available (these runs were made before train.py counted the FLOPs it executes)."]
-    return lines
+    return lines + time_breakdown(grid, root, wall, last["workers"])
+
+
+def time_breakdown(grid, root, grid_wall, workers):
+    """Where a grid's wall time went: the share of each run's wall time spent in training steps
+    (its iterations x its median ms/iter; single-stage runs only, since a chained run's log holds
+    its last stage), and how much of workers x grid wall time the runs themselves filled (the
+    rest: the grid's tail, when fewer runs than workers are left, and the gaps between runs)."""
+    step_s = run_s = all_runs_s = 0.0
+    for *_, out in runs_of(grid, root):
+        if not os.path.exists(os.path.join(out, "run.json")):
+            continue
+        with open(os.path.join(out, "run.json")) as f:
+            run = json.load(f)
+        all_runs_s += run["wall_s"]
+        with open(os.path.join(out, "log.jsonl")) as f:
+            steps = [json.loads(line) for line in f if '"ms_per_iter"' in line]
+        if steps and len(run.get("commands", [])) == 1:
+            step_s += (steps[-1]["iter"] + 1) * statistics.median(r["ms_per_iter"] for r in steps) / 1000
+            run_s += run["wall_s"]
+    if not run_s:
+        return []
+    return ["", f"Where the time went: training steps (iterations × median ms/iter) are {100 * step_s / run_s:.0f} % "
+            f"of the single-stage runs' wall time, the rest being evaluation, checkpoints and process start; "
+            f"the runs' wall times fill {100 * all_runs_s / (workers * grid_wall):.0f} % of {workers} × the grid's "
+            f"wall time, the rest being the grid's tail (fewer runs left than run at a time) and the gaps between runs."]
 
 
 # which methods each figure compares (the first of a grid's methods is its baseline)

@@ -39,3 +39,10 @@ def test_efficiency_child_reports_a_step_and_its_flops():
     result = __import__("json").loads(out.stdout)
     # the lowres CE step: 12 x 64 tokens, 6N + 12 L C T per token with N = 812,416 - 64 x 128 positions
     assert result["seconds"] > 0 and result["flops"] == 12 * 64 * (6 * (812_416 - 64 * 128) + 12 * 4 * 128 * 64)
+
+
+def test_softmax_section_times_both_cross_entropies():
+    out = subprocess.run([sys.executable, "bench.py", "--section", "softmax", "--steps", "1", "--warmup", "0"],
+                         cwd=REPO, capture_output=True, text=True, check=True).stdout
+    rows = [line for line in out.splitlines() if line.startswith("| F.") or line.startswith("| losses.")]
+    assert len(rows) == 2 and rows[0].endswith("| 1.00 |")

@@ -215,6 +215,25 @@ def test_efficiency_sums_calls_and_says_when_runs_did_not_count(tiny_grid):
     assert "4 runs in 2.00 h over 3 `compare.py tiny` call(s)" in table
     assert ("**Efficiency = (grid FLOPs / peak) / wall time = 0.44** (the 2 call(s) whose runs counted their "
             "FLOPs: 3 runs, 1.50 h): 0.260 PFLOP executed") in table
+    assert "at the peaks measured at each call's start (float32, all cores: 100–150 GFLOP/s) would take 40.0 min" in table
+
+
+def test_time_breakdown_splits_step_time_from_the_rest(tiny_grid):
+    """Training-step share = iterations x median ms/iter over single-stage runs' wall time; the
+    fill = all runs' wall time / (runs at a time x grid wall time)."""
+    for method, seed, *_, out in compare.runs_of("tiny", tiny_grid):
+        chained = (method, seed) == ("m", 1338)  # its log holds only its last stage: left out of the share
+        with open(os.path.join(out, "run.json"), "w") as f:
+            json.dump({"wall_s": 100.0 if chained else 20.0, "commands": [["a"], ["b"]] if chained else [["a"]]}, f)
+        with open(os.path.join(out, "log.jsonl"), "a") as f:  # 1000 iterations at a median of 10 ms: 10 s
+            f.write(json.dumps({"iter": 999, "loss": 1.0, "tokens_per_s": 1.0, "ms_per_iter": 10.0, "mfu": 0.5}) + "\n")
+    compare.record_call(os.path.join(tiny_grid, "tiny", "wall.json"),
+                        {"workers": 2, "threads_per_run": 1, "cpu": "Test CPU", "cores": 2, "torch": "x",
+                         "peak_dtype": "float32", "wall_s": 100.0, "runs": 4, "flops": 1e12, "peak_flops": 1e11})
+    table, _ = compare.build_table("tiny", tiny_grid)
+    # share: 3 x 10 s of 3 x 20 s; fill: (3 x 20 + 100) s / (2 x 100 s)
+    assert "training steps (iterations × median ms/iter) are 50 % of the single-stage runs' wall time" in table
+    assert "the runs' wall times fill 80 % of 2 × the grid's wall time" in table
 
 
 def test_machine_peak_measures_fp32_and_bf16_only_with_bf16_units(monkeypatch):
