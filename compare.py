@@ -192,8 +192,8 @@ def run_process(cmd, out, env):
 
 
 def stop_runs():
-    """Start no new run and stop the running ones (SIGTERM; a checkpoint is written atomically,
-    so the last complete one survives)."""
+    """Start no new run and stop the running ones (SIGTERM; a run in the middle of writing a
+    checkpoint finishes its weights and their JSON first, utils.stop_signals_deferred)."""
     with _running_lock:
         _stopping.set()
         running = list(_running)

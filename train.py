@@ -35,7 +35,8 @@ from configurator import parse_config_or_exit
 from losses import Objective
 from model import GPT, GPTConfig, build_model
 from optim import AdaGC, configure_optimizers
-from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops, save_json, save_text, save_torch
+from utils import (autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops, save_json, save_text,
+                   save_torch, stop_signals_deferred)
 
 keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted in anew every step
 
@@ -440,9 +441,10 @@ def save_checkpoint(path, full):
                      cuda_rng=torch.cuda.get_rng_state() if on_cuda else None, flops_done=dict(flops_done),
                      adagc=clipper.state_dict() if clipper is not None else None)
     if master:
-        save_torch(state, path)
-        save_json({"config": config, "model_config": model_config.__dict__, "iter_num": iter_num,
-                   "best_val_loss": best_val_loss, "last_eval": last_eval}, path[:-3] + ".json")
+        with stop_signals_deferred():  # the weights and their JSON name the same step
+            save_torch(state, path)
+            save_json({"config": config, "model_config": model_config.__dict__, "iter_num": iter_num,
+                       "best_val_loss": best_val_loss, "last_eval": last_eval}, path[:-3] + ".json")
         if "dcp" in state:  # ckpt.pt now names the new shards: the previous ones can go
             shutil.rmtree(os.path.join(out_dir, "ckpt_dcp/b" if dcp_slot == "ckpt_dcp/a" else "ckpt_dcp/a"),
                           ignore_errors=True)

@@ -4,8 +4,10 @@ import contextlib
 import ctypes
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -75,6 +77,31 @@ def atomic_write(path, write_fn):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+@contextlib.contextmanager
+def stop_signals_deferred():
+    """Hold Ctrl-C (SIGINT) and `kill` (SIGTERM) until the block ends, then act on them as usual.
+    A checkpoint is two files, the weights and a readable JSON of its step; a stop between the two
+    writes would leave the JSON naming an older step than the weights. Python runs signal handlers
+    in the main thread whichever thread the OS hands the signal to, so a handler that only notes
+    the signal defers it for the whole process; after the block it is raised again."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    received = []
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if handler is not None:  # None: a handler not set from Python, left alone
+            previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if received:
+            signal.raise_signal(received[0])
 
 
 def save_json(obj, path):
