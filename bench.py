@@ -35,7 +35,6 @@ import sys
 import time
 
 import torch
-
 import torch.nn.functional as F
 
 from losses import Objective, cross_entropy, simreg

@@ -570,22 +570,30 @@ def build_table(grid, root):
     # speed: training throughput from each run's log, wall times from run.json / wall.json
     lines += ["", "## Speed", "", "| method | runs | median tokens/s per run | median ms/iter | median MFU | mean wall time per run |",
               "|---|---|---|---|---|---|"]
+    seconds = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0}  # for time_breakdown
     for method in methods:
         speeds, walls = [], []
         for m, seed, _, _, out in runs_of(grid, root):
             if m != method or not os.path.exists(os.path.join(out, "metrics.json")):
                 continue
             with open(os.path.join(out, "log.jsonl")) as f:
-                speeds += [json.loads(line) for line in f if '"tokens_per_s"' in line]
+                run_speeds = [json.loads(line) for line in f if '"tokens_per_s"' in line]
+            speeds += run_speeds
             if os.path.exists(os.path.join(out, "run.json")):
                 with open(os.path.join(out, "run.json")) as f:
-                    walls.append(json.load(f)["wall_s"])
+                    run = json.load(f)
+                walls.append(run["wall_s"])
+                seconds["runs"] += run["wall_s"]
+                if run_speeds and len(run.get("commands", [])) == 1:  # a chained run's log holds its last stage
+                    iterations = run_speeds[-1]["iter"] + 1
+                    seconds["steps"] += iterations * statistics.median(r["ms_per_iter"] for r in run_speeds) / 1000
+                    seconds["single_stage_runs"] += run["wall_s"]
         if speeds:
             med = {k: torch.tensor([r[k] for r in speeds]).median().item() for k in ("tokens_per_s", "ms_per_iter", "mfu")}
             wall = f"{sum(walls) / len(walls) / 60:.1f} min" if walls else "n/a"
             lines.append(f"| {method} | {len(results.get(method, {}))} | {med['tokens_per_s']:.0f} | "
                          f"{med['ms_per_iter']:.1f} | {med['mfu']:.2f} | {wall} |")
-    lines += speed_summary(grid, root)
+    lines += speed_summary(grid, root, seconds)
     return "\n".join(lines) + "\n", results
 
 
@@ -599,11 +607,12 @@ def peak_range(calls):
     return f"peaks measured at each call's start ({dtype}, all cores: {peaks[0]}–{peaks[-1]} GFLOP/s)"
 
 
-def speed_summary(grid, root):
+def speed_summary(grid, root, seconds):
     """The grid's wall time over all compare.py calls and its efficiency:
     (grid FLOPs / peak) / wall time, where grid FLOPs are what the runs executed (training,
     evaluation, fine-tuning; train.py counts them) and peak is the matmul peak each call
-    measured on all cores before starting."""
+    measured on all cores before starting; then where the time went (time_breakdown of the
+    `seconds` build_table summed while it read the runs' logs)."""
     calls = grid_calls(os.path.join(root, grid, "wall.json"))
     lines = ["", "MFU per run = model FLOPs (6N + attention) / that run's own measured fp32 2048² matmul peak "
              "on its thread(s), measured while other runs may share the machine."]
@@ -627,26 +636,16 @@ def speed_summary(grid, root):
                   f"{peak_range(counted)} would take {at_peak / 60:.1f} min."]
     else:
         lines += ["", "Efficiency: not available (these runs were made before train.py counted the FLOPs it executes)."]
-    return lines + time_breakdown(grid, root, wall, last["workers"])
+    return lines + time_breakdown(seconds, wall, last["workers"])
 
 
-def time_breakdown(grid, root, grid_wall, workers):
-    """Where a grid's wall time went: the share of each run's wall time spent in training steps
-    (its iterations x its median ms/iter; single-stage runs only, since a chained run's log holds
-    its last stage), and how much of workers x grid wall time the runs themselves filled (the
-    rest: the grid's tail, when fewer runs than workers are left, and the gaps between runs)."""
-    step_s = run_s = all_runs_s = 0.0
-    for *_, out in runs_of(grid, root):
-        if not os.path.exists(os.path.join(out, "run.json")):
-            continue
-        with open(os.path.join(out, "run.json")) as f:
-            run = json.load(f)
-        all_runs_s += run["wall_s"]
-        with open(os.path.join(out, "log.jsonl")) as f:
-            steps = [json.loads(line) for line in f if '"ms_per_iter"' in line]
-        if steps and len(run.get("commands", [])) == 1:
-            step_s += (steps[-1]["iter"] + 1) * statistics.median(r["ms_per_iter"] for r in steps) / 1000
-            run_s += run["wall_s"]
+def time_breakdown(seconds, grid_wall, workers):
+    """Where a grid's wall time went: the share of the runs' wall time spent in training steps
+    (each run's iterations x its median ms/iter; single-stage runs only, since a chained run's log
+    holds its last stage), and how much of workers x grid wall time the runs themselves filled
+    (the rest: the grid's tail, when fewer runs than workers are left, and the gaps between runs).
+    `seconds` is summed over the runs by build_table."""
+    step_s, run_s, all_runs_s = seconds["steps"], seconds["single_stage_runs"], seconds["runs"]
     if not run_s:
         return []
     return ["", f"Where the time went: training steps (iterations × median ms/iter) are {100 * step_s / run_s:.0f} % "
