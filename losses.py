@@ -224,10 +224,11 @@ def _dispersion_one_layer(z, tau, variant):
         sq_norm = z.square().sum(-1)
         sq_dist = sq_norm.unsqueeze(2) + sq_norm.unsqueeze(1) - 2 * z @ z.transpose(1, 2)
         distance = sq_dist.clamp_min(0) / C
-        logits = (-distance / tau).reshape(B, T * T)
-        per_sequence = _masked_logsumexp(logits, off_diagonal.reshape(1, T * T), -1)
-        # without the norm term, the repulsion is won by simply growing every state
-        return (per_sequence - math.log(n_pairs)).mean() + 0.1 * z.square().mean()
+        # all T^2 pairs, i = j included: each diagonal term is exp(0) = 1, so the log-mean-exp
+        # never falls below log(T / T^2) = -log T however far apart the states are pushed
+        per_sequence = torch.logsumexp((-distance / tau).reshape(B, T * T), -1)
+        # the norm term keeps the states from spreading out by simply growing
+        return (per_sequence - 2 * math.log(T)).mean() + 0.1 * z.square().mean()
 
     raise AssertionError(variant)  # checked by dispersion()
 
@@ -240,7 +241,7 @@ def dispersion(hidden_states, tau=1.0, variant="angular"):
 
     Counteracts "embedding condensation": the states of one sequence drifting towards a single
     direction as depth grows. For each layer's z (B,T,C), per sequence, over pairs i != j (i = j
-    excluded; pairs never cross sequences):
+    excluded except in l2_repel; pairs never cross sequences):
       angular (default, Algorithm 1):
           z_hat = z / (|z| + eps),  cos = z_hat z_hat^T clamped to [-1+eps, 1-eps],  eps = 1e-4
           D_ij = arccos(cos_ij) / pi
@@ -251,7 +252,13 @@ def dispersion(hidden_states, tau=1.0, variant="angular"):
           matrix; loss = mean_{m!=n} Cov_mn^2. The paper's Table 1 writes the C x C feature
           covariance; we follow the authors' code, which produced the paper's numbers.
       l2_repel: D_ij = |z_i - z_j|^2 / C (width-scaled, as in the authors' later code);
-          loss = logsumexp_{i!=j}(-D_ij / tau) - log(T(T-1)) + 0.1 * mean(z^2)
+          loss = logsumexp_{all i, j}(-D_ij / tau) - log(T^2) + 0.1 * mean(z^2)
+          Here the diagonal i = j is included (as in two of the authors' three code versions).
+          Why: without it the repulsion falls like -2|z|^2/(C tau) as the states grow, while the
+          norm term rises only like 0.1|z|^2/C, so the loss is unbounded below and training
+          diverges (our grids did, with the i != j version). The T diagonal terms, each
+          exp(0) = 1, bound the repulsion below by -log T. Raising the norm coefficient instead
+          would make z = 0 the minimum, i.e. reward the collapse the loss is meant to prevent.
       orthogonalization: angular D; loss = mean_{i!=j} max(0, 1/2 - D_ij)^2
     The loss is the mean over sequences, then over the given layers.
 

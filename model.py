@@ -37,7 +37,6 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = False        # biases in Linear and LayerNorm (GPT-2: True; the toy: False)
     tie_weights: bool = True  # LM head shares the token embedding matrix (weight tying)
-    embedding_init_std: float = 0.02  # std of the token embedding rows at init (Stop Jostling's SE rows: 1.0)
     arch: str = "gpt2"        # gpt2 | llama
     # llama only
     ffn_hidden: int = 0       # SwiGLU hidden width; 0 = 8/3 n_embd rounded up to a multiple of 256
@@ -275,9 +274,7 @@ class GPT(nn.Module):
             return
         std = 0.02
         for name, p in self.named_parameters():
-            if name == "wte.weight":
-                nn.init.normal_(p, mean=0.0, std=self.config.embedding_init_std)
-            elif name.endswith("c_proj.weight"):
+            if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
             elif p.dim() == 2:
                 nn.init.normal_(p, mean=0.0, std=std)

@@ -67,7 +67,6 @@ n_embd = 128
 dropout = 0.0
 bias = False
 tie_weights = True
-embedding_init_std = 0.02            # token embedding init std; the authors' SE rows start at 1.0 (torch.randn)
 arch = "gpt2"                        # gpt2 | llama (RMSNorm, RoPE, SwiGLU; SPEC section 6)
 ffn_hidden = 0                       # llama: SwiGLU width; 0 = 8/3 n_embd rounded up to a multiple of 256
 n_expert = 1                         # llama: > 1 = Mixtral mixture of experts
@@ -153,7 +152,7 @@ if global_batch_size:  # the config names the batch the recipe needs; micro-step
 def make_model_config(vocab):
     try:
         return GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                         dropout=dropout, bias=bias, tie_weights=tie_weights, embedding_init_std=embedding_init_std,
+                         dropout=dropout, bias=bias, tie_weights=tie_weights,
                          arch=arch, ffn_hidden=ffn_hidden, n_expert=n_expert, top_k=top_k, rope_theta=rope_theta,
                          init_std=init_std)
     except ValueError as e:

@@ -191,9 +191,9 @@ def brute_dispersion_layer(z, tau, variant):
         elif variant == "decorrelation":
             z_c = [(z[b, t] - z[b, t].mean()) / z[b, t].std(unbiased=True) for t in range(T)]
             per_sequence.append(torch.stack([(torch.dot(z_c[m], z_c[n]) / (C - 1)) ** 2 for m, n in pairs]).mean())
-        elif variant == "l2_repel":
-            terms = torch.stack([-((z[b, i] - z[b, j]) ** 2).sum() / C / tau for i, j in pairs])
-            per_sequence.append(torch.logsumexp(terms, 0) - math.log(T * (T - 1)) + 0.1 * (z[b] ** 2).mean())
+        elif variant == "l2_repel":  # every ordered pair, i = j included
+            terms = torch.stack([-((z[b, i] - z[b, j]) ** 2).sum() / C / tau for i in range(T) for j in range(T)])
+            per_sequence.append(torch.logsumexp(terms, 0) - math.log(T * T) + 0.1 * (z[b] ** 2).mean())
     return torch.stack(per_sequence).mean()
 
 
@@ -363,3 +363,17 @@ def test_objective_is_the_weighted_sum_of_the_plain_functions():
                           + 2 * expected["nitp"], atol=1e-12)
     assert objective.needs_logits and not Objective(L, C, ce=0.0, cwt=1.0).needs_logits
     assert sum(p.numel() for p in objective.parameters()) == 3 * C * 4 * C  # the SwiGLU head C -> 4C -> C
+
+
+def test_l2_repel_is_bounded_below_as_states_grow_apart():
+    """With the diagonal in the log-mean-exp the repulsion cannot fall below -log T: states
+    scaled up (further apart) approach that floor, and the norm term then makes the loss rise,
+    so growing the states is not a way to drive the loss to minus infinity."""
+    T = 6
+    z = randn(1, T, 4, seed=12)
+    repulsion = [dispersion(z * s, 1.0, "l2_repel").item() - 0.1 * (z * s).square().mean().item()
+                 for s in (1.0, 10.0, 100.0)]
+    assert all(r >= -math.log(T) - 1e-9 for r in repulsion)
+    assert abs(repulsion[-1] + math.log(T)) < 1e-6                 # at the floor
+    losses = [dispersion(z * s, 1.0, "l2_repel").item() for s in (10.0, 100.0, 1000.0)]
+    assert losses[0] < losses[1] < losses[2]
