@@ -6,7 +6,8 @@ Evaluate a saved checkpoint the way SPEC.md section 1 defines it, and write metr
 The validation split is cut into non-overlapping blocks of block_size tokens and scored twice,
 as is (HR) and with every id shifted into the low-resource language (LR), with the full softmax
 over both languages and no thresholding. Per language: PPL, PPL_best over temperatures (with
-T_best), accuracy, Recall@5, MRR and the isotropy I(W) of that language's output-embedding rows;
+T_best), accuracy, Recall@5, MRR and the isotropy I(W) of that language's output-embedding rows
+(ours, well defined, and the authors' way, which the paper's numbers used: metrics.isotropy_authors);
 plus I(W) of all rows and the cross-language "translation" figures of the embedding, and the
 geometry of the hidden states (condensation: mean pairwise cosine per depth, its rank correlation
 with depth, the final states' mean cosine and their SimReg value).
@@ -203,8 +204,9 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     result = {"geometry": {}, "flops": 2 * forward_flops}  # scored twice: HR and LR
     for lang, offset in (("hr", 0), ("lr", shift)):
         logits, result["geometry"][lang] = forward_val(model, x + offset, y + offset, device)
+        rows = W[offset:offset + shift]
         result[lang] = {**prediction_metrics(logits, (y + offset).reshape(-1)),
-                        "isotropy": metrics.isotropy(W[offset:offset + shift])}
+                        "isotropy": metrics.isotropy(rows), "isotropy_authors": metrics.isotropy_authors(rows)}
     result["isotropy_all"] = metrics.isotropy(W)
     E = model.input_embedding().detach().float().cpu()
     result["translations"] = metrics.translation_metrics(E, itos, shift)
@@ -242,8 +244,9 @@ def marginalization_report(parts, train_data, shift, itos):
 
 
 def format_metrics(result):
-    keys = ["ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy"]
     langs = [k for k in ("hr", "lr", "val") if k in result]
+    keys = [k for k in ("ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy", "isotropy_authors")
+            if k in result[langs[0]]]
     lines = ["metric       " + "".join(f"{lang:>10}" for lang in langs)]
     for key in keys:
         lines.append(f"{key:<13}" + "".join(f"{result[lang][key]:>10.4f}" for lang in langs))

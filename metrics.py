@@ -10,7 +10,8 @@ Contents
     rank_metrics                  accuracy, recall@5 and mean reciprocal rank
     perplexity                    exp(mean negative log-likelihood)
     best_temperature_perplexity   perplexity after the best single temperature
-    isotropy                      I(W) of Mu & Viswanath (2018)
+    isotropy                      I(W) of Mu & Viswanath (2018), both signs of each eigenvector
+    isotropy_authors              I(W) as the Stop Jostling paper computed it (for comparisons with it)
     translation_metrics           twin / 12-case neighbour counts of an embedding
     embedding_gradient_part_vectors, embedding_gradient_parts
                                   the three pieces of a tied embedding's gradient
@@ -166,6 +167,22 @@ def isotropy(W):
     _, U = torch.linalg.eigh(W.T @ W)                              # columns = eigenvectors
     A = torch.cat([U, -U], dim=1)                                  # (C, 2C)
     log_z = torch.logsumexp(W @ A, dim=0)                          # (2C,)
+    return math.exp((log_z.min() - log_z.max()).item())
+
+
+def isotropy_authors(W):
+    """
+    I(W) computed the way the Stop Jostling authors computed the paper's I(W) column: a over the
+    real parts of the eigenvectors that the general solver torch.linalg.eig returns for W^T W
+    (float32, as the model's weights are), each with whatever sign the solver picked, and no
+    negatives. Since Z(a) != Z(-a), this value depends on the solver's sign choices (and so on
+    the dtype and the LAPACK build): it is not a well-defined property of W, and it is never
+    below isotropy(W), which takes the min and max over a superset of directions. It exists so
+    that our numbers can be compared with the paper's like for like; use isotropy() otherwise.
+    """
+    W = W.detach().float()
+    _, U = torch.linalg.eig(W.T @ W)                               # complex; W^T W is symmetric
+    log_z = torch.logsumexp(W.double() @ U.real.double(), dim=0)
     return math.exp((log_z.min() - log_z.max()).item())
 
 

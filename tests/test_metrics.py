@@ -196,6 +196,36 @@ def test_isotropy_random_matches_loop_and_large_norms():
     assert 0 <= big <= 1 and math.isfinite(big)
 
 
+def _loop_isotropy_authors(W):
+    """The authors' I(W) from its definition: the eigenvectors torch.linalg.eig returns, with
+    their signs, and Z(a) summed row by row in plain loops."""
+    _, U = torch.linalg.eig(torch.as_tensor(W, dtype=torch.float32).T @ torch.as_tensor(W, dtype=torch.float32))
+    U = U.real.double().numpy()
+    W = np.asarray(W, dtype=np.float64)
+    Z = [sum(math.exp(float(w @ U[:, j])) for w in W) for j in range(U.shape[1])]
+    return min(Z) / max(Z)
+
+
+def test_isotropy_authors_identical_rows_hand_value():
+    # all n rows equal v: one eigenvector is +-v/|v| (Z = n e^{+-|v|}), the others are
+    # orthogonal to v (Z = n), so I = e^{-|v|} whichever sign the solver returns, while the
+    # well-defined version sees both signs: e^{-2|v|}
+    v = torch.tensor([1.0, 2.0, 2.0])                              # |v| = 3
+    W = v.repeat(10, 1)
+    assert metrics.isotropy_authors(W) == pytest.approx(math.exp(-3.0), rel=1e-5)
+    assert metrics.isotropy(W) == pytest.approx(math.exp(-6.0), rel=1e-5)
+
+
+def test_isotropy_authors_matches_loop_and_is_never_below_ours():
+    g = torch.Generator().manual_seed(4)
+    for shift in (0.0, 0.3, 1.0):
+        W = torch.randn(65, 8, generator=g) + shift
+        value = metrics.isotropy_authors(W)
+        assert value == pytest.approx(_loop_isotropy_authors(W.numpy()), rel=1e-6)
+        # ours takes the min and max over a superset of directions (both signs)
+        assert metrics.isotropy(W) <= value + 1e-12 and 0 < value <= 1
+
+
 # -----------------------------------------------------------------------------
 # translation metrics
 

@@ -72,7 +72,7 @@ def test_run_writes_log_checkpoints_and_metrics(baseline_run):
     with open(os.path.join(out, "metrics.json")) as f:
         metrics = json.load(f)
     for lang in ("hr", "lr"):
-        assert set(metrics[lang]) == {"ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy"}
+        assert set(metrics[lang]) == {"ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy", "isotropy_authors"}
         assert metrics[lang]["ppl_best"] <= metrics[lang]["ppl"]
         assert 0 <= metrics[lang]["accuracy"] <= metrics[lang]["recall_at_5"] <= 1
     assert 0 < metrics["isotropy_all"] <= 1
