@@ -40,8 +40,10 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import claims
 import evaluate
 import figures
+import stats
 
 from utils import atomic_write, measure_matmul_flops, save_json, save_text
 
@@ -420,16 +422,42 @@ def fmt(values, digits=3):
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-def build_table(grid, root):
-    """results/<grid>.md from the archived runs under root (metrics.json, marginalization.json,
-    run.json, log.jsonl) and root/<grid>/wall.json."""
-    methods = GRIDS[grid]
-    results = {}
+# the Stop Jostling run the strip plots mark (the authors' single notebook run), and the LR accuracy
+# from which we say a seed made the jump towards it
+PAPER_SE_LR_ACCURACY = 0.487
+TRANSITION_LR_ACCURACY = 0.43
+
+
+def load_runs(grid, root):
+    """The archived runs of a grid: ({method: {seed: metrics}}, {method: {seed: {"dir", "metrics"}}})."""
+    results, runs = {}, {}
     for method, seed, _, _, out in runs_of(grid, root):
         path = os.path.join(out, "metrics.json")
         if os.path.exists(path):
             with open(path) as f:
                 results.setdefault(method, {})[seed] = json.load(f)
+            runs.setdefault(method, {})[seed] = {"dir": out, "metrics": results[method][seed]}
+    return results, runs
+
+
+def paired_columns(results):
+    """(title, language, metric) of the paired-difference table and the forest plot."""
+    runs = [r for per_seed in results.values() for r in per_seed.values()]
+    if any("lr" in r for r in runs):
+        return [("LR acc", "lr", "accuracy"), ("LR MRR", "lr", "mrr"), ("LR PPL_best", "lr", "ppl_best"),
+                ("HR acc", "hr", "accuracy"), ("HR PPL_best", "hr", "ppl_best"), ("LR I(W)", "lr", "isotropy")]
+    columns = [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
+               ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
+    if runs and all("rare" in r for r in runs):
+        columns += [("rare acc", "rare", "accuracy"), ("rare PPL", "rare", "ppl")]
+    return columns
+
+
+def build_table(grid, root):
+    """results/<grid>.md from the archived runs under root (metrics.json, marginalization.json,
+    run.json, log.jsonl) and root/<grid>/wall.json."""
+    methods = GRIDS[grid]
+    results, runs = load_runs(grid, root)
     baseline = next(iter(methods))
     # the char grids score the val split in two languages (HR, LR); the BPE grid in one ("val")
     low_resource = any("lr" in r for runs in results.values() for r in runs.values())
@@ -439,30 +467,41 @@ def build_table(grid, root):
              f"{', '.join(map(str, SEEDS))}, as many as each method lists). Evaluation on the whole val split, "
              "never thresholded; the checkpoint with the best " + ("mixed " if low_resource else "") + "val loss." +
              (" `paper` rows: SPEC.md section 1." if grid in PAPER else ""), ""]
+    claim_lines = claims.claims_table(grid, runs, baseline)
+    if claim_lines:
+        lines += ["## The papers' claims", ""] + claim_lines + [""]
+    # where the paper's I(W) sits beside ours, ours is also computed the authors' way (a different metric:
+    # metrics.isotropy_authors), from the archived tied embedding; the paper's value goes in that column
+    with_authors = grid in PAPER
+    header = [*METRICS, "isotropy, authors' way"] if with_authors else METRICS
+    if with_authors:
+        lines += ["`isotropy` is our I(W), well defined (both signs of each eigenvector); `isotropy, authors' way` is "
+                  "I(W) computed as the paper computed its I(W) column (the general eigensolver's eigenvectors with the "
+                  "signs it returns), so the paper's value sits in that column only.", ""]
     for lang in langs:
         lines += [f"## {lang.upper()} validation" if low_resource else "## Validation", "",
-                  "| method | seeds | " + " | ".join(METRICS) + " |", "|---" * (len(METRICS) + 2) + "|"]
+                  "| method | seeds | " + " | ".join(header) + " |", "|---" * (len(header) + 2) + "|"]
         for method in methods:
-            runs = results.get(method, {})
-            if runs:
-                cells = [fmt([r[lang][k] for r in runs.values()], 2 if k in ("ppl", "ppl_best", "t_best") else 3)
+            method_runs = results.get(method, {})
+            if method_runs:
+                cells = [fmt([r[lang][k] for r in method_runs.values()], 2 if k in ("ppl", "ppl_best", "t_best") else 3)
                          for k in METRICS]
-                lines.append(f"| {method} | {len(runs)} | " + " | ".join(cells) + " |")
+                if with_authors:
+                    cells.append(fmt([claims.isotropy_authors_of(lang)(run) for run in runs[method].values()]))
+                lines.append(f"| {method} | {len(method_runs)} | " + " | ".join(cells) + " |")
             paper = PAPER.get(grid, {}).get(method)
             if paper:
-                lines.append(f"| *paper: {method}* | 1 | " + " | ".join(
-                    f"*{v[0 if lang == 'hr' else 1]}*" for v in paper) + " |")
+                values = [f"*{v[0 if lang == 'hr' else 1]}*" for v in paper]
+                if with_authors:
+                    values = values[:-1] + ["—", values[-1]]
+                lines.append(f"| *paper: {method}* | 1 | " + " | ".join(values) + " |")
         lines.append("")
     # paired differences to the baseline on shared seeds
     base = results.get(baseline, {})
     # (column title, language, metric)
-    columns = [("LR acc", "lr", "accuracy"), ("LR MRR", "lr", "mrr"), ("LR PPL_best", "lr", "ppl_best"),
-               ("HR acc", "hr", "accuracy"), ("HR PPL_best", "hr", "ppl_best"), ("LR I(W)", "lr", "isotropy")] \
-        if low_resource else [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
-                              ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
-    with_rare = not low_resource and results and all("rare" in r for runs in results.values() for r in runs.values())
+    columns = paired_columns(results)
+    with_rare = any(lang == "rare" for _, lang, _ in columns)
     if with_rare:
-        columns += [("rare acc", "rare", "accuracy"), ("rare PPL", "rare", "ppl")]
         rare_max = evaluate.RARE_MAX_COUNT
         lines += ["## Rare targets", "",
                   f"The val positions whose target token occurs at most {rare_max} times in the training split "
@@ -476,44 +515,53 @@ def build_table(grid, root):
                              f"{fmt([r['mrr'] for r in runs])} |")
         lines.append("")
     lines += [f"## Paired difference to {baseline} (same seeds, method − {baseline})", "",
+              "Each cell: the mean of the per-seed differences, its 95 % t interval (n − 1 degrees of freedom, not "
+              "adjusted for multiple comparisons) and how many of the n seeds go the way of the mean.", "",
               "| method | seeds | " + " | ".join(c[0] for c in columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for method in list(methods)[1:]:
-        runs = results.get(method, {})
-        shared = sorted(set(runs) & set(base))
+        runs_m = results.get(method, {})
+        shared = sorted(set(runs_m) & set(base))
         if not shared:
             continue
         def diff(lang, key):
             digits = 3  # rates; perplexities with as many decimals as their size needs
             if key in ("ppl", "ppl_best"):
                 digits = 2 if mean_std([base[s][lang][key] for s in shared])[0] < 100 else 0
-            return fmt([runs[s][lang][key] - base[s][lang][key] for s in shared], digits)
+            return claims.paired_cell(stats.paired([runs_m[s][lang][key] - base[s][lang][key] for s in shared]), digits)
         lines.append(f"| {method} | {len(shared)} | " + " | ".join(diff(lang, key) for _, lang, key in columns) + " |")
-    # SimReg's claim: the same loss in >= 30 % fewer steps
-    def val_curve(method, seed):
-        with open(os.path.join(run_dir(root, grid, method, seed), "log.jsonl")) as f:
-            return [(r["iter"], r["val"]) for r in map(json.loads, f) if "val" in r]
-    lines += ["", f"## Steps to reach {baseline}'s best val loss (same seed)", "",
-              f"The first evaluation (every eval_interval steps) at which a method's {'mixed ' if low_resource else ''}val loss is at or below the "
-              f"best one {baseline} reached in its whole run on the same seed; a chained method counts its last stage's steps.", "",
-              "| method | seeds that reach it | steps (mean ± std) | fraction of the baseline's steps |", "|---|---|---|---|"]
-    for method in methods:
-        runs = results.get(method, {})
-        shared = sorted(set(runs) & set(base))
-        if not shared:
+    # SimReg's claim: the same loss in fewer steps (claims.speed_up)
+    lines += [] if "SimReg" not in methods else ["", f"## Steps to reach {baseline}'s final val loss (same seed)", "",
+              f"Speed-up = 1 − (steps a method needs to first reach the {'mixed ' if low_resource else ''}val loss of "
+              f"{baseline}'s last evaluation on the same seed) / ({baseline}'s total steps); the crossing is linearly "
+              f"interpolated between evaluations (every eval_interval steps), and a run that never reaches it counts "
+              f"as 0. {baseline}'s own row is the noise floor: its curve can dip below its final value before the end. "
+              "Chained methods (CWT + FT) are left out: their log holds the fine-tune only.", "",
+              "| method | seeds that reach it | speed-up in %, mean [95 % CI], k/n |", "|---|---|---|"]
+    for method in methods if "SimReg" in methods else []:
+        shared = sorted(set(results.get(method, {})) & set(base))
+        if not shared or isinstance(methods[method][0], tuple):
             continue
-        reached, ratios = [], []
-        for seed in shared:
-            base_curve = val_curve(baseline, seed)
-            if not base_curve:
-                continue
-            target = min(v for _, v in base_curve)
-            base_steps = next(i for i, v in base_curve if v <= target)
-            steps = next((i for i, v in val_curve(method, seed) if v <= target), None)
-            if steps is not None:
-                reached.append(steps)
-                ratios.append(steps / base_steps)
-        cells = (f"{fmt(reached, 0)} | {fmt(ratios, 2)}" if reached else "— | —")
-        lines.append(f"| {method} | {len(reached)} of {len(shared)} | {cells} |")
+        curves = {s: (claims.val_curve(run_dir(root, grid, method, s)), claims.val_curve(run_dir(root, grid, baseline, s)))
+                  for s in shared}
+        reached = sum(claims.steps_to_reach(m, b[-1][1]) is not None for m, b in curves.values())
+        speed = [100 * claims.speed_up(run_dir(root, grid, method, s), run_dir(root, grid, baseline, s)) for s in shared]
+        lines.append(f"| {method} | {reached} of {len(shared)} | {claims.paired_cell(stats.paired(speed), 1)} |")
+    # Stop Jostling's headline run may be a transition some seeds make, not a shift of the mean
+    if low_resource:
+        lines += ["", "## Per seed: LR accuracy and the Stop Jostling transition", "",
+                  f"A seed \"makes the transition\" when its LR accuracy reaches {TRANSITION_LR_ACCURACY} (about halfway "
+                  f"from the ≈ .37 of thresholded runs to the authors' {PAPER_SE_LR_ACCURACY}). Values sorted, best "
+                  "checkpoint (best mixed val loss).", "",
+                  "| method | seeds | LR accuracy per seed | seeds at or above the threshold | twin in top-3 per seed |",
+                  "|---|---|---|---|---|"]
+        for method in methods:
+            method_runs = results.get(method, {})
+            if method_runs:
+                acc = sorted(r["lr"]["accuracy"] for r in method_runs.values())
+                twins = sorted(r["translations"]["twin_top3_fraction"] for r in method_runs.values())
+                lines.append(f"| {method} | {len(acc)} | {' '.join(f'{a:.3f}' for a in acc)} | "
+                             f"{sum(a >= TRANSITION_LR_ACCURACY for a in acc)} of {len(acc)} | "
+                             f"{' '.join(f'{t:.3f}' for t in twins)} |")
     # geometry of the embedding (the char grids: twins across languages)
     lines += [] if not low_resource else ["", "## Embedding geometry", "",
               "| method | I(W) all rows | twin in top-3 (of 130 rows) | 12 cases (A/a, HR/LR) | all letters (of 312) |",
@@ -562,13 +610,19 @@ def build_table(grid, root):
                          f"{fmt([r['mean_average_of_ratio'] for r in reports])} | "
                          f"{fmt([r['n_ratio_of_average_below_1'] for r in reports], 1)} | "
                          f"{fmt([r['n_average_of_ratio_below_1'] for r in reports], 1)} |")
-        names = list(marg)
+        marg_seeds = {}
+        for method, seed, _, _, out in runs_of(grid, root):
+            if os.path.exists(os.path.join(out, "marginalization.json")):
+                with open(os.path.join(out, "marginalization.json")) as f:
+                    marg_seeds.setdefault(method, {})[seed] = json.load(f)
+        names = list(marg_seeds)
         if len(names) >= 2:
-            a, b = marg[names[0]], marg[names[1]]
-            roa = 100 * (mean_std([r["mean_ratio_of_average"] for r in b])[0] / mean_std([r["mean_ratio_of_average"] for r in a])[0] - 1)
-            aor = 100 * (mean_std([r["mean_average_of_ratio"] for r in b])[0] / mean_std([r["mean_average_of_ratio"] for r in a])[0] - 1)
-            lines += ["", f"{names[1]} vs {names[0]}: Ratio of Average {roa:+.0f} %, Average of Ratio {aor:+.0f} % "
-                      "(paper: +12 % and +45 %)."]
+            a, b = marg_seeds[names[0]], marg_seeds[names[1]]
+            shared = sorted(set(a) & set(b))
+            cells = [claims.paired_cell(stats.paired([100 * (b[s][key] / a[s][key] - 1) for s in shared]), 1)
+                     for key in ("mean_ratio_of_average", "mean_average_of_ratio")]
+            lines += ["", f"{names[1]} vs {names[0]}, paired on seeds {', '.join(map(str, shared))} (relative change per "
+                      f"seed, %): Ratio of Average {cells[0]}; Average of Ratio {cells[1]} (paper: +12 % and +45 %)."]
     # speed: training throughput from each run's log, wall times from run.json / wall.json
     lines += ["", "## Speed", "", "| method | runs | median tokens/s per run | median ms/iter | median MFU | mean wall time per run |",
               "|---|---|---|---|---|---|"]
@@ -656,72 +710,109 @@ def time_breakdown(seconds, grid_wall, workers):
             f"wall time, the rest being the grid's tail (fewer runs left than run at a time) and the gaps between runs."]
 
 
-# which methods each figure compares (the first of a grid's methods is its baseline)
-FIGURE_METHODS = {
-    "jostling": {"condensation": ["baseline", "margin 0.6 + SE"], "embeddings": ["baseline", "margin 0.6 + SE"]},
-    "lowres": {"condensation": ["CE", "dispersion", "SimReg"], "embeddings": ["CE", "margin 0.6 + SE"]},
-    "bpe": {"condensation": ["CE", "dispersion", "SimReg"]},
-}
 
 
 def make_figures(grid, root, out_dir):
-    """PNGs of the archived runs under root into out_dir/figures (figures.py; needs matplotlib).
-    Returns [(title, path relative to out_dir)] of those written."""
+    """PNGs of the archived runs under root into out_dir/figures (figures.py; needs matplotlib):
+    the forest plot of paired differences, per-seed strip plots, val-loss differences to the
+    baseline, condensation of every method, and (char grids) the embedding of the baseline and
+    margin 0.6 + SE. Returns [(title, path relative to out_dir)] of those written."""
     if figures._pyplot() is None:
         return []
-    runs = {}
-    for method, seed, _, _, out in runs_of(grid, root):
-        if os.path.exists(os.path.join(out, "metrics.json")):
-            runs.setdefault(method, []).append(out)
-    if not runs:
+    results, runs = load_runs(grid, root)
+    if not results:
         return []
-    chosen = FIGURE_METHODS.get(grid, {})
+    methods = [m for m in GRIDS[grid] if m in results]
+    baseline = methods[0]
+    colours = figures.method_colours(list(GRIDS[grid]))
     written, base = [], os.path.join(out_dir, "figures")
+    low_resource = any("lr" in r for per_seed in results.values() for r in per_seed.values())
 
-    def add(title, name, path):
+    def add(title, path):
         if path:
             written.append((title, os.path.relpath(path, out_dir)))
 
-    curves = {}
-    for method, outs in runs.items():
-        for out in outs:
-            with open(os.path.join(out, "log.jsonl")) as f:
-                evals = [json.loads(line) for line in f if '"val"' in line]
-            curves.setdefault(method, []).append(([r["iter"] for r in evals], [r["val"] for r in evals]))
-    add("Validation loss, mean over seeds", "val", figures.val_loss_curves(curves, os.path.join(base, f"{grid}_val_loss.png")))
+    forest = {}
+    for title, lang, key in paired_columns(results):
+        rows = []
+        for method in methods[1:]:
+            shared = sorted(set(results[method]) & set(results[baseline]))
+            if shared:
+                r = stats.paired([results[method][s][lang][key] - results[baseline][s][lang][key] for s in shared])
+                rows.append((method, r["mean"], r["low"], r["high"], r["n"]))
+        forest[title] = rows
+    add(f"Paired differences to {baseline} (same seeds), mean and 95 % t interval", figures.forest_plot(
+        forest, os.path.join(base, f"{grid}_forest.png"), baseline, colours))
+
+    def per_seed(get):
+        return {m: [get(r) for r in results[m].values()] for m in methods}
+    if low_resource:
+        strips = {"LR accuracy": per_seed(lambda r: r["lr"]["accuracy"]),
+                  "twin in top-3 (fraction of 130 rows)": per_seed(lambda r: r["translations"]["twin_top3_fraction"])}
+        references = {"LR accuracy": ("paper, margin 0.6 + SE (1 run)", PAPER_SE_LR_ACCURACY)}
+    else:
+        strips = {"PPL": per_seed(lambda r: r["val"]["ppl"]), "accuracy": per_seed(lambda r: r["val"]["accuracy"])}
+        if all("rare" in r for m in methods for r in results[m].values()):
+            strips["rare-target MRR"] = per_seed(lambda r: r["rare"]["mrr"])
+        references = None
+    add("Every seed's value per method", figures.strip_plot(strips, os.path.join(base, f"{grid}_seeds.png"),
+                                                            references, colours))
+
+    differences = {}
+    for method in methods[1:]:
+        if isinstance(GRIDS[grid][method][0], tuple):
+            continue  # a chained run's log holds its last stage (the fine-tune): not on the same axis
+        steps, rows = None, []
+        for seed in sorted(set(results[method]) & set(results[baseline])):
+            mine, theirs = (dict(claims.val_curve(runs[m][seed]["dir"])) for m in (method, baseline))
+            common = sorted(set(mine) & set(theirs))
+            steps = common if steps is None else [s for s in steps if s in common]
+            rows.append((mine, theirs))
+        if steps:
+            differences[method] = (steps, [[mine[s] - theirs[s] for s in steps] for mine, theirs in rows])
+    add(f"Val loss minus {baseline}'s on the same seed (mean, ±2 standard errors); chained methods left out",
+        figures.val_loss_differences(differences, os.path.join(base, f"{grid}_val_loss.png"), baseline,
+                                     "mixed HR/LR val loss" if low_resource else "val loss", colours))
 
     histograms, split = {}, "val"
-    for method in chosen.get("condensation", []):
-        geometries = []
-        for out in runs.get(method, []):
-            with open(os.path.join(out, "metrics.json")) as f:
-                geometry = json.load(f).get("geometry", {})
-            if geometry:
-                split = "HR val" if "hr" in geometry else "val"  # the char grids: the HR language
-                geometries.append(np.asarray(geometry.get("hr", geometry.get("val"))["cosine_histograms"]))
+    for method in methods:
+        geometries = [r["geometry"] for r in results[method].values() if r.get("geometry")]
         if geometries:
-            histograms[method] = np.mean(geometries, axis=0)
+            split = "HR val" if "hr" in geometries[0] else "val"  # the char grids: the HR language
+            histograms[method] = np.mean([np.asarray(g.get("hr", g.get("val"))["cosine_histograms"])
+                                          for g in geometries], axis=0)
     if histograms:
-        add(f"Condensation: pairwise-cosine histogram per depth ({split}, mean over seeds)", "cond",
+        add(f"Condensation: pairwise-cosine histogram per depth ({split}, mean over seeds)",
             figures.condensation_heatmaps(histograms, os.path.join(base, f"{grid}_condensation.png")))
 
     embeddings, itos = {}, None
-    for method in chosen.get("embeddings", []):
-        path = os.path.join(runs.get(method, [""])[0], "embedding.npz")  # the first seed's run
+    for method in [baseline, "margin 0.6 + SE"] if low_resource else []:
+        path = os.path.join(runs.get(method, {}).get(SEEDS[0], {}).get("dir", ""), "embedding.npz")  # first seed
         if os.path.exists(path):
             with np.load(path) as data:
                 embeddings[f"{method} (seed {SEEDS[0]})"], itos = data["wte"], [str(c) for c in data["itos"]]
     if embeddings and all(len(E) == 2 * len(itos) for E in embeddings.values()):
-        add("Embedding cosine similarity, letters sorted, HR then LR (Stop Jostling Fig. 5)", "sim",
+        add("Embedding cosine similarity, letters sorted, HR then LR (Stop Jostling Fig. 5)",
             figures.embedding_similarity(embeddings, itos, os.path.join(base, f"{grid}_embedding_similarity.png")))
-        add("Embedding PCA, each letter joined to its twin (Stop Jostling Fig. 6)", "pca",
+        add("Embedding PCA, each letter joined to its twin (Stop Jostling Fig. 6)",
             figures.embedding_pca(embeddings, itos, os.path.join(base, f"{grid}_embedding_pca.png")))
     return written
 
 
-def update_readme(readme, grid, table):
-    """Replace the text between <!-- results:<grid>:begin/end --> markers with the table, so
-    README's results are generated, never typed."""
+def readme_summary(grid, root, results_dir="results"):
+    """README's block for a grid: its claims table and where the full tables are (generated, so
+    README states no claim that the numbers do not support)."""
+    results, runs = load_runs(grid, root)
+    n_runs = sum(len(r) for r in results.values())
+    lines = [f"#### Grid `{grid}`: {n_runs} runs, {len(results)} methods", "",
+             f"Full tables, per-seed values and figures: [`{results_dir}/{grid}.md`]({results_dir}/{grid}.md).", ""]
+    claim_lines = claims.claims_table(grid, runs, next(iter(GRIDS[grid])))
+    return "\n".join(lines + (claim_lines or ["No claims are tested on this grid."])) + "\n"
+
+
+def update_readme(readme, grid, body):
+    """Replace the text between <!-- results:<grid>:begin/end --> markers with body, so README's
+    results are generated, never typed. False if README has no markers for the grid."""
     begin, end = f"<!-- results:{grid}:begin -->", f"<!-- results:{grid}:end -->"
     with open(readme) as f:
         text = f.read()
@@ -729,8 +820,6 @@ def update_readme(readme, grid, table):
         return False
     head, rest = text.split(begin, 1)
     _, tail = rest.split(end, 1)
-    body = table.replace(f"# Grid `{grid}`", f"### Grid `{grid}`").replace("\n## ", "\n#### ")
-    body = body.replace("](figures/", "](results/figures/")  # README sits one folder up
     save_text(head + begin + "\n" + body + end + tail, readme)
     return True
 
@@ -760,7 +849,8 @@ def main(argv=None):
     save_text(table, path)
     print(table)
     print(f"wrote {path}")
-    if args.readme and os.path.exists(args.readme) and update_readme(args.readme, args.grid, table):
+    if args.readme and os.path.exists(args.readme) and \
+            update_readme(args.readme, args.grid, readme_summary(args.grid, args.archive, args.results)):
         print(f"updated the {args.grid} results in {args.readme}")
 
 

@@ -3,7 +3,12 @@ Figures of a grid's runs, so the geometry the papers talk about can be looked at
 as numbers. matplotlib is an optional extra (`pip install matplotlib`): without it every
 function here returns None and nothing else in the repo changes.
 
-    val_loss_curves        validation loss against step, mean over seeds, one line per method
+    forest_plot            paired differences to the baseline with their 95 % intervals, one
+                           panel per metric, one row per method (the main result of a grid)
+    strip_plot             every seed's value per method, with the mean and a reference line
+                           (e.g. the paper's number): shows a transition some seeds make
+    val_loss_differences   val loss minus the baseline's on the same seed, mean and interval
+                           over seeds, against step (the raw curves lie on top of each other)
     condensation_heatmaps  per method, depth x pairwise-cosine histogram of the hidden states
                            (the dispersion paper's picture of condensation: mass moving to the
                            right with depth means the states of a sequence crowd together)
@@ -38,40 +43,115 @@ def _save(fig, plt, path):
     return path
 
 
-def val_loss_curves(curves, path, title="validation loss"):
-    """curves: {method: [(steps, losses), ...] one pair of lists per seed} -> PNG of the mean."""
+def method_colours(methods):
+    """One fixed, distinct colour per method (tab10, then Dark2: 18 in all), the same in every
+    figure of a grid."""
     plt = _pyplot()
-    if plt is None:
+    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + [plt.get_cmap("Dark2")(i) for i in range(8)]
+    return {m: palette[i % len(palette)] for i, m in enumerate(methods)}
+
+
+def _grid_of_axes(plt, n_panels, width, height, ncols=3):
+    ncols = min(ncols, n_panels)
+    nrows = (n_panels + ncols - 1) // ncols
+    fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False,
+                             layout="constrained")
+    flat = list(axes.flat)
+    for ax in flat[n_panels:]:
+        ax.set_visible(False)
+    return fig, flat[:n_panels]
+
+
+def forest_plot(panels, path, baseline="baseline", colours=None):
+    """panels: {metric: [(method, mean, low, high, n), ...]} -> one panel per metric, a horizontal
+    interval per method, and the zero line (no difference to the baseline)."""
+    plt = _pyplot()
+    if plt is None or not panels:  # nothing to draw
         return None
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for method, seeds in curves.items():
-        n = min(len(s[0]) for s in seeds)  # runs of one method log the same steps
-        steps = np.asarray(seeds[0][0][:n])
-        mean = np.mean([np.asarray(s[1][:n]) for s in seeds], axis=0)
-        ax.plot(steps, mean, label=f"{method} ({len(seeds)} seed{'s' if len(seeds) > 1 else ''})")
-    ax.set_xlabel("step")
-    ax.set_ylabel("val loss (mixed HR/LR, nats)")
-    ax.set_title(title)
-    ax.legend(fontsize=7)
-    ax.grid(alpha=0.3)
+    methods = list(dict.fromkeys(m for rows in panels.values() for m, *_ in rows))
+    colours = colours or method_colours(methods)
+    fig, axes = _grid_of_axes(plt, len(panels), 3.6, 0.32 * len(methods) + 1.2)
+    for k, (ax, (metric, rows)) in enumerate(zip(axes, panels.items())):
+        for y, method in enumerate(methods):
+            row = next((r for r in rows if r[0] == method), None)
+            if row is None:
+                continue
+            _, mean, low, high, n = row
+            if low is not None:
+                ax.plot([low, high], [y, y], color=colours[method], lw=2)
+            ax.plot([mean], [y], "o", color=colours[method], ms=4)
+        ax.axvline(0, color="k", lw=0.8)
+        ax.set_yticks(range(len(methods)), [f"{m}" for m in methods] if k % 3 == 0 else [""] * len(methods), fontsize=7)
+        ax.invert_yaxis()
+        ax.set_title(f"{metric}, method − {baseline}", fontsize=8)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    return _save(fig, plt, path)
+
+
+def strip_plot(panels, path, references=None, colours=None):
+    """panels: {metric: {method: [value per seed]}}; references: {metric: (label, value)} drawn as
+    a dashed line (e.g. the paper's single run). A short bar marks each method's mean."""
+    plt = _pyplot()
+    if plt is None or not panels:  # nothing to draw
+        return None
+    methods = list(dict.fromkeys(m for per_method in panels.values() for m in per_method))
+    colours = colours or method_colours(methods)
+    fig, axes = _grid_of_axes(plt, len(panels), max(4.0, 0.55 * len(methods) + 1.0), 3.4, ncols=2)
+    jitter = np.random.default_rng(0)
+    for ax, (metric, per_method) in zip(axes, panels.items()):
+        for x, method in enumerate(methods):
+            values = np.asarray(per_method.get(method, []), dtype=float)
+            if values.size == 0:
+                continue
+            ax.scatter(x + jitter.uniform(-0.15, 0.15, values.size), values, s=14, color=colours[method], zorder=2)
+            ax.plot([x - 0.3, x + 0.3], [values.mean()] * 2, color="k", lw=1.2, zorder=3)
+        if references and metric in references:
+            label, value = references[metric]
+            ax.axhline(value, color="0.3", ls="--", lw=0.9, label=label)
+            ax.legend(fontsize=7)
+        ax.set_xticks(range(len(methods)), methods, rotation=40, ha="right", fontsize=7)
+        ax.set_title(f"{metric}: one point per seed, bar = mean", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+    return _save(fig, plt, path)
+
+
+def val_loss_differences(differences, path, baseline="baseline", ylabel="val loss", colours=None):
+    """differences: {method: (steps, [per-seed differences to the baseline at those steps])} ->
+    small multiples, one per method: the mean difference and the band of -+ 2 standard errors."""
+    plt = _pyplot()
+    if plt is None or not differences:  # nothing to draw
+        return None
+    colours = colours or method_colours(list(differences))
+    fig, axes = _grid_of_axes(plt, len(differences), 3.2, 2.4, ncols=4)
+    for ax, (method, (steps, per_seed)) in zip(axes, differences.items()):
+        d = np.asarray(per_seed, dtype=float)
+        mean = d.mean(axis=0)
+        se = d.std(axis=0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else np.zeros_like(mean)
+        ax.fill_between(steps, mean - 2 * se, mean + 2 * se, color=colours[method], alpha=0.25, lw=0)
+        ax.plot(steps, mean, color=colours[method], lw=1.2)
+        ax.axhline(0, color="k", lw=0.7)
+        ax.set_title(f"{method} ({len(d)} seeds)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(f"{ylabel}, method − {baseline}", fontsize=7)
     return _save(fig, plt, path)
 
 
 def condensation_heatmaps(histograms, path):
     """histograms: {method: (depths, bins) fractions of pairwise cosines in equal bins over [-1, 1]}."""
     plt = _pyplot()
-    if plt is None:
+    if plt is None or not histograms:  # nothing to draw
         return None
-    fig, axes = plt.subplots(1, len(histograms), figsize=(4.6 * len(histograms), 3.4), squeeze=False,
-                             layout="constrained")
-    for k, (ax, (method, hist)) in enumerate(zip(axes[0], histograms.items())):
+    fig, axes = _grid_of_axes(plt, len(histograms), 4.0, 3.0, ncols=4)
+    for k, (ax, (method, hist)) in enumerate(zip(axes, histograms.items())):
         hist = np.asarray(hist)
         image = ax.imshow(hist, aspect="auto", origin="lower", extent=(-1, 1, -0.5, hist.shape[0] - 0.5), cmap="magma")
         ax.set_title(method, fontsize=9)
         ax.set_xlabel("pairwise cosine")
-        if k == 0:
+        if k % 4 == 0:
             ax.set_ylabel("depth (0 = embedding)")
-        fig.colorbar(image, ax=ax, fraction=0.046, label="fraction of pairs" if k == len(histograms) - 1 else None)
+        fig.colorbar(image, ax=ax, fraction=0.046, label="fraction of pairs" if k % 4 == 3 else None)
     return _save(fig, plt, path)
 
 

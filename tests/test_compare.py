@@ -23,8 +23,9 @@ def fake_metrics(acc_lr, ppl_hr):
 @pytest.fixture
 def tiny_grid(tmp_path, monkeypatch):
     monkeypatch.setitem(compare.GRIDS, "tiny", {"ce": ("config/lowres_baseline.py", [], 2),
-                                                "m": ("config/lowres_margin_2.py", [], 2)})
-    values = {("ce", 1337): (0.30, 5.0), ("ce", 1338): (0.40, 7.0), ("m", 1337): (0.35, 6.0), ("m", 1338): (0.47, 8.0)}
+                                                "SimReg": ("config/lowres_simreg.py", [], 2)})
+    values = {("ce", 1337): (0.30, 5.0), ("ce", 1338): (0.40, 7.0), ("SimReg", 1337): (0.35, 6.0),
+              ("SimReg", 1338): (0.47, 8.0)}
     for (method, seed), (acc, ppl) in values.items():
         out = compare.run_dir(str(tmp_path), "tiny", method, seed)
         os.makedirs(out)
@@ -39,36 +40,40 @@ def tiny_grid(tmp_path, monkeypatch):
 
 def test_table_has_mean_std_and_paired_differences(tiny_grid):
     table, results = compare.build_table("tiny", tiny_grid)
-    assert set(results) == {"ce", "m"}
+    assert set(results) == {"ce", "SimReg"}
     # HR ppl of ce: mean 6.00, sample std sqrt(2) = 1.41
     assert "| ce | 2 | 6.00 ± 1.41 |" in table
-    # paired LR accuracy differences m - ce: 0.05 and 0.07 -> 0.060 ± 0.014
-    assert "| m | 2 | 0.060 ± 0.014 |" in table
-    # paired HR PPL_best (two decimals at PPL ~6): +1.0 on both seeds
-    assert "| 0.000 ± 0.000 | 1.00 ± 0.00 | 0.000 ± 0.000 |" in table
+    # paired LR accuracy differences SimReg - ce: 0.05 and 0.07 -> mean 0.060, sd 0.01414, se 0.01,
+    # t(0.975, 1 df) = 12.706 -> 0.060 -+ 0.127
+    assert "| SimReg | 2 | +0.060 [-0.067, +0.187], 2/2 up |" in table
+    # paired HR PPL_best (two decimals at PPL ~6): +1.0 on both seeds, no spread
+    assert "| +1.00 [+1.00, +1.00], 2/2 up |" in table
     assert "| ce | 2 | 1000 | 10.0 | 0.50 |" in table
-    # ce's best val 1.5 at step 500; m gets there at step 250 on seed 1337 and never on seed 1338
-    assert "| m | 1 of 2 | 250 ± 0 | 0.50 ± 0.00 |" in table and "| ce | 2 of 2 | 500 ± 0 | 1.00 ± 0.00 |" in table
+    # ce's final val 1.5 (step 500, its total). SimReg seed 1337: 3.0 at 0, 1.4 at 250 -> crosses 1.5 at
+    # 250 * 1.5 / 1.6 = 234.375, speed-up 53.125 %; seed 1338 never reaches it -> 0. ce itself: 0 on both.
+    # mean 26.5625, sd 37.565, half-width 12.7062 * 26.5625 = 337.51
+    assert "| SimReg | 1 of 2 | +26.6 [-310.9, +364.1], 1/2 up |" in table
+    assert "| ce | 2 of 2 | +0.0 [+0.0, +0.0], 0/2 up |" in table
 
 
 def test_existing_runs_are_skipped_and_archived(tiny_grid, tmp_path):
     archive = str(tmp_path / "archive")
     assert compare.run_grid("tiny", tiny_grid, workers=2, overrides=[], archive=archive) >= 0  # nothing to run
     assert not os.path.exists(os.path.join(archive, "tiny", "wall.json"))
-    assert os.path.exists(compare.run_dir(archive, "tiny", "m", 1338) + "/metrics.json")
+    assert os.path.exists(compare.run_dir(archive, "tiny", "SimReg", 1338) + "/metrics.json")
 
 
 def test_readme_markers_are_replaced_and_nothing_else(tmp_path, tiny_grid):
     readme = tmp_path / "README.md"
     readme.write_text("intro\n<!-- results:tiny:begin -->\nold\n<!-- results:tiny:end -->\noutro\n")
-    table, _ = compare.build_table("tiny", tiny_grid)
-    assert compare.update_readme(str(readme), "tiny", table)
+    summary = compare.readme_summary("tiny", tiny_grid)
+    assert summary.startswith("#### Grid `tiny`: 4 runs, 2 methods") and "results/tiny.md" in summary
+    assert compare.update_readme(str(readme), "tiny", summary)
     text = readme.read_text()
-    assert text.startswith("intro\n<!-- results:tiny:begin -->\n### Grid `tiny`") and text.endswith("<!-- results:tiny:end -->\noutro\n")
-    assert "\nold\n" not in text and "| ce | 2 | 6.00 ± 1.41 |" in text
+    assert text == "intro\n<!-- results:tiny:begin -->\n" + summary + "<!-- results:tiny:end -->\noutro\n"
     other = tmp_path / "OTHER.md"
     other.write_text("no markers\n")
-    assert not compare.update_readme(str(other), "tiny", table) and other.read_text() == "no markers\n"
+    assert not compare.update_readme(str(other), "tiny", summary) and other.read_text() == "no markers\n"
 
 
 def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch):
@@ -112,8 +117,11 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     drawn = compare.make_figures("mini", archive, str(tmp_path / "results"))
     try:
         import matplotlib  # noqa: F401
-        assert drawn == [("Validation loss, mean over seeds", os.path.join("figures", "mini_val_loss.png"))]
-        assert os.path.getsize(tmp_path / "results" / "figures" / "mini_val_loss.png") > 0
+        # a chained method's val curve is its fine-tune's: no val-loss difference figure is drawn for it
+        names = [os.path.basename(path) for _, path in drawn]
+        assert names == ["mini_forest.png", "mini_seeds.png", "mini_condensation.png",
+                         "mini_embedding_similarity.png", "mini_embedding_pca.png"]
+        assert all(os.path.getsize(tmp_path / "results" / path) > 0 for _, path in drawn)
     except ImportError:
         assert drawn == []
     mtime = os.path.getmtime(os.path.join(chained, "metrics.json"))
@@ -224,7 +232,7 @@ def test_time_breakdown_splits_step_time_from_the_rest(tiny_grid):
     """Training-step share = iterations x median ms/iter over single-stage runs' wall time; the
     fill = all runs' wall time / (runs at a time x grid wall time)."""
     for method, seed, *_, out in compare.runs_of("tiny", tiny_grid):
-        chained = (method, seed) == ("m", 1338)  # its log holds only its last stage: left out of the share
+        chained = (method, seed) == ("SimReg", 1338)  # its log holds only its last stage: left out of the share
         with open(os.path.join(out, "run.json"), "w") as f:
             json.dump({"wall_s": 100.0 if chained else 20.0, "commands": [["a"], ["b"]] if chained else [["a"]]}, f)
         with open(os.path.join(out, "log.jsonl"), "a") as f:  # 1000 iterations at a median of 10 ms: 10 s
@@ -272,11 +280,12 @@ def test_single_language_grid_table(tmp_path, monkeypatch):
     table, results = compare.build_table("onelang", str(tmp_path))
     assert "## Validation" in table and "HR validation" not in table and "Embedding geometry" not in table
     assert "| CE | 2 | 290.00 ± 14.14 |" in table  # ppl: 300, 280
-    # paired: acc +0.01, +0.02 -> 0.015 ± 0.007; ppl -10, -20 -> -15 ± 7 (no decimals at PPL ~300)
-    assert "| SimReg | 2 | 0.015 ± 0.007 | 0.000 ± 0.000 | -15 ± 7 |" in table
+    # paired: acc +0.01, +0.02 -> mean 0.015, se 0.005, half-width 12.7062 * 0.005 = 0.0635;
+    # ppl -10, -20 -> -15, se 5, half-width 63.5 (no decimals at PPL ~300)
+    assert "| SimReg | 2 | +0.015 [-0.049, +0.079], 2/2 up | +0.000 [+0.000, +0.000], 0/2 up | -15 [-79, +49], 2/2 down |" in table
     assert "## Rare targets" in table and f"| CE | 2 | 0.100 ± 0.000 | 2900 ± 141 | {compare.fmt([0.05, 0.055])} | 0.105 ± 0.007 |" in table
-    # paired rare columns: acc/4 -> +0.0025, +0.005; ppl x10 -> -100, -200
-    assert f"| {compare.fmt([0.0525 - 0.05, 0.06 - 0.055])} | -150 ± 71 |" in table
+    # paired rare columns: acc/4 -> +0.0025, +0.005 (se 0.00125); ppl x10 -> -100, -200 (se 50)
+    assert "| +0.004 [-0.012, +0.020], 2/2 up | -150 [-785, +485], 2/2 down |" in table
     assert "## Hidden-state geometry (val)" in table and "paper" not in table
 
 

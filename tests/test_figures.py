@@ -19,8 +19,12 @@ def calls(tmp_path):
     E = {"CE": rng.normal(size=(2 * len(ITOS), 8)), "margin": rng.normal(size=(2 * len(ITOS), 8))}
     hist = rng.random((5, 40))
     return [
-        (figures.val_loss_curves, ({"CE": [([0, 250, 500], [4.0, 2.5, 2.0]), ([0, 250, 500], [4.1, 2.6, 2.1])],
-                                    "SimReg": [([0, 250, 500], [4.0, 2.4, 1.9])]}, str(tmp_path / "val.png"))),
+        (figures.val_loss_differences, ({"SimReg": ([0, 250, 500], [[0.0, -0.1, -0.1], [0.0, -0.05, -0.12]]),
+                                         "NITP": ([0, 250, 500], [[0.0, 0.02, 0.01]])}, str(tmp_path / "val.png"))),
+        (figures.forest_plot, ({"LR acc": [("SimReg", 0.01, -0.01, 0.03, 5), ("NITP", 0.0, None, None, 1)],
+                                "HR PPL": [("SimReg", -0.05, -0.09, -0.01, 5)]}, str(tmp_path / "forest.png"))),
+        (figures.strip_plot, ({"LR accuracy": {"CE": [0.30, 0.31, 0.29], "SE": [0.37, 0.49]}},
+                              str(tmp_path / "seeds.png"), {"LR accuracy": ("paper", 0.487)})),
         (figures.condensation_heatmaps, ({"CE": hist, "dispersion": hist / 2}, str(tmp_path / "cond.png"))),
         (figures.embedding_similarity, (E, ITOS, str(tmp_path / "sim.png"))),
         (figures.embedding_pca, (E, ITOS, str(tmp_path / "pca.png"))),
@@ -31,10 +35,11 @@ def test_each_figure_is_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     for function, args in calls(tmp_path):
         path = function(*args)
-        assert path == args[-1]
+        assert path == next(a for a in args if isinstance(a, str) and a.endswith(".png"))
         with open(path, "rb") as f:
             assert f.read(8) == PNG, function.__name__
-    assert sorted(os.listdir(tmp_path)) == ["cond.png", "pca.png", "sim.png", "val.png"]  # no temp files left
+    # no temp files left
+    assert sorted(os.listdir(tmp_path)) == ["cond.png", "forest.png", "pca.png", "seeds.png", "sim.png", "val.png"]
 
 
 def test_without_matplotlib_nothing_is_written(tmp_path, monkeypatch):

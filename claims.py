@@ -1,0 +1,226 @@
+"""
+The papers' claims, each tested on our grids by one stated rule (stats.verdict).
+
+A claim names a method, the baseline it is compared with on the same seeds, one measured
+quantity, the direction the paper reports, and the paper's number. For each seed shared by the
+method and its baseline we take the paired difference d_s (method - baseline; a relative change
+in % for the marginalization ratios; for a speed-up, the method's own fraction of steps saved),
+then stats.paired gives the mean, the 95 % t interval and the p of a paired t-test, and the
+p-values of all claims of a grid are Holm-adjusted together before stats.verdict reads them.
+
+Where the paper measured something else (a downstream benchmark, a bigger model), the toy's
+nearest quantity stands in for it, and the table says the paper's number is not on our scale.
+compare.py calls claims_table() for each grid and paired_cell() for its difference tables.
+"""
+
+import json
+import os
+
+import numpy as np
+import torch
+
+import metrics
+import stats
+
+
+def _metric(*path):
+    """A quantity read from a run's metrics.json, e.g. _metric("lr", "accuracy")."""
+    def value(run):
+        node = run["metrics"]
+        for key in path:
+            node = node[key]
+        return node
+    return value
+
+
+def isotropy_authors_of(lang):
+    """The paper's way of computing I(W) (metrics.isotropy_authors) on the archived embedding of
+    a tied-weight char run (embedding.npz: wte = the output embedding), rows of one language."""
+    def value(run):
+        with np.load(os.path.join(run["dir"], "embedding.npz")) as data:
+            W, shift = torch.from_numpy(data["wte"]), len(data["itos"])
+        return metrics.isotropy_authors(W[:shift] if lang == "hr" else W[shift:2 * shift])
+    return value
+
+
+def _marginalization(key):
+    def value(run):
+        with open(os.path.join(run["dir"], "marginalization.json")) as f:
+            return json.load(f)[key]
+    return value
+
+
+def val_curve(run_dir):
+    """[(step, val loss)] of a run's evaluations (the mixed HR/LR loss on the char grids)."""
+    with open(os.path.join(run_dir, "log.jsonl")) as f:
+        return [(r["iter"], r["val"]) for r in map(json.loads, f) if "val" in r]
+
+
+def steps_to_reach(curve, target):
+    """The first step at which a val curve reaches target, linearly interpolated between the
+    evaluation before and the one at or below it; None if it never does."""
+    for (step0, v0), (step1, v1) in zip(curve, curve[1:]):
+        if v1 <= target:
+            return step0 + (v0 - target) / (v0 - v1) * (step1 - step0) if v0 > target else step0
+    return None
+
+
+def speed_up(method_dir, baseline_dir):
+    """SimReg's convergence claim on one seed (the definition of this repo's docs): 1 - (steps
+    the method needs to first reach the baseline run's final val loss) / (the baseline's total
+    steps). A method that never reaches it counts as 0 (no speed-up), the conservative choice
+    for a claim of faster convergence."""
+    base = val_curve(baseline_dir)
+    steps = steps_to_reach(val_curve(method_dir), base[-1][1])
+    return 0.0 if steps is None else 1.0 - steps / base[-1][0]
+
+
+# kinds of paired quantity: "difference" (method - baseline), "relative" (method / baseline - 1,
+# in %), "speed-up" (the method's speed_up against the baseline on that seed)
+def claim(paper, method, quantity, value, direction, paper_says, paper_effect=None, baseline=None,
+          kind="difference", digits=3):
+    return {"paper": paper, "method": method, "quantity": quantity, "value": value, "direction": direction,
+            "paper_says": paper_says, "paper_effect": paper_effect, "baseline": baseline, "kind": kind,
+            "digits": digits}
+
+
+SJ, SR, DI, NI, CW = "Stop Jostling", "SimReg", "Dispersion", "NITP", "CWT"
+# The Stop Jostling numbers: the authors' baseline and runs (a toy identical to ours, so the
+# paper's effect is on our scale; see README's results section for where each comes from).
+_SJ_RUNS = {"margin 2": (9.62, .358, .642), "margin 1": (9.54, .371, .765), "margin 0.6 + SE": (6.17, .487, .762)}
+_SJ_BASE = (10.63, .315, .417)
+
+
+def _jostling_claims():
+    out = []
+    for method, (ppl_best, acc, iw) in _SJ_RUNS.items():
+        out += [claim(SJ, method, "LR PPL_best", _metric("lr", "ppl_best"), -1, f"{_SJ_BASE[0]} → {ppl_best}",
+                      ppl_best - _SJ_BASE[0], digits=2),
+                claim(SJ, method, "LR accuracy", _metric("lr", "accuracy"), +1, f"{_SJ_BASE[1]} → {acc}", acc - _SJ_BASE[1]),
+                claim(SJ, method, "LR I(W), authors' way", isotropy_authors_of("lr"), +1, f"{_SJ_BASE[2]} → {iw}",
+                      iw - _SJ_BASE[2])]
+    out += [claim(SJ, "margin 2", "LR Ratio of Average (%)", _marginalization("mean_ratio_of_average"), +1,
+                  "+12 % (margin not stated)", 12.0, kind="relative", digits=1),
+            claim(SJ, "margin 2", "LR Average of Ratio (%)", _marginalization("mean_average_of_ratio"), +1,
+                  "+45 % (margin not stated)", 45.0, kind="relative", digits=1),
+            claim(SJ, "margin 0.6 + SE", "12 cases (A/a, HR/LR) in top-3", _metric("translations", "cases_12"), +1,
+                  "0 → 10 of 12", 10.0, digits=1),
+            claim(SJ, "margin 0.6 + SE", "LR accuracy, SE's own effect", _metric("lr", "accuracy"), +1,
+                  "SE is needed for .487", None, baseline="margin 0.6")]
+    return out
+
+
+def _lm_claims(lang, chained_ok=True):
+    """The claims of SimReg, dispersion, NITP and CWT on a grid whose main language is `lang`
+    ("hr" on the char grid, "val" on the BPE grid). Their papers measured bigger models and
+    downstream benchmarks: the toy's PPL on the whole val split stands in for "a better LM"."""
+    # char grid: PPL ~5, paired differences in PPL; BPE grid: PPL ~300 and heavy-tailed across seeds,
+    # so relative changes per seed (%)
+    ppl, name = _metric(lang, "ppl"), ("HR PPL" if lang == "hr" else "PPL (%)")
+    kind, digits = ("difference", 2) if lang == "hr" else ("relative", 1)
+    out = [claim(SR, "SimReg", name, ppl, -1, "350M: PPL 15.06 → 14.25", kind=kind, digits=digits),
+           claim(SR, "SimReg", "steps saved to reach CE's final val loss (%)", None, +1,
+                 "≈ 33 % (1.3B), > 37 % (3B, 7B)", kind="speed-up", digits=1),
+           claim(SR, "SimReg chunk 32", name, ppl, -1, "chunk-wise keeps SimReg's gain", kind=kind, digits=digits),
+           claim(DI, "dispersion", name, ppl, -1, "10-task avg 34.95 → 35.61 (GPT-2)", kind=kind, digits=digits),
+           claim(DI, "dispersion", ("HR " if lang == "hr" else "") + "μ(last block), condensation",
+                 lambda run: run["metrics"]["geometry"][lang]["mu"][-1], -1, "less condensed (Fig. 2)")]
+    for variant, gain in (("decorrelation", "+1.06"), ("l2_repel", "gains in some settings"), ("orthogonalization", "+1.07")):
+        out.append(claim(DI, f"dispersion {variant}", name, ppl, -1, f"10-task avg {gain} (GPT-2)", kind=kind, digits=digits))
+    out += [claim(NI, "NITP", name, ppl, -1, "MMLU-Pro +5.7 % (9B MoE)", kind=kind, digits=digits),
+            claim(CW, "CWT + FT", ("HR " if lang == "hr" else "") + "accuracy", _metric(lang, "accuracy"), +1,
+                  "LAMBADA acc 19.5 → 22.2"),
+            claim(CW, "CWT + FT", name, ppl, -1, "LAMBADA PPL 170 → 154", kind=kind, digits=digits)]
+    return out
+
+
+CLAIMS = {
+    "jostling": _jostling_claims(),
+    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", _metric("lr", "accuracy"), +1, ".315 → .487", .487 - .315),
+               claim(SJ, "margin 0.6 + SE", "LR PPL_best", _metric("lr", "ppl_best"), -1, "10.63 → 6.17", 6.17 - 10.63,
+                     digits=2)] + _lm_claims("hr"),
+    "bpe": [claim(SJ, "margin 0.6 + SE", "rare-target MRR", _metric("rare", "mrr"), +1, "char toy: LR MRR .480 → .628"),
+            claim(SJ, "margin 0.6 + SE", "rare-target PPL (%)", _metric("rare", "ppl"), -1,
+                  "char toy: LR PPL_best 10.63 → 6.17", kind="relative", digits=1)] + _lm_claims("val"),
+}
+
+
+def paired_values(c, runs, baseline):
+    """The per-seed paired quantities of claim c. runs: method -> {seed: run}, run = {"dir": ...,
+    "metrics": ...}; baseline: the grid's baseline method (used unless the claim names its own)."""
+    method_runs, base_runs = runs.get(c["method"], {}), runs.get(c["baseline"] or baseline, {})
+    values = []
+    for seed in sorted(set(method_runs) & set(base_runs)):
+        m, b = method_runs[seed], base_runs[seed]
+        if c["kind"] == "speed-up":
+            values.append(100 * speed_up(m["dir"], b["dir"]))
+        elif c["kind"] == "relative":
+            values.append(100 * (c["value"](m) / c["value"](b) - 1))
+        else:
+            values.append(c["value"](m) - c["value"](b))
+    return values
+
+
+def signed(x, digits):
+    return f"{x:+.{digits}f}"
+
+
+def paired_cell(result, digits, direction=None):
+    """'+0.012 [-0.003, +0.027], 4/5 up' for a stats.paired result: k/n counts the seeds that go
+    the paper's way when a direction is given, else the way of the mean."""
+    if result["low"] is None:
+        return f"{signed(result['mean'], digits)} (1 seed)"
+    going = direction if direction is not None else (1 if result["mean"] >= 0 else -1)
+    k = result["up"] if going > 0 else result["down"]
+    return (f"{signed(result['mean'], digits)} [{signed(result['low'], digits)}, {signed(result['high'], digits)}], "
+            f"{k}/{result['n']} {'up' if going > 0 else 'down'}")
+
+
+RULE = ("Verdict rule, the same for every row: for each claim the seeds shared by the method and its baseline give "
+        "paired differences (method − baseline on the same seed; for the speed-up, the method's own per-seed value). "
+        "A two-sided paired t-test gives each claim a p-value, and the p-values of all claims in this table are "
+        "Holm-adjusted together, so the chance of any false verdict in the table stays below 5 %. "
+        "**reproduces**: adjusted p < 0.05 and the mean goes the paper's way; **contradicted**: adjusted p < 0.05 "
+        "and it goes the other way; **not shown**: otherwise. The interval is the unadjusted 95 % t interval "
+        "(n − 1 degrees of freedom); k/n counts the seeds that go the paper's way. \"Paper's effect in CI\" compares "
+        "the paper's own difference with our interval, only where the paper ran this same toy experiment.")
+
+
+def evaluate_claims(grid, runs, baseline):
+    """[(claim, stats.paired result or None, Holm-adjusted p, verdict)] for the grid's claims
+    whose method and baseline have runs."""
+    rows = []
+    for c in CLAIMS.get(grid, []):
+        values = paired_values(c, runs, baseline)
+        rows.append((c, stats.paired(values) if values else None))
+    adjusted = stats.holm([r["p"] if r else None for _, r in rows])
+    return [(c, r, p, stats.verdict(r["mean"], p, c["direction"]) if r else stats.NOT_SHOWN)
+            for (c, r), p in zip(rows, adjusted)]
+
+
+def claims_table(grid, runs, baseline):
+    """Markdown lines: the rule, then one row per claim."""
+    evaluated = evaluate_claims(grid, runs, baseline)
+    if not evaluated:
+        return []
+    lines = [RULE, "", "| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p | verdict | "
+             "paper's effect in CI |", "|---|---|---|---|---|---|---|---|---|"]
+    for c, r, p, v in evaluated:
+        arrow = "↑" if c["direction"] > 0 else "↓"
+        ours = paired_cell(r, c["digits"], c["direction"]) if r else "no runs"
+        holm_p = "—" if p is None else (f"{p:.3f}" if p >= 0.001 else f"{p:.0e}")
+        within = "—"
+        if c["paper_effect"] is not None and r and r["low"] is not None:
+            within = "yes" if r["low"] <= c["paper_effect"] <= r["high"] else \
+                ("ours smaller" if abs(r["mean"]) < abs(c["paper_effect"]) else "ours larger")
+        lines.append(f"| {c['paper']} | {c['method']} | {c['baseline'] or baseline} | {c['quantity']} {arrow} | "
+                     f"{c['paper_says']} | {ours} | {holm_p} | {v} | {within} |")
+    counts = {k: sum(v == k for *_, v in evaluated) for k in (stats.REPRODUCES, stats.NOT_SHOWN, stats.CONTRADICTED)}
+    lines += ["", f"{counts[stats.REPRODUCES]} reproduce, {counts[stats.NOT_SHOWN]} not shown, "
+              f"{counts[stats.CONTRADICTED]} contradicted, of {len(evaluated)} claims."]
+    return lines
+
+
+def verdicts(grid, runs, baseline):
+    """{(method, quantity): verdict} for text that must follow the table."""
+    return {(c["method"], c["quantity"]): v for c, _, _, v in evaluate_claims(grid, runs, baseline)}

@@ -1,0 +1,93 @@
+"""claims.py: paired quantities, the claims table's verdicts and Holm p-values on hand-made runs."""
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import claims  # noqa: E402
+import metrics  # noqa: E402
+import stats  # noqa: E402
+
+
+def run(acc, ppl, directory=""):
+    return {"dir": directory, "metrics": {"hr": {"accuracy": acc, "ppl": ppl}}}
+
+
+def test_steps_to_reach_interpolates_between_evaluations():
+    curve = [(0, 4.0), (100, 3.0), (200, 2.0), (300, 1.9)]
+    assert claims.steps_to_reach(curve, 2.5) == pytest.approx(150.0)      # halfway from 3.0 to 2.0
+    assert claims.steps_to_reach(curve, 2.0) == pytest.approx(200.0)      # exactly at an evaluation
+    assert claims.steps_to_reach(curve, 1.0) is None                      # never
+    assert claims.steps_to_reach([(0, 4.0), (100, 3.0), (200, 3.5), (300, 2.9)], 3.0) == pytest.approx(100.0)
+
+
+def test_speed_up_against_the_baselines_final_loss(tmp_path):
+    def write(name, curve):
+        os.makedirs(tmp_path / name)
+        with open(tmp_path / name / "log.jsonl", "w") as f:
+            f.writelines(json.dumps({"iter": i, "val": v}) + "\n" for i, v in curve)
+        return str(tmp_path / name)
+    base = write("base", [(0, 5.0), (400, 3.0), (800, 2.0)])               # final 2.0 at its 800 steps
+    fast = write("fast", [(0, 5.0), (400, 2.5), (800, 1.5)])               # 2.0 at 400 + 0.5/1.0*400 = 600
+    slow = write("slow", [(0, 5.0), (400, 4.0), (800, 2.5)])
+    assert claims.speed_up(fast, base) == pytest.approx(1 - 600 / 800)
+    assert claims.speed_up(slow, base) == 0.0
+    assert claims.speed_up(base, base) == 0.0
+
+
+def test_claims_table_verdicts_follow_the_rule(monkeypatch):
+    """Three claims on 4 seeds: a clear gain, noise, and a clear effect against the paper's
+    direction; the Holm p-values of the table are the hand-computed paired t p-values x 3, 2, 1."""
+    seeds = [1, 2, 3, 4]
+    base_acc, base_ppl = [0.30, 0.32, 0.31, 0.29], [5.0, 5.2, 5.1, 4.9]
+    runs = {"base": {s: run(a, p) for s, a, p in zip(seeds, base_acc, base_ppl)},
+            "good": {s: run(a + d, p) for s, a, p, d in zip(seeds, base_acc, base_ppl, [0.05, 0.06, 0.055, 0.05])},
+            "noisy": {s: run(a + d, p) for s, a, p, d in zip(seeds, base_acc, base_ppl, [0.02, -0.03, 0.01, -0.01])},
+            "worse": {s: run(a, p + d) for s, a, p, d in zip(seeds, base_acc, base_ppl, [0.5, 0.6, 0.55, 0.5])}}
+    accuracy, ppl = claims._metric("hr", "accuracy"), claims._metric("hr", "ppl")
+    monkeypatch.setitem(claims.CLAIMS, "toy", [
+        claims.claim("P", "good", "acc", accuracy, +1, ".30 → .35", 0.05),
+        claims.claim("P", "noisy", "acc", accuracy, +1, ".30 → .35", 0.05),
+        claims.claim("P", "worse", "ppl", ppl, -1, "5.0 → 4.5", -0.5, digits=2)])
+    evaluated = claims.evaluate_claims("toy", runs, "base")
+    assert [v for *_, v in evaluated] == [stats.REPRODUCES, stats.NOT_SHOWN, stats.CONTRADICTED]
+    # good: d = .05 .06 .055 .05 -> mean .05375, sd .004787, t = .05375 / (.004787 / 2) = 22.46, 3 df
+    good, noisy, worse = (r for _, r, _, _ in evaluated)
+    assert good["mean"] == pytest.approx(0.05375) and good["sd"] == pytest.approx(0.0047871, rel=1e-4)
+    assert good["p"] == pytest.approx(2 * (1 - stats.t_cdf(0.05375 / (0.0047871 / 2), 3)), rel=1e-3)
+    ps = [good["p"], noisy["p"], worse["p"]]
+    order = sorted(range(3), key=lambda i: ps[i])
+    expected = [None] * 3
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (3 - rank) * ps[i]))
+        expected[i] = running
+    assert [p for _, _, p, _ in evaluated] == pytest.approx(expected)
+    table = "\n".join(claims.claims_table("toy", runs, "base"))
+    assert "Verdict rule" in table and "1 reproduce, 1 not shown, 1 contradicted, of 3 claims." in table
+    assert "| P | good | base | acc ↑ | .30 → .35 | +0.054 [+0.046, +0.061], 4/4 up |" in table
+    assert [l for l in table.splitlines() if "| good |" in l][0].endswith("| reproduces | yes |")  # 0.05 in the CI
+    assert "ours larger" in [l for l in table.splitlines() if "| worse |" in l][0]  # +0.54 against the paper's -0.5
+
+
+def test_relative_claims_are_per_seed_percentages():
+    c = claims.claim("P", "m", "ratio", lambda r: r["metrics"]["x"], +1, "+10 %", 10.0, kind="relative")
+    runs = {"b": {1: {"metrics": {"x": 2.0}}, 2: {"metrics": {"x": 4.0}}},
+            "m": {1: {"metrics": {"x": 2.2}}, 2: {"metrics": {"x": 5.0}}, 3: {"metrics": {"x": 9.0}}}}
+    assert claims.paired_values(c, runs, "b") == pytest.approx([10.0, 25.0])   # seed 3 has no baseline
+
+
+def test_isotropy_authors_of_reads_the_archived_embedding(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    wte = torch.randn(130, 8, generator=g) * 0.3 + 0.1
+    np.savez(tmp_path / "embedding.npz", wte=wte.numpy(), itos=np.array(list("abcdefghijklm" * 5)))
+    r = {"dir": str(tmp_path)}
+    assert claims.isotropy_authors_of("hr")(r) == pytest.approx(metrics.isotropy_authors(wte[:65]))
+    assert claims.isotropy_authors_of("lr")(r) == pytest.approx(metrics.isotropy_authors(wte[65:]))
+    assert math.isfinite(claims.isotropy_authors_of("lr")(r))
