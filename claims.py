@@ -198,12 +198,12 @@ def evaluate_claims(grid, runs, baseline):
             for (c, r), p in zip(rows, adjusted)]
 
 
-def claims_table(grid, runs, baseline):
-    """Markdown lines: the rule, then one row per claim."""
+def claims_table(grid, runs, baseline, with_rule=True):
+    """Markdown lines: the rule (unless the reader has it already), then one row per claim."""
     evaluated = evaluate_claims(grid, runs, baseline)
     if not evaluated:
         return []
-    lines = [RULE, "", "| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p | verdict | "
+    lines = ([RULE, ""] if with_rule else []) + ["| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p | verdict | "
              "paper's effect in CI |", "|---|---|---|---|---|---|---|---|---|"]
     for c, r, p, v in evaluated:
         arrow = "↑" if c["direction"] > 0 else "↓"
