@@ -104,7 +104,12 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024, rare=None)
     rare_sums = torch.zeros(4, dtype=torch.float64)
 
     def pass_at(b, first=False):
-        """One pass: f(b), f'(b), f''(b) (and on the first pass the rank metrics' sums)."""
+        """One pass: f(b), f'(b), f''(b) (and on the first pass the rank metrics' sums). With
+        d = z - max(z) <= 0 and e = exp(b d), per token: f = log sum(e) - b d_y,
+        f' = sum(e d)/sum(e) - d_y, f'' = sum(e d^2)/sum(e) - (sum(e d)/sum(e))^2, i.e. the mean
+        and variance of d under softmax(b z). Four passes over each (chunk, V) block of logits
+        after the matmul (max, subtract, exp, multiply) and three row reductions; the per-token
+        results are added up in float64."""
         f = g = h2 = 0.0
         sums = {}
         for states, t, r in chunks:
@@ -113,15 +118,17 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024, rare=None)
                 for key, value in metrics.rank_metrics(z, t).items():
                     sums[key] = sums.get(key, 0.0) + value * len(t)
                 rare_sums.add_(tail_sums(z, t, r))
-            d = z - z.max(dim=1, keepdim=True).values  # <= 0: exp never overflows
-            logp = torch.log_softmax(b * d, dim=1)
-            p = logp.exp()
-            pd = p * d
-            mean_d = pd.sum(dim=1, dtype=torch.float64)  # per-token sums over V in float64
+            d = z.sub_(z.max(dim=1, keepdim=True).values)  # in place, <= 0: exp never overflows
             d_y = d.gather(1, t.view(-1, 1)).squeeze(1).double()
-            f += (-logp.gather(1, t.view(-1, 1)).squeeze(1)).double().sum().item()
+            e = torch.mul(d, b).exp_()
+            s0 = e.sum(dim=1).double()
+            e.mul_(d)                                                   # e d
+            s1 = e.sum(dim=1).double()
+            s2 = torch.einsum("nv,nv->n", e, d).double()                # sum(e d^2), no temporary
+            mean_d = s1 / s0
+            f += (torch.log(s0) - b * d_y).sum().item()
             g += (mean_d - d_y).sum().item()
-            h2 += ((pd * d).sum(dim=1, dtype=torch.float64) - mean_d ** 2).clamp(min=0).sum().item()
+            h2 += (s2 / s0 - mean_d ** 2).clamp(min=0).sum().item()
         return f / n, g / n, h2 / n, sums
 
     b, passes = 1.0, 1

@@ -464,8 +464,32 @@ def test_pairwise_cosine_stats():
     assert pairwise_cosine_stats(z)[0] == pytest.approx(loop, abs=1e-6)
 
 
+def test_streamed_ppl_best_is_the_minimum_of_the_dense_float64_nll():
+    """The streamed passes (row sums of exp(b d), e d and e d^2 in float32, tokens added in
+    float64) against the mean NLL of softmax(z / T) computed densely in float64: the same value at
+    the T they return, and no lower value on either side of it."""
+    import evaluate
+    torch.manual_seed(1)
+    head = torch.nn.Linear(16, 5003, bias=False).double()
+    with torch.no_grad():
+        head.weight.mul_(4.0)
+    h = torch.randn(700, 16, dtype=torch.float64)
+    with torch.no_grad():
+        z = head(h).float().double()                     # the float32 logits the streamed passes see
+        targets = torch.where(torch.rand(700) < 0.3, z.argmax(dim=1), torch.randint(0, 5003, (700,)))
+        streamed = evaluate.streamed_prediction_metrics(head, h, targets, chunk=128)
+
+    def mean_nll(b):
+        return (torch.logsumexp(b * z, dim=1) - b * z.gather(1, targets.view(-1, 1)).squeeze(1)).mean().item()
+    b = 1 / streamed["t_best"]
+    assert streamed["ppl"] == pytest.approx(math.exp(mean_nll(1.0)), rel=1e-6)
+    assert streamed["ppl_best"] == pytest.approx(math.exp(mean_nll(b)), rel=1e-6)
+    assert mean_nll(b) <= min(mean_nll(b * 1.001), mean_nll(b / 1.001)) + 1e-9
+    assert streamed["t_best"] != pytest.approx(1.0, abs=0.05)  # the search moved
+
+
 def test_streamed_prediction_metrics_equal_the_full_ones():
-    """evaluate.streamed_prediction_metrics (chunks, golden-section T) against prediction_metrics
+    """evaluate.streamed_prediction_metrics (chunks, Newton on 1/T) against prediction_metrics
     on all logits at once (the grid of 200 temperatures)."""
     import evaluate
     torch.manual_seed(0)
