@@ -774,6 +774,17 @@ def make_figures(grid, root, out_dir):
         figures.val_loss_differences(differences, os.path.join(base, f"{grid}_val_loss.png"), baseline,
                                      "mixed HR/LR val loss" if low_resource else "val loss", colours))
 
+    if low_resource:  # the LR val loss of every seed of the Stop Jostling trio: does any seed depart?
+        trio = [m for m in methods if m in (baseline, "margin 0.6", "margin 0.6 + SE")]
+        curves = {}
+        for method in trio:
+            for seed, run in runs[method].items():
+                with open(os.path.join(run["dir"], "log.jsonl")) as f:
+                    evals = [r for r in map(json.loads, f) if "val_lr" in r]
+                curves.setdefault(method, {})[seed] = ([r["iter"] for r in evals], [r["val_lr"] for r in evals])
+        add("LR val loss (20 batches, never thresholded) of every seed", figures.seed_curves(
+            curves, os.path.join(base, f"{grid}_lr_val_per_seed.png"), "LR val loss (nats)", colours))
+
     histograms, split = {}, "val"
     for method in methods:
         geometries = [r["geometry"] for r in results[method].values() if r.get("geometry")]

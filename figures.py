@@ -9,6 +9,8 @@ function here returns None and nothing else in the repo changes.
                            (e.g. the paper's number): shows a transition some seeds make
     val_loss_differences   val loss minus the baseline's on the same seed, mean and interval
                            over seeds, against step (the raw curves lie on top of each other)
+    seed_curves            one line per seed, one panel per method: when a seed departs from
+                           the others (a transition), and when in training
     condensation_heatmaps  per method, depth x pairwise-cosine histogram of the hidden states
                            (the dispersion paper's picture of condensation: mass moving to the
                            right with depth means the states of a sequence crowd together)
@@ -135,6 +137,27 @@ def val_loss_differences(differences, path, baseline="baseline", ylabel="val los
         ax.tick_params(labelsize=7)
         ax.grid(alpha=0.3)
     axes[0].set_ylabel(f"{ylabel}, method − {baseline}", fontsize=7)
+    return _save(fig, plt, path)
+
+
+def seed_curves(curves, path, ylabel, colours=None):
+    """curves: {method: {seed: (steps, values)}} -> one panel per method, one line per seed, on a
+    shared y axis."""
+    plt = _pyplot()
+    if plt is None or not curves:  # nothing to draw
+        return None
+    colours = colours or method_colours(list(curves))
+    fig, axes = _grid_of_axes(plt, len(curves), 3.6, 2.6, ncols=3)
+    low = min(min(v) for per_seed in curves.values() for _, v in per_seed.values())
+    high = max(max(v[len(v) // 10:]) for per_seed in curves.values() for _, v in per_seed.values())  # skip the start
+    for ax, (method, per_seed) in zip(axes, curves.items()):
+        for seed, (steps, values) in per_seed.items():
+            ax.plot(steps, values, color=colours[method], lw=0.8, alpha=0.8)
+        ax.set_ylim(low - 0.02 * (high - low), high)
+        ax.set_title(f"{method} ({len(per_seed)} seeds)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(ylabel, fontsize=7)
     return _save(fig, plt, path)
 
 

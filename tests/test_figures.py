@@ -23,6 +23,8 @@ def calls(tmp_path):
                                          "NITP": ([0, 250, 500], [[0.0, 0.02, 0.01]])}, str(tmp_path / "val.png"))),
         (figures.forest_plot, ({"LR acc": [("SimReg", 0.01, -0.01, 0.03, 5), ("NITP", 0.0, None, None, 1)],
                                 "HR PPL": [("SimReg", -0.05, -0.09, -0.01, 5)]}, str(tmp_path / "forest.png"))),
+        (figures.seed_curves, ({"CE": {1: ([0, 250, 500], [4.0, 2.5, 2.0]), 2: ([0, 250, 500], [4.1, 2.6, 2.2])}},
+                               str(tmp_path / "per_seed.png"), "LR val loss")),
         (figures.strip_plot, ({"LR accuracy": {"CE": [0.30, 0.31, 0.29], "SE": [0.37, 0.49]}},
                               str(tmp_path / "seeds.png"), {"LR accuracy": ("paper", 0.487)})),
         (figures.condensation_heatmaps, ({"CE": hist, "dispersion": hist / 2}, str(tmp_path / "cond.png"))),
@@ -39,7 +41,7 @@ def test_each_figure_is_a_png(tmp_path):
         with open(path, "rb") as f:
             assert f.read(8) == PNG, function.__name__
     # no temp files left
-    assert sorted(os.listdir(tmp_path)) == ["cond.png", "forest.png", "pca.png", "seeds.png", "sim.png", "val.png"]
+    assert sorted(os.listdir(tmp_path)) == ["cond.png", "forest.png", "pca.png", "per_seed.png", "seeds.png", "sim.png", "val.png"]
 
 
 def test_without_matplotlib_nothing_is_written(tmp_path, monkeypatch):
