@@ -62,6 +62,8 @@ GRIDS = {
         "margin 0.6": ("config/lowres_margin_0.6.py", [], 10),
         "margin 0.6 + SE": ("config/lowres_margin0.6_se.py", [], 10),
         "monolingual": ("config/lowres_monolingual.py", [], 3),
+        # a candidate explanation of the authors' SE run (rows undecayed), against margin 0.6 + SE
+        "margin 0.6 + SE, rows not decayed": ("config/lowres_margin0.6_se_rows_no_decay.py", [], 5),
     },
     "lowres": {
         "CE": ("config/lowres_baseline.py", ["--log_marginalization=True"], 10),

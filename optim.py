@@ -64,26 +64,31 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
 
 
 def configure_optimizers(model, learning_rate, weight_decay, betas, separate_embeddings=False,
-                         device_type="cpu", extra_modules=()):
+                         device_type="cpu", extra_modules=(), embedding_weight_decay=None):
     """AdamW with decay on every 2-D tensor (matmul weights, embeddings) and none on gains and
     biases (nanoGPT's rule), over the model and any extra_modules (e.g. the objective's NITP
     head). With separate_embeddings the token embedding (tied or not) moves to a
-    SeparatedRowsAdamW with the same hyperparameters. Returns a list of optimizers; train.py
-    steps them all and sets each group's lr from the schedule."""
+    SeparatedRowsAdamW with the same hyperparameters. embedding_weight_decay, if given, replaces
+    weight_decay for the token embedding only (e.g. 0: the Stop Jostling authors' SE rows are
+    1-D parameters, which nanoGPT's rule would leave undecayed). Returns a list of optimizers;
+    train.py steps them all and sets each group's lr from the schedule."""
     modules = [model, *extra_modules]
     params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}  # a tied matrix once
     embedding = model.input_embedding()
+    embedding_decay = weight_decay if embedding_weight_decay is None else embedding_weight_decay
     rowwise = [embedding] if separate_embeddings else []
     rest = [p for p in params.values() if not any(p is q for q in rowwise)]
+    own_embedding_group = not separate_embeddings and embedding_decay != weight_decay
     groups = [
-        {"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in rest if p.dim() >= 2 and not (own_embedding_group and p is embedding)],
+         "weight_decay": weight_decay},
         {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0},
-    ]
+    ] + ([{"params": [embedding], "weight_decay": embedding_decay}] if own_embedding_group else [])
     # fused AdamW: one kernel per step instead of a dozen elementwise passes over every tensor
     optimizers = [torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=True)]
     if rowwise:
         optimizers.append(SeparatedRowsAdamW(rowwise, lr=learning_rate, betas=betas,
-                                             weight_decay=weight_decay))
+                                             weight_decay=embedding_decay))
     return optimizers
 
 

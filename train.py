@@ -92,6 +92,7 @@ nitp_prenorm = False                 # predict from the last block's output inst
 nitp_hidden = 0                      # SwiGLU head width; 0 = 4 * n_embd
 cwt_weight = 0.0                     # contrastive weight tying (SPEC 5)
 separate_embeddings = False          # Stop Jostling SE: rows without gradient are not stepped
+embedding_weight_decay = -1.0        # token embedding's weight decay; < 0: weight_decay (0: rows not decayed)
 # AdamW and schedule
 learning_rate = 1e-3
 max_iters = 8000
@@ -277,7 +278,8 @@ train_model, train_objective = parallelism.parallelize(
     unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights))
 # after parallelize: FSDP2 has replaced every parameter by its shard
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
-                                  separate_embeddings, device, extra_modules=[objective])
+                                  separate_embeddings, device, extra_modules=[objective],
+                                  embedding_weight_decay=None if embedding_weight_decay < 0 else embedding_weight_decay)
 # gradient clipping covers the model's parameters (not the objective's NITP head), in both modes
 clipper = AdaGC(model.parameters(), grad_clip, adagc_beta, adagc_rel, adagc_warmup) if grad_clip_mode == "adagc" \
     else None

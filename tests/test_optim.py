@@ -119,3 +119,16 @@ def test_configure_optimizers_groups():
     adamw, rowwise = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.99), separate_embeddings=True)
     assert rowwise.param_groups[0]["params"][0] is model.wte.weight
     assert all(p is not model.wte.weight for group in adamw.param_groups for p in group["params"])
+
+
+def test_embedding_weight_decay_applies_to_the_embedding_only():
+    model = build_model(GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=16, bias=True))
+    (adamw,) = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.99), embedding_weight_decay=0.0)
+    decay, no_decay, embedding = adamw.param_groups
+    assert embedding["params"] == [model.wte.weight] and embedding["weight_decay"] == 0.0
+    assert decay["weight_decay"] == 0.1 and decay["params"] and all(p is not model.wte.weight for p in decay["params"])
+    assert sum(p.numel() for g in adamw.param_groups for p in g["params"]) == model.num_params()
+    _, rowwise = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.99), separate_embeddings=True, embedding_weight_decay=0.0)
+    assert rowwise.param_groups[0]["weight_decay"] == 0.0
+    (same,) = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.99), embedding_weight_decay=0.1)
+    assert len(same.param_groups) == 2  # equal to weight_decay: no group of its own
