@@ -255,6 +255,36 @@ def reuse_identical(todo, root, overrides):
     return reused
 
 
+def reuse_archived(grid, todo, archive, overrides):
+    """A run that another grid's archive already holds (the same commands) is copied from there
+    into this grid's archive: a fresh checkout has no checkpoints to copy (reuse_identical), but
+    the archived files are all the tables read. run.json records where it came from. Returns the
+    runs reused."""
+    finished = {}
+    for dirpath, dirnames, files in os.walk(archive):
+        dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]
+        if "run.json" in files and "metrics.json" in files:
+            with open(os.path.join(dirpath, "run.json")) as f:
+                record = json.load(f)
+            finished.setdefault(run_identity(record.get("commands") or [record["command"]]), dirpath)
+    reused = []
+    for method, seed, config, extra, _ in todo:
+        dest = run_dir(archive, grid, method, seed)
+        source = finished.get(run_identity(planned_commands(config, extra, seed, overrides)))
+        if source is None or os.path.exists(os.path.join(dest, "metrics.json")):
+            continue
+        tmp = dest + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(source, tmp)
+        with open(os.path.join(tmp, "run.json")) as f:
+            record = json.load(f)
+        save_json({**record, "reused_from": source}, os.path.join(tmp, "run.json"))
+        shutil.rmtree(dest, ignore_errors=True)
+        os.rename(tmp, dest)
+        reused.append((method, seed))
+    return reused
+
+
 def run_flops(out_dir):
     """The FLOPs a finished run executed (run.json: all stages of a chain; else its metrics.json,
     written by train.py), or None for runs made before train.py counted them."""
@@ -356,6 +386,7 @@ def run_grid(grid, root, workers, overrides, archive="results/runs"):
     done = sync_archive(grid, root, archive)
     todo = [r for r in runs_of(grid, root) if (r[0], r[1]) not in done]
     reused = reuse_identical(todo, root, overrides)
+    reused += reuse_archived(grid, [r for r in todo if (r[0], r[1]) not in reused], archive, overrides)
     if reused:
         print(f"reused {len(reused)} identical finished run(s) of other grids: {reused}")
         done = sync_archive(grid, root, archive)

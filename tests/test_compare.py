@@ -119,7 +119,7 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
         import matplotlib  # noqa: F401
         # a chained method's val curve is its fine-tune's: no val-loss difference figure is drawn for it
         names = [os.path.basename(path) for _, path in drawn]
-        assert names == ["mini_forest.png", "mini_seeds.png", "mini_condensation.png",
+        assert names == ["mini_forest.png", "mini_seeds.png", "mini_lr_val_per_seed.png", "mini_condensation.png",
                          "mini_embedding_similarity.png", "mini_embedding_pca.png"]
         assert all(os.path.getsize(tmp_path / "results" / path) > 0 for _, path in drawn)
     except ImportError:
@@ -143,6 +143,14 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     # a fresh checkout has only the archive: still nothing to run
     shutil.rmtree(root)
     compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
+    # ... and a new grid with an identical run copies its archived files, no checkpoint needed
+    monkeypatch.setitem(compare.GRIDS, "mini4", {"CE from the archive": ("config/lowres_baseline.py", [], 1)})
+    compare.run_grid("mini4", root, workers=1, overrides=overrides, archive=archive)
+    copied = compare.run_dir(archive, "mini4", "CE from the archive", 1337)
+    with open(os.path.join(copied, "run.json")) as f:
+        assert json.load(f)["reused_from"] in (compare.run_dir(archive, "mini", "CE", 1337),
+                                                compare.run_dir(archive, "mini2", "CE again", 1337))
+    assert sorted(os.listdir(copied)) == sorted(os.listdir(compare.run_dir(archive, "mini", "CE", 1337)))
     assert not os.path.exists(root + "/mini/CE")
 
 
