@@ -2,8 +2,8 @@
 Run a named grid of methods x seeds and write a results table, e.g.
 
     python compare.py jostling               # the Stop Jostling reproduction (SPEC.md section 1)
-    python compare.py lowres                 # every loss on the char experiment, 3 seeds
-    python compare.py bpe                    # every loss on the GPT-2 BPE toy, 3 seeds
+    python compare.py lowres                 # every loss on the char experiment
+    python compare.py bpe                    # every loss on the GPT-2 BPE toy
     python compare.py jostling --table_only  # only rebuild results/jostling.md from finished runs
 
 Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/seed<S>`. When it
@@ -15,8 +15,9 @@ wall time is recorded and the runs it stopped go on from their last checkpoint n
 `--workers` at a time, each on cores/workers threads (two 1-thread processes keep both cores of
 a laptop busier than one 2-thread process). The table gives mean +- std over seeds of every
 metric in metrics.json, the paper's number beside ours where it has one, and each method's
-paired difference to the baseline on the same seeds -- a seed moves every method together, so the
-paired figure is what separates an effect from noise.
+paired difference to the baseline on the same seeds with its 95 % t interval -- a seed moves every
+method together, so the paired figure is what separates an effect from noise. It opens with the
+papers' claims, each judged by the rule in claims.py / stats.py.
 
 Speed: before a call starts its runs it measures the machine's matmul peak on all cores; each run
 reports the FLOPs it executed (train.py, evaluate.py); wall.json keeps one record per call, and
@@ -767,13 +768,16 @@ def make_figures(grid, root, out_dir):
 
     forest = {}
     for title, lang, key in paired_columns(results):
+        # perplexities in the hundreds (BPE) vary by orders of magnitude across methods: relative changes
+        relative = "ppl" in key and np.mean([r[lang][key] for r in results[baseline].values()]) > 100
         rows = []
         for method in methods[1:]:
             shared = sorted(set(results[method]) & set(results[baseline]))
             if shared:
-                r = stats.paired([results[method][s][lang][key] - results[baseline][s][lang][key] for s in shared])
+                mine, theirs = ([results[m][s][lang][key] for s in shared] for m in (method, baseline))
+                r = stats.paired([100 * (a / b - 1) if relative else a - b for a, b in zip(mine, theirs)])
                 rows.append((method, r["mean"], r["low"], r["high"], r["n"]))
-        forest[title] = rows
+        forest[f"{title} (%)" if relative else title] = rows
     add(f"Paired differences to {baseline} (same seeds), mean and 95 % t interval", figures.forest_plot(
         forest, os.path.join(base, f"{grid}_forest.png"), baseline, colours))
 
