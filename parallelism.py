@@ -8,7 +8,7 @@ uses these pieces in this order:
 
     rank, local_rank, world_size = init_distributed(device_type)
     train_model, train_objective = parallelize(model, objective, parallel, ...)
-    with gradient_sync(train_model, train_objective, enabled=last_micro_step): forward, backward
+    with gradient_sync((train_model, train_objective), enabled=last_micro_step): forward, backward
 
     ddp    every rank holds the whole model; gradients are averaged by all-reduce in backward
     fsdp   FSDP2 (fully_shard): every block, then the root, is sharded over the ranks; a block's

@@ -2,7 +2,7 @@
 Train a GPT on a prepared dataset, nanoGPT style:
 
     python train.py config/lowres_baseline.py
-    python train.py config/lowres_margin_0.6_se.py --seed=2 --out_dir=out/se_s2
+    python train.py config/lowres_margin0.6_se.py --seed=2 --out_dir=out/se_s2
     torchrun --nproc_per_node=8 train.py config/baseline_1b3.py     # data parallel (parallelism.py)
 
 Defaults below are the Stop Jostling low-resource experiment (SPEC.md section 1): a 0.8M-parameter

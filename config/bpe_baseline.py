@@ -1,4 +1,4 @@
-# The second toy setting (issue 7): tiny Shakespeare in GPT-2 BPE, the toy analogue of the papers'
+# The second toy setting: tiny Shakespeare in GPT-2 BPE, the toy analogue of the papers'
 # pre-training runs -- a 50304-token vocabulary (11,234 distinct tokens in the 302k training tokens,
 # most of them rare) instead of 65 characters. A 4 x 128 GPT-2-style model with a tied head, sized
 # to train in minutes on one CPU core. No simulated low-resource language here.
