@@ -451,6 +451,25 @@ def save_checkpoint(path, full):
                           ignore_errors=True)
 
 
+def stop_if_diverged(values, where, check_weights=False):
+    """End the run when training has diverged, before anything is written from it: values
+    {name: float} are numbers already on the host (the logged losses, the evaluation), so this
+    adds no device sync to a training step; check_weights (before every checkpoint) also looks
+    at every weight, agreed over all ranks. Names the step, the non-finite terms and the last
+    checkpoint that is still good; exits with status 1 and writes no metrics.json."""
+    bad = [name for name, value in values.items() if isinstance(value, float) and not math.isfinite(value)]
+    if check_weights:
+        local_ok = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
+                       for p in model.parameters())
+        if parallelism.mean_over_processes(torch.tensor([0.0 if local_ok else 1.0], device=device)).item() > 0:
+            bad.append("weights")
+    if bad:
+        bar.close()
+        sys.exit(f"error: training diverged at step {iter_num}: non-finite {', '.join(bad)} ({where}). Nothing from "
+                 f"this step on was saved; the last good checkpoint is {ckpt_path} (step {last_saved_step}). Resume "
+                 f"from it with a smaller learning_rate (now {learning_rate:g}): --init_from=resume --learning_rate=...")
+
+
 def log(record):
     if not master:
         return
@@ -480,6 +499,7 @@ if master:
           f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s{processes}")
 
 last_eval = None
+last_saved_step = iter_num if init_from == "resume" else None  # the step ckpt.pt holds
 bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True,
            disable=not master)
 t_window, window_iters = time.perf_counter(), 0
@@ -494,10 +514,12 @@ while True:
         flops_done["eval"] += flops_per_eval * world_size  # every rank evaluates the same batches
         log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
+        stop_if_diverged(last_eval, "validation", check_weights=True)  # no checkpoint holds a NaN
         if last_eval["val"] < best_val_loss:
             best_val_loss = last_eval["val"]
             save_checkpoint(best_path, full=False)
         save_checkpoint(ckpt_path, full=True)
+        last_saved_step = iter_num
         t_window, window_iters = time.perf_counter(), 0  # keep evaluation out of the speed figures
     if iter_num >= max_iters:
         break
@@ -560,6 +582,7 @@ while True:
                   "lr": lr, "ms_per_iter": 1000 * dt,
                   "tokens_per_s": tokens_per_iter / dt, "mfu": flops_per_iter / dt / peak}
         log(record)
+        stop_if_diverged({"loss": loss_value, **dict(zip(step_terms, term_values))}, "training")
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2f}")
         t_window, window_iters = time.perf_counter(), 0
 bar.close()

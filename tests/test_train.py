@@ -256,3 +256,23 @@ def test_bad_objective_settings_fail_clearly(tmp_path, data_dir):
     assert result.returncode != 0 and "dispersion_variant must be one of angular" in result.stderr
     result = train(tmp_path / "y", data_dir, "--ce_weight=0.0", check=False)
     assert result.returncode != 0 and "every loss weight is 0" in result.stderr
+
+
+def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_dir):
+    """learning_rate 1e6: the loss turns non-finite within a few steps. The run must stop there
+    (status 1, one message naming the step, the terms and the last good checkpoint), never write
+    a checkpoint with non-finite weights, and write no metrics.json."""
+    import torch
+    out = tmp_path / "diverged"
+    result = train(str(out), data_dir, "--learning_rate=1e6", "--max_iters=200", "--lr_decay_iters=200", check=False)
+    assert result.returncode == 1, result.stderr[-2000:]
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith("error: training diverged at step ") and "non-finite" in message
+    assert f"{out / 'ckpt.pt'} (step 0)" in message and "--init_from=resume" in message
+    assert not (out / "metrics.json").exists()
+    step = int(message.split("at step ")[1].split(":")[0])
+    assert 0 < step < 200
+    for name in ("ckpt.pt", "best.pt"):
+        checkpoint = torch.load(out / name, weights_only=False)
+        assert checkpoint["iter_num"] == 0
+        assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())
