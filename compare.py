@@ -167,8 +167,9 @@ def run_stages(configs, extra, seed, out_dir, threads, overrides, env, commands)
             continue
         resume = os.path.exists(os.path.join(stage_dir, "ckpt.pt"))
         with open(os.path.join(stage_dir, "train.out"), "a" if resume else "w") as f:
+            # without a checkpoint, whatever an earlier attempt left here (a log) is replaced
             code = run_process([a for a in cmd if not a.startswith("--init_from=")] + ["--init_from=resume"]
-                               if resume else cmd, f, env)
+                               if resume else cmd + ["--overwrite=True"], f, env)
         if code != 0:
             raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {stage_dir}/train.out")
         flops += run_flops(stage_dir) or 0

@@ -46,6 +46,7 @@ keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted
 out_dir = "out/lowres_baseline"
 data_dir = "data/shakespeare_char"   # holds train.bin, val.bin, meta.json (prepare_shakespeare.py)
 init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint path to start from
+overwrite = False                    # a fresh run may replace a run already in out_dir (else it refuses)
 head_from_embedding = False          # with a checkpoint path: the (untied) LM head starts as a copy of wte
 eval_interval = 250
 eval_iters = 20                      # validation batches per evaluation
@@ -186,6 +187,17 @@ autocast = autocast_context(device, dtype)
 # the same seed on every rank: the model starts identical everywhere (FSDP2 shards each rank's
 # own copy, it does not broadcast), and dropout masks and dispersion positions are shared
 torch.manual_seed(seed)
+# a fresh run never replaces a run in out_dir by accident (a forgotten --init_from=resume would
+# otherwise lose it): only with overwrite=True, and then none of the old run's files are kept
+RUN_FILES = ("ckpt.pt", "ckpt.json", "best.pt", "best.json", "log.jsonl", "metrics.json", "marginalization.json")
+if init_from != "resume" and os.path.isdir(out_dir):
+    existing = [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+    if existing and not overwrite:
+        sys.exit(f"error: {out_dir} already holds a run ({', '.join(existing)}). Continue it with --init_from=resume, "
+                 f"start it over on purpose with --overwrite=True, or give another --out_dir.")
+    if existing and master:
+        for name in existing:
+            os.remove(os.path.join(out_dir, name))
 os.makedirs(out_dir, exist_ok=True)
 
 # data ------------------------------------------------------------------------
@@ -339,8 +351,6 @@ if init_from == "resume":
         save_text("".join(json.dumps(r) + "\n" for r in kept), log_path)
     if master:
         print(f"resumed from {ckpt_path} at iter {iter_num}")
-elif master and os.path.exists(log_path):
-    os.remove(log_path)  # a fresh run starts a fresh log
 
 
 def get_lr(it):

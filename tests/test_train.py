@@ -276,3 +276,21 @@ def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_d
         checkpoint = torch.load(out / name, weights_only=False)
         assert checkpoint["iter_num"] == 0
         assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+
+
+def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, data_dir):
+    """Forgetting --init_from=resume must not lose a run: the fresh run refuses, one line says how
+    to go on, and no file of the old run changes; --overwrite=True starts over on purpose."""
+    out = tmp_path / "run"
+    train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4")
+    names = ("ckpt.pt", "best.pt", "log.jsonl", "metrics.json")
+    before = {name: (out / name).read_bytes() for name in names}
+    result = train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", check=False)
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: {out} already holds a run (") and "--init_from=resume" in message
+    assert "--overwrite=True" in message
+    assert {name: (out / name).read_bytes() for name in names} == before
+    train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--overwrite=True", "--seed=7")
+    assert read_log(str(out))[0]["iter"] == 0 and max(r["iter"] for r in read_log(str(out))) == 4  # one run's log
+    assert (out / "metrics.json").read_bytes() != before["metrics.json"]
