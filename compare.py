@@ -361,7 +361,7 @@ def archive_embedding(out_dir, dest):
     source, target = os.path.join(out_dir, "best.pt"), os.path.join(dest, "embedding.npz")
     if os.path.exists(target) or not os.path.exists(source):
         return
-    checkpoint = torch.load(source, map_location="cpu", weights_only=False)
+    checkpoint = torch.load(source, map_location="cpu", weights_only=True)
     wte, itos = checkpoint["model"]["wte.weight"].float().numpy(), checkpoint["meta"].get("itos")
     if itos is None or wte.size > 2 ** 16:
         return

@@ -29,7 +29,7 @@ from utils import choose_device, keep_freed_memory, save_json
 
 
 def load_model(path, device="cpu"):
-    checkpoint = torch.load(path, map_location=device, weights_only=False)
+    checkpoint = torch.load(path, map_location=device, weights_only=True)
     model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
     model.load_state_dict(checkpoint["model"])
     model.eval()

@@ -265,7 +265,7 @@ objective.init_weights()  # trainable parts of the losses (NITP's head), if any
 if init_from not in ("scratch", "resume"):
     # start from another run's weights (fresh optimizer, step 0), e.g. CWT's second stage:
     # a headless model gets a new untied LM head initialised as a copy of its input embedding
-    source = torch.load(init_from, map_location=device, weights_only=False)
+    source = torch.load(init_from, map_location=device, weights_only=True)
     for key, value in source["model_config"].items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
             sys.exit(f"error: cannot start from {init_from}: model key '{key}' is "
@@ -304,7 +304,7 @@ dcp_slot = None  # FSDP: the folder of ckpt_dcp/ that ckpt.pt points to
 if init_from == "resume":
     if not os.path.exists(ckpt_path):
         sys.exit(f"error: init_from='resume' but there is no checkpoint at {ckpt_path}")
-    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=False)
+    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
     for key in ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias", "tie_weights", "low_resource",
                 "separate_embeddings", "data_dir"):
         if checkpoint["config"].get(key, config[key]) != config[key]:  # keys newer than the checkpoint: default

@@ -58,13 +58,13 @@ def finish(*processes, check=True):
 def final_weights(out_dir):
     """{'model.<name>': tensor, 'objective.<name>': tensor} of the run's latest checkpoint (whole
     tensors from ckpt.pt, or read back from an FSDP run's shards)."""
-    checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=False)
+    checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)
     if "dcp" not in checkpoint:
         return {f"{part}.{name}": value for part in ("model", "objective") for name, value in checkpoint[part].items()}
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
     target = os.path.join(out_dir, "dcp_whole.pt")
     dcp_to_torch_save(os.path.join(out_dir, checkpoint["dcp"]), target)
-    return torch.load(target, weights_only=False)["model"]
+    return torch.load(target, weights_only=True)["model"]
 
 
 def assert_same_run(a, b):

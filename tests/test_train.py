@@ -163,13 +163,13 @@ def test_flops_executed_match_a_count_of_the_matmuls(baseline_run, data_dir, tmp
     assert flops["total"] == flops["train"] + flops["eval"] + flops["final_eval"]
     nitp = tmp_path / "nitp"
     train(nitp, data_dir, "--nitp_weight=1.0", "--final_eval=False", "--max_iters=2")
-    checkpoint = torch.load(nitp / "ckpt.pt", weights_only=False)
+    checkpoint = torch.load(nitp / "ckpt.pt", weights_only=True)
     head = sum(v.numel() for k, v in checkpoint["objective"].items() if v.dim() == 2)
     assert head == 3 * C * 4 * C and checkpoint["flops_done"]["train"] == 2 * B * T * (3 * forward + 6 * head)
     # headless CWT: no LM head, but each token's logits against the batch's B x T target embeddings
     cwt = tmp_path / "cwt"
     train(cwt, data_dir, "--ce_weight=0.0", "--cwt_weight=1.0", "--final_eval=False", "--max_iters=2")
-    checkpoint = torch.load(cwt / "ckpt.pt", weights_only=False)
+    checkpoint = torch.load(cwt / "ckpt.pt", weights_only=True)
     V = model.config.vocab_size
     assert checkpoint["flops_done"]["train"] == 2 * B * T * (3 * (forward - 2 * V * C) + 6 * B * T * C)
 
@@ -273,7 +273,7 @@ def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_d
     step = int(message.split("at step ")[1].split(":")[0])
     assert 0 < step < 200
     for name in ("ckpt.pt", "best.pt"):
-        checkpoint = torch.load(out / name, weights_only=False)
+        checkpoint = torch.load(out / name, weights_only=True)
         assert checkpoint["iter_num"] == 0
         assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())
 
