@@ -198,6 +198,10 @@ if init_from != "resume" and os.path.isdir(out_dir):
     if existing and master:
         for name in existing:
             os.remove(os.path.join(out_dir, name))
+if master and os.path.isdir(out_dir):  # temporary files of a write that was killed (utils.atomic_write)
+    for name in os.listdir(out_dir):
+        if name.startswith(".") and name.endswith(".tmp"):
+            os.remove(os.path.join(out_dir, name))
 os.makedirs(out_dir, exist_ok=True)
 
 # data ------------------------------------------------------------------------

@@ -291,6 +291,8 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, data_dir):
     assert message.startswith(f"error: {out} already holds a run (") and "--init_from=resume" in message
     assert "--overwrite=True" in message
     assert {name: (out / name).read_bytes() for name in names} == before
+    (out / ".ckpt.pt.k3j2x.tmp").write_bytes(b"half a checkpoint")  # what a killed write leaves
     train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--overwrite=True", "--seed=7")
+    assert not any(name.endswith(".tmp") for name in os.listdir(out))
     assert read_log(str(out))[0]["iter"] == 0 and max(r["iter"] for r in read_log(str(out))) == 4  # one run's log
     assert (out / "metrics.json").read_bytes() != before["metrics.json"]
