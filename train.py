@@ -350,7 +350,16 @@ if init_from == "resume":
     # and the steps an interrupted run logged after its last checkpoint
     if master and os.path.exists(log_path):
         with open(log_path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
+            lines = [line for line in f if line.strip()]
+        records = []
+        for number, line in enumerate(lines, 1):
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                if number < len(lines):  # only the last line can be torn by a kill mid-write
+                    sys.exit(f"error: cannot resume: line {number} of {log_path} is not JSON; the log is damaged "
+                             f"(ckpt.pt itself may be fine: move the log aside to resume without it)")
+                print(f"note: {log_path} ended in a torn line (a kill mid-write); it is dropped")
         kept = [r for r in records if r["iter"] < iter_num]
         save_text("".join(json.dumps(r) + "\n" for r in kept), log_path)
     if master:

@@ -296,3 +296,14 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, data_dir):
     assert not any(name.endswith(".tmp") for name in os.listdir(out))
     assert read_log(str(out))[0]["iter"] == 0 and max(r["iter"] for r in read_log(str(out))) == 4  # one run's log
     assert (out / "metrics.json").read_bytes() != before["metrics.json"]
+
+
+def test_resume_drops_a_torn_last_log_line(tmp_path, data_dir):
+    """A kill in the middle of a log write leaves half a line: resume still works, from ckpt.pt."""
+    out = tmp_path / "torn"
+    train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4")
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"iter": 4, "loss": 1.2')
+    result = train(str(out), data_dir, "--max_iters=6", "--eval_interval=2", "--lr_decay_iters=4", "--init_from=resume")
+    assert "torn line" in result.stdout
+    assert [r["iter"] for r in read_log(str(out)) if "val" in r] == [0, 2, 4, 6]
