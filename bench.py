@@ -294,7 +294,10 @@ def main():
         return memory_child(args.memory_child)
     if args.efficiency_child is not None:
         return efficiency_child(args.efficiency_child, args.steps, args.warmup)
-    device = choose_device(args.device)
+    try:
+        device = choose_device(args.device)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     dtype = choose_dtype("auto", device)
     print(f"device {device}, {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.section or list(SECTIONS):

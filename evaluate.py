@@ -18,6 +18,7 @@ import argparse
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import torch
@@ -282,7 +283,11 @@ if __name__ == "__main__":
     keep_freed_memory()
     if not os.path.exists(args.checkpoint):
         raise SystemExit(f"error: no checkpoint at {args.checkpoint}")
-    result = evaluate_checkpoint(args.checkpoint, choose_device(args.device))
+    try:
+        device = choose_device(args.device)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    result = evaluate_checkpoint(args.checkpoint, device)
     save_json(result, args.out or os.path.join(os.path.dirname(args.checkpoint), "metrics.json"))
     print(format_metrics(result))
     print(json.dumps(result["checkpoint"]))

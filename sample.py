@@ -47,7 +47,10 @@ def main(argv=None):
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
 
-    device = choose_device(args.device)
+    try:
+        device = choose_device(args.device)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
     model, checkpoint = load_model(args.checkpoint, device)
     meta = checkpoint["meta"]
     if meta.get("tokenizer", "char") != "char":  # BPE data (prepare_c4.py): tiktoken encodes and decodes

@@ -173,7 +173,10 @@ if dry_run:  # the model's size without data, weights or memory: every tensor li
     sys.exit(0)
 if num_threads > 0:
     torch.set_num_threads(num_threads)
-device = choose_device(device)
+try:
+    device = choose_device(device)
+except ValueError as e:
+    sys.exit(f"error: {e}")
 rank, local_rank = 0, 0
 if parallel != "none":
     rank, local_rank, world_size = parallelism.init_distributed("cuda" if device.startswith("cuda") else device)

@@ -32,8 +32,19 @@ def keep_freed_memory():
 
 
 def choose_device(device="auto"):
-    """'auto' picks cuda > mps > cpu."""
+    """'auto' picks cuda > mps > cpu. A device named explicitly must exist here: ValueError with
+    what was asked and what there is, instead of a failure deep inside the first tensor op."""
     if device != "auto":
+        kind, _, index = device.partition(":")
+        mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
+        available = {"cpu": True, "cuda": torch.cuda.is_available(), "mps": mps}
+        if kind not in available:
+            raise ValueError(f"device {device!r} is not one of auto, cpu, cuda, cuda:N, mps")
+        if not available[kind]:
+            raise ValueError(f"device {device!r} was asked for, but this machine has no {kind.upper()} device "
+                             f"(available: {', '.join(k for k, ok in available.items() if ok)}; or device=auto)")
+        if kind == "cuda" and index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+            raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA device(s)")
         return device
     if torch.cuda.is_available():
         return "cuda"

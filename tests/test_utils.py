@@ -41,3 +41,17 @@ def test_kill_inside_the_block_ends_the_process_after_it(tmp_path):
     result = subprocess.run([sys.executable, "-c", script])
     assert result.returncode == -signal.SIGTERM
     assert sorted(os.listdir(tmp_path)) == ["ckpt.json", "ckpt.pt"]
+
+
+def test_an_explicit_device_must_exist():
+    import torch
+    from utils import choose_device
+    assert choose_device("cpu") == "cpu" and choose_device("auto") in ("cpu", "cuda", "mps")
+    with pytest.raises(ValueError, match="not one of auto, cpu, cuda"):
+        choose_device("tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="'cuda' was asked for, but this machine has no CUDA device"):
+            choose_device("cuda")
+    else:
+        with pytest.raises(ValueError, match="CUDA device"):
+            choose_device(f"cuda:{torch.cuda.device_count()}")
