@@ -70,9 +70,13 @@ def speed_up(method_dir, baseline_dir):
     the method needs to first reach the baseline run's final val loss) / (the baseline's total
     steps). A method that never reaches it counts as 0 (no speed-up), the conservative choice
     for a claim of faster convergence."""
-    base = val_curve(baseline_dir)
-    steps = steps_to_reach(val_curve(method_dir), base[-1][1])
-    return 0.0 if steps is None else 1.0 - steps / base[-1][0]
+    return speed_up_of_curves(val_curve(method_dir), val_curve(baseline_dir))
+
+
+def speed_up_of_curves(curve, baseline_curve):
+    """speed_up from the two val curves [(step, loss)]."""
+    steps = steps_to_reach(curve, baseline_curve[-1][1])
+    return 0.0 if steps is None else 1.0 - steps / baseline_curve[-1][0]
 
 
 # kinds of paired quantity: "difference" (method - baseline), "relative" (method / baseline - 1,
@@ -222,7 +226,3 @@ def claims_table(grid, runs, baseline, with_rule=True):
               f"{counts[stats.CONTRADICTED]} contradicted, of {len(evaluated)} claims."]
     return lines
 
-
-def verdicts(grid, runs, baseline):
-    """{(method, quantity): verdict} for text that must follow the table."""
-    return {(c["method"], c["quantity"]): v for c, _, _, v in evaluate_claims(grid, runs, baseline)}

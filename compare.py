@@ -224,65 +224,62 @@ def planned_commands(config, extra, seed, overrides):
     return [[sys.executable, "train.py", c, f"--seed={seed}", *extra, *overrides] for c in configs]
 
 
-def reuse_identical(todo, root, overrides):
-    """A run that another grid already made (the same commands, e.g. the CE baseline of the
-    jostling grid, with its checkpoints still in root) is copied instead of trained again, and
-    re-evaluated with today's evaluate.py so its metrics.json has every metric the table needs.
-    run.json records where it came from. Returns the runs reused."""
+def finished_runs(root, needed):
+    """{run identity: directory} of the finished runs under root that hold the files `needed`."""
     finished = {}
-    for dirpath, _, files in os.walk(root):
-        if "run.json" in files and "best.pt" in files and "metrics.json" in files:
+    for dirpath, dirnames, files in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]
+        if "run.json" in files and all(name in files for name in needed):
             with open(os.path.join(dirpath, "run.json")) as f:
                 record = json.load(f)
             commands = record.get("commands") or [record["command"]]  # older run.json: one command
             finished.setdefault(run_identity(commands), dirpath)
+    return finished
+
+
+def copy_run(source, dest, prepare=None):
+    """Copy a finished run's folder to dest through dest.tmp (prepare(tmp) may rework the copy),
+    recording in run.json where it came from; whatever was at dest (an unfinished attempt) goes."""
+    tmp = dest + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(source, tmp)
+    if prepare is not None:
+        prepare(tmp)
+    with open(os.path.join(tmp, "run.json")) as f:
+        record = json.load(f)
+    save_json({**record, "reused_from": source}, os.path.join(tmp, "run.json"))
+    shutil.rmtree(dest, ignore_errors=True)
+    os.makedirs(os.path.dirname(dest), exist_ok=True)
+    os.rename(tmp, dest)
+
+
+def reevaluate(directory):
+    """Today's evaluate.py on a copied run's best.pt, so its metrics.json has every metric."""
+    subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py"),
+                    os.path.join(directory, "best.pt")], check=True, stdout=subprocess.DEVNULL,
+                   env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def reuse_identical(grid, todo, root, archive, overrides):
+    """A run another grid already made (the same commands, e.g. the CE baseline shared by the
+    jostling and lowres grids) is copied instead of trained again: from root, checkpoints and
+    all, and re-evaluated with today's evaluate.py; or, where no checkpoint is left (a fresh
+    checkout), its archived files straight into this grid's archive, which is all the tables
+    read. run.json records where it came from. Returns the runs reused."""
+    with_checkpoints = finished_runs(root, ("best.pt", "metrics.json"))
+    archived = finished_runs(archive, ("metrics.json",))
     reused = []
     for method, seed, config, extra, out in todo:
-        source = finished.get(run_identity(planned_commands(config, extra, seed, overrides)))
-        if source is None or os.path.abspath(source) == os.path.abspath(out) or os.path.exists(os.path.join(out, "metrics.json")):
-            continue
-        tmp = out + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(source, tmp)
-        subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py"), os.path.join(tmp, "best.pt")], check=True,
-                       stdout=subprocess.DEVNULL, env=dict(os.environ, OMP_NUM_THREADS="1"))
-        with open(os.path.join(tmp, "run.json")) as f:
-            record = json.load(f)
-        record["reused_from"] = source
-        save_json(record, os.path.join(tmp, "run.json"))
-        shutil.rmtree(out, ignore_errors=True)  # an unfinished attempt
-        os.makedirs(os.path.dirname(out), exist_ok=True)
-        os.rename(tmp, out)
-        reused.append((method, seed))
-    return reused
-
-
-def reuse_archived(grid, todo, archive, overrides):
-    """A run that another grid's archive already holds (the same commands) is copied from there
-    into this grid's archive: a fresh checkout has no checkpoints to copy (reuse_identical), but
-    the archived files are all the tables read. run.json records where it came from. Returns the
-    runs reused."""
-    finished = {}
-    for dirpath, dirnames, files in os.walk(archive):
-        dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]
-        if "run.json" in files and "metrics.json" in files:
-            with open(os.path.join(dirpath, "run.json")) as f:
-                record = json.load(f)
-            finished.setdefault(run_identity(record.get("commands") or [record["command"]]), dirpath)
-    reused = []
-    for method, seed, config, extra, _ in todo:
+        identity = run_identity(planned_commands(config, extra, seed, overrides))
         dest = run_dir(archive, grid, method, seed)
-        source = finished.get(run_identity(planned_commands(config, extra, seed, overrides)))
-        if source is None or os.path.exists(os.path.join(dest, "metrics.json")):
+        source = with_checkpoints.get(identity)
+        if source is not None and os.path.abspath(source) != os.path.abspath(out) \
+                and not os.path.exists(os.path.join(out, "metrics.json")):
+            copy_run(source, out, prepare=reevaluate)
+        elif archived.get(identity) is not None and not os.path.exists(os.path.join(dest, "metrics.json")):
+            copy_run(archived[identity], dest)
+        else:
             continue
-        tmp = dest + ".tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        shutil.copytree(source, tmp)
-        with open(os.path.join(tmp, "run.json")) as f:
-            record = json.load(f)
-        save_json({**record, "reused_from": source}, os.path.join(tmp, "run.json"))
-        shutil.rmtree(dest, ignore_errors=True)
-        os.rename(tmp, dest)
         reused.append((method, seed))
     return reused
 
@@ -387,8 +384,7 @@ def sync_archive(grid, root, archive):
 def run_grid(grid, root, workers, overrides, archive="results/runs"):
     done = sync_archive(grid, root, archive)
     todo = [r for r in runs_of(grid, root) if (r[0], r[1]) not in done]
-    reused = reuse_identical(todo, root, overrides)
-    reused += reuse_archived(grid, [r for r in todo if (r[0], r[1]) not in reused], archive, overrides)
+    reused = reuse_identical(grid, todo, root, archive, overrides)
     if reused:
         print(f"reused {len(reused)} identical finished run(s) of other grids: {reused}")
         done = sync_archive(grid, root, archive)
@@ -576,10 +572,10 @@ def build_table(grid, root):
         shared = sorted(set(results.get(method, {})) & set(base))
         if not shared or isinstance(methods[method][0], tuple):
             continue
-        curves = {s: (claims.val_curve(run_dir(root, grid, method, s)), claims.val_curve(run_dir(root, grid, baseline, s)))
-                  for s in shared}
-        reached = sum(claims.steps_to_reach(m, b[-1][1]) is not None for m, b in curves.values())
-        speed = [100 * claims.speed_up(run_dir(root, grid, method, s), run_dir(root, grid, baseline, s)) for s in shared]
+        curves = [(claims.val_curve(run_dir(root, grid, method, s)), claims.val_curve(run_dir(root, grid, baseline, s)))
+                  for s in shared]
+        reached = sum(claims.steps_to_reach(mine, base[-1][1]) is not None for mine, base in curves)
+        speed = [100 * claims.speed_up_of_curves(mine, base) for mine, base in curves]
         lines.append(f"| {method} | {reached} of {len(shared)} | {claims.paired_cell(stats.paired(speed), 1)} |")
     # Stop Jostling's headline run may be a transition some seeds make, not a shift of the mean
     if low_resource:
