@@ -170,6 +170,8 @@ def run_stages(configs, extra, seed, out_dir, threads, overrides, env, commands)
             # without a checkpoint, whatever an earlier attempt left here (a log) is replaced
             code = run_process([a for a in cmd if not a.startswith("--init_from=")] + ["--init_from=resume"]
                                if resume else cmd + ["--overwrite=True"], f, env)
+        if code != 0 and _stopping.is_set():  # stopped by this call: it saved a checkpoint to go on from
+            raise Stopped()
         if code != 0:
             raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {stage_dir}/train.out")
         flops += run_flops(stage_dir) or 0
@@ -200,8 +202,8 @@ def run_process(cmd, out, env):
 
 
 def stop_runs():
-    """Start no new run and stop the running ones (SIGTERM; a run in the middle of writing a
-    checkpoint finishes its weights and their JSON first, utils.stop_signals_deferred)."""
+    """Start no new run and stop the running ones (SIGTERM: train.py finishes its step and saves
+    it, so the next call goes on from exactly there)."""
     with _running_lock:
         _stopping.set()
         running = list(_running)
@@ -256,7 +258,8 @@ def copy_run(source, dest, prepare=None):
 def reevaluate(directory):
     """Today's evaluate.py on a copied run's best.pt, so its metrics.json has every metric."""
     subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "evaluate.py"),
-                    os.path.join(directory, "best.pt")], check=True, stdout=subprocess.DEVNULL,
+                    os.path.join(directory, "best.pt"), f"--out={os.path.join(directory, 'metrics.json')}",
+                    "--overwrite"], check=True, stdout=subprocess.DEVNULL,
                    env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 

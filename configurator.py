@@ -10,6 +10,7 @@ what was expected. A silent typo (`--lerning_rate=...`) would otherwise cost a w
 """
 
 import ast
+import math
 import sys
 
 
@@ -77,9 +78,66 @@ def parse_config(argv, defaults):
     return config
 
 
-def parse_config_or_exit(argv, defaults):
+# Value rules of train.py's keys: (what is expected, test). Checked after types, before a run
+# touches anything, so that `--eval_interval=0` or `--margin=abc` costs one line, not a run.
+def _number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _choice(*options):
+    return "one of " + ", ".join(options), lambda v: v in options
+
+
+POSITIVE = ("a positive integer", lambda v: v > 0)
+NON_NEGATIVE = ("an integer >= 0", lambda v: v >= 0)
+POSITIVE_NUMBER = ("a finite number > 0", lambda v: _number(v) and v > 0)
+NON_NEGATIVE_NUMBER = ("a finite number >= 0", lambda v: _number(v) and v >= 0)
+FRACTION = ("a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
+NON_EMPTY = ("a non-empty string", lambda v: v != "")
+TRAIN_RULES = {
+    **dict.fromkeys(("eval_interval", "eval_iters", "log_interval", "batch_size", "block_size",
+                     "gradient_accumulation_steps", "n_layer", "n_head", "n_embd", "n_expert", "top_k",
+                     "lr_decay_iters"), POSITIVE),
+    **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size", "vocab_size",
+                     "ffn_hidden", "simreg_chunk_size", "dispersion_positions", "nitp_layer", "nitp_hidden",
+                     "num_threads", "adagc_warmup"), NON_NEGATIVE),
+    **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight", "moe_aux_weight",
+                     "min_lr", "weight_decay", "grad_clip"), NON_NEGATIVE_NUMBER),
+    **dict.fromkeys(("simreg_tau", "dispersion_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
+                    POSITIVE_NUMBER),
+    **dict.fromkeys(("dropout", "beta1", "beta2", "adagc_beta"), FRACTION),
+    "low_resource_prob": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
+    "embedding_weight_decay": ("a finite number (< 0: weight_decay)", _number),
+    "margin": ("None or a finite number > 0", lambda v: v is None or (_number(v) and v > 0)),
+    "simreg_layer": ("-1 or a block index >= 0", lambda v: v >= -1),
+    **dict.fromkeys(("out_dir", "data_dir", "init_from"), NON_EMPTY),
+    "arch": _choice("gpt2", "llama"),
+    "dispersion_variant": _choice("angular", "decorrelation", "l2_repel", "orthogonalization"),
+    "dispersion_layers": _choice("all", "last"),
+    "lr_schedule": _choice("cosine", "constant"),
+    "grad_clip_mode": _choice("norm", "adagc"),
+    "parallel": _choice("none", "ddp", "fsdp"),
+    "dtype": _choice("auto", "float32", "bfloat16", "float16"),
+}
+
+
+def check_values(config, rules):
+    """Raise ConfigError naming the first key whose value breaks its rule."""
+    for key, (expected, ok) in rules.items():
+        if key in config and not ok(config[key]):
+            raise ConfigError(f"key '{key}' must be {expected}, got {config[key]!r}")
+
+
+def exit_config_error(message):
+    """A bad config: one line on stderr, status 2 (the convention for a usage error)."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def parse_config_or_exit(argv, defaults, rules=None):
     try:
-        return parse_config(argv, defaults)
+        config = parse_config(argv, defaults)
+        check_values(config, rules or {})
+        return config
     except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        exit_config_error(e)

@@ -1,7 +1,8 @@
 """
-Evaluate a saved checkpoint the way SPEC.md section 1 defines it, and write metrics.json:
+Evaluate a saved checkpoint the way SPEC.md section 1 defines it:
 
-    python evaluate.py out/lowres_baseline/best.pt            # prints and writes metrics.json beside it
+    python evaluate.py out/lowres_baseline/best.pt    # prints, and writes eval_best.json beside it
+    python evaluate.py run/best.pt --data_dir=/data/shakespeare_char --out=scores.json
 
 The validation split is cut into non-overlapping blocks of block_size tokens and scored twice,
 as is (HR) and with every id shifted into the low-resource language (LR), with the full softmax
@@ -11,7 +12,9 @@ T_best), accuracy, Recall@5, MRR and the isotropy I(W) of that language's output
 plus I(W) of all rows and the cross-language "translation" figures of the embedding, and the
 geometry of the hidden states (condensation: mean pairwise cosine per depth, its rank correlation
 with depth, the final states' mean cosine and their SimReg value).
-train.py calls evaluate_checkpoint() on best.pt at the end of every run.
+train.py calls evaluate_checkpoint() on best.pt at the end of every run and writes metrics.json;
+this script never replaces an existing file unless told to (--overwrite), and when it does replace
+a run's metrics.json it keeps the FLOP counts of the run's training.
 """
 
 import argparse
@@ -23,14 +26,18 @@ import sys
 import numpy as np
 import torch
 
+import checkpoint as checkpoints
 import metrics
+from data import DataError
 from losses import simreg
 from model import GPT, GPTConfig
 from utils import choose_device, keep_freed_memory, save_json
 
 
 def load_model(path, device="cpu"):
-    checkpoint = torch.load(path, map_location=device, weights_only=True)
+    """The model of a checkpoint written by train.py (best.pt or ckpt.pt); CheckpointError names
+    the file when it is missing, a directory, damaged or not ours."""
+    checkpoint = checkpoints.load(path, device, need=("model_config", "config", "iter_num", "model"))
     model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
     model.load_state_dict(checkpoint["model"])
     model.eval()
@@ -41,6 +48,9 @@ def val_blocks(data_dir, block_size):
     """Non-overlapping (inputs, targets) blocks covering the whole val split: block i reads
     tokens [i*T, (i+1)*T) and predicts [i*T+1, (i+1)*T+1)."""
     data = torch.from_numpy(np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64))
+    if len(data) < block_size + 1:
+        raise DataError(f"{os.path.join(data_dir, 'val.bin')} holds {len(data)} tokens, fewer than one block of "
+                        f"block_size + 1 = {block_size + 1}")
     n_blocks = (len(data) - 1) // block_size
     x = data[: n_blocks * block_size].view(n_blocks, block_size)
     y = data[1: n_blocks * block_size + 1].view(n_blocks, block_size)
@@ -221,10 +231,12 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     return result
 
 
-def evaluate_checkpoint(path, device="cpu"):
+def evaluate_checkpoint(path, device="cpu", data_dir=None):
+    """data_dir: where the checkpoint's dataset is, if not where the run found it."""
     model, checkpoint = load_model(path, device)
     config = checkpoint["config"]
-    result = evaluate_model(model, config["data_dir"], config["low_resource"], checkpoint["meta"].get("itos"), device)
+    data_dir = checkpoints.data_dir_of(checkpoint, path, data_dir)
+    result = evaluate_model(model, data_dir, config["low_resource"], checkpoint["meta"].get("itos"), device)
     result["checkpoint"] = {"path": path, "iter": checkpoint["iter_num"], "val_loss": checkpoint["best_val_loss"]}
     result["flops"] = {"final_eval": result["flops"], "total": result["flops"]}  # train.py adds its own
     return result
@@ -277,17 +289,31 @@ def format_metrics(result):
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="path to a checkpoint written by train.py (best.pt or ckpt.pt)")
-    parser.add_argument("--out", default=None, help="where to write the metrics (default: metrics.json beside it)")
+    parser.add_argument("--out", default=None, help="where to write the metrics (default: eval_<name>.json beside it)")
+    parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    parser.add_argument("--data_dir", default=None, help="the dataset, if not where the run found it")
     parser.add_argument("--device", default="auto")
     args = parser.parse_args()
     keep_freed_memory()
-    if not os.path.exists(args.checkpoint):
-        raise SystemExit(f"error: no checkpoint at {args.checkpoint}")
+    stem = os.path.splitext(os.path.basename(args.checkpoint.rstrip("/")))[0]
+    out = args.out or os.path.join(os.path.dirname(args.checkpoint.rstrip("/")), f"eval_{stem}.json")
+    if os.path.exists(out) and not args.overwrite:
+        sys.exit(f"error: {out} exists; pass --overwrite to replace it or --out to write elsewhere")
     try:
         device = choose_device(args.device)
-    except ValueError as e:
+        result = evaluate_checkpoint(args.checkpoint, device, args.data_dir)
+    except (ValueError, checkpoints.CheckpointError, DataError) as e:
         sys.exit(f"error: {e}")
-    result = evaluate_checkpoint(args.checkpoint, device)
-    save_json(result, args.out or os.path.join(os.path.dirname(args.checkpoint), "metrics.json"))
+    previous = {}
+    if os.path.exists(out):
+        try:
+            with open(out) as f:
+                previous = json.load(f)
+        except ValueError:
+            pass
+    if isinstance(previous, dict) and "train" in previous.get("flops", {}):  # a run's metrics.json: keep its FLOPs
+        result["flops"] = {**previous["flops"], "final_eval": result["flops"]["final_eval"]}
+        result["flops"]["total"] = sum(v for k, v in result["flops"].items() if k != "total")
+    save_json(result, out)
     print(format_metrics(result))
     print(json.dumps(result["checkpoint"]))

@@ -14,6 +14,7 @@ import sys
 
 import torch
 
+from checkpoint import CheckpointError
 from evaluate import load_model
 from utils import choose_device
 
@@ -49,9 +50,9 @@ def main(argv=None):
 
     try:
         device = choose_device(args.device)
-    except ValueError as e:
+        model, checkpoint = load_model(args.checkpoint, device)
+    except (ValueError, CheckpointError) as e:
         sys.exit(f"error: {e}")
-    model, checkpoint = load_model(args.checkpoint, device)
     meta = checkpoint["meta"]
     if meta.get("tokenizer", "char") != "char":  # BPE data (prepare_c4.py): tiktoken encodes and decodes
         return sample_bpe(model, meta, args, device)

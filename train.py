@@ -10,17 +10,19 @@ character GPT on tiny Shakespeare where each training window is, with probabilit
 low_resource_prob, rewritten into a second "low-resource" language (every id shifted by the
 char vocabulary size). The run writes to out_dir:
     log.jsonl      one JSON object per logged step and per evaluation
-    ckpt.pt/.json  the latest state (resume from it with --init_from=resume)
+    ckpt.pt/.json  the latest state (resume from it with --init_from=resume), ckpt_prev.pt the one before
     best.pt/.json  the weights with the best validation loss (what the final metrics evaluate)
     metrics.json   metrics of best.pt (evaluate.py), and marginalization.json if asked
 Under torchrun only rank 0 writes them; with parallel='fsdp' the latest state is sharded
-(ckpt_dcp/, ckpt.pt then holds the step, RNG states and where the shards are).
+(ckpt_dcp/, ckpt.pt then holds the step, RNG states and where the shards are). checkpoint.py
+writes and reads them. Ctrl-C, `kill` or a scheduler's SIGUSR1 finishes the step, saves ckpt.pt
+and prints the command that resumes; a non-finite loss stops the run before anything is saved.
 """
 
 import json
 import math
 import os
-import shutil
+import shlex
 import sys
 import time
 
@@ -28,15 +30,17 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import checkpoint
 import evaluate
 import metrics
 import parallelism
-from configurator import parse_config_or_exit
+from configurator import TRAIN_RULES, exit_config_error, parse_config_or_exit
+from data import DataError, load_tokens, read_meta
 from losses import Objective
 from model import GPT, GPTConfig, build_model
 from optim import AdaGC, configure_optimizers
-from utils import (autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops, save_json, save_text,
-                   save_torch, stop_signals_deferred)
+from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
+                   save_json)
 
 keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted in anew every step
 
@@ -49,6 +53,7 @@ init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), or
 overwrite = False                    # a fresh run may replace a run already in out_dir (else it refuses)
 head_from_embedding = False          # with a checkpoint path: the (untied) LM head starts as a copy of wte
 eval_interval = 250
+checkpoint_interval = 0              # also write ckpt.pt every this many steps; 0 = at evaluations only
 eval_iters = 20                      # validation batches per evaluation
 log_interval = 10
 final_eval = True                    # evaluate best.pt at the end and write metrics.json
@@ -121,34 +126,35 @@ num_threads = 0                      # CPU threads for torch; 0 = torch's defaul
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
-config = parse_config_or_exit(sys.argv[1:], {k: globals()[k] for k in config_keys})
+# every value is checked (type and range, configurator.TRAIN_RULES) before anything is touched: exit 2
+config = parse_config_or_exit(sys.argv[1:], {k: globals()[k] for k in config_keys}, TRAIN_RULES)
 globals().update(config)
+stop = StopRequest()  # from here on Ctrl-C / kill / SIGUSR1 end the run at the next step, saved
 # -----------------------------------------------------------------------------
 
-if log_marginalization and (dropout > 0 or not tie_weights or ce_weight == 0 or cwt_weight > 0):
-    sys.exit("error: log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
-             "(it splits the tied embedding's cross-entropy gradient)")
-if init_from not in ("scratch", "resume") and not os.path.isfile(init_from):
-    sys.exit(f"error: key 'init_from' must be 'scratch', 'resume' or an existing checkpoint file, got {init_from!r}")
-if lr_schedule not in ("cosine", "constant"):
-    sys.exit(f"error: key 'lr_schedule' must be 'cosine' or 'constant', got {lr_schedule!r}")
-if grad_clip_mode not in ("norm", "adagc"):
-    sys.exit(f"error: key 'grad_clip_mode' must be 'norm' or 'adagc', got {grad_clip_mode!r}")
-if parallel not in ("none", "ddp", "fsdp"):
-    sys.exit(f"error: key 'parallel' must be 'none', 'ddp' or 'fsdp', got {parallel!r}")
 world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; a plain `python train.py` is one process
-if world_size > 1 and parallel == "none":
-    sys.exit(f"error: launched on {world_size} processes but key 'parallel' is 'none' (use ddp or fsdp)")
-if parallel != "none" and log_marginalization:
-    sys.exit("error: log_marginalization needs parallel='none' (it reads one process's gradients)")
-if parallel == "fsdp" and separate_embeddings:
-    sys.exit("error: separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps "
-             "per-row state as plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'")
-
+for problem, message in (
+    (log_marginalization and (dropout > 0 or not tie_weights or ce_weight == 0 or cwt_weight > 0),
+     "log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
+     "(it splits the tied embedding's cross-entropy gradient)"),
+    (init_from not in ("scratch", "resume") and not os.path.isfile(init_from),
+     f"key 'init_from' must be 'scratch', 'resume' or an existing checkpoint file, got {init_from!r}"),
+    (lr_schedule == "cosine" and lr_decay_iters <= warmup_iters,
+     f"key 'lr_decay_iters' ({lr_decay_iters}) must be above warmup_iters ({warmup_iters}) with the cosine schedule"),
+    (top_k > n_expert and n_expert > 1, f"key 'top_k' ({top_k}) must be at most n_expert ({n_expert})"),
+    (world_size > 1 and parallel == "none",
+     f"launched on {world_size} processes but key 'parallel' is 'none' (use ddp or fsdp)"),
+    (parallel != "none" and log_marginalization, "log_marginalization needs parallel='none' (it reads one "
+     "process's gradients)"),
+    (parallel == "fsdp" and separate_embeddings, "separate_embeddings=True does not work with parallel='fsdp' "
+     "(SeparatedRowsAdamW keeps per-row state as plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),
+    (global_batch_size % (batch_size * world_size) if global_batch_size else False,
+     f"key 'global_batch_size' ({global_batch_size}) must be a multiple of batch_size ({batch_size}) x processes "
+     f"({world_size})"),
+):
+    if problem:
+        exit_config_error(message)
 if global_batch_size:  # the config names the batch the recipe needs; micro-steps follow from the hardware
-    if global_batch_size % (batch_size * world_size):
-        sys.exit(f"error: key 'global_batch_size' ({global_batch_size}) must be a multiple of batch_size "
-                 f"({batch_size}) x processes ({world_size})")
     gradient_accumulation_steps = global_batch_size // (batch_size * world_size)
 
 def make_model_config(vocab):
@@ -158,15 +164,18 @@ def make_model_config(vocab):
                          arch=arch, ffn_hidden=ffn_hidden, n_expert=n_expert, top_k=top_k, rope_theta=rope_theta,
                          init_std=init_std)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        exit_config_error(e)
 
 
-meta_path = os.path.join(data_dir, "meta.json")
 if dry_run:  # the model's size without data, weights or memory: every tensor lives on the meta device
-    if not vocab_size and not os.path.exists(meta_path):
-        sys.exit(f"error: dry_run needs key 'vocab_size' or a dataset in data_dir '{data_dir}'")
+    if not vocab_size and not os.path.exists(os.path.join(data_dir, "meta.json")):
+        exit_config_error(f"dry_run needs key 'vocab_size' or a dataset in data_dir '{data_dir}'")
+    try:
+        dry_vocab = vocab_size or read_meta(data_dir)["vocab_size"]
+    except DataError as e:
+        sys.exit(f"error: {e}")
     with torch.device("meta"):
-        dry_model = GPT(make_model_config(vocab_size or json.load(open(meta_path))["vocab_size"]))
+        dry_model = GPT(make_model_config(dry_vocab))
     print(f"params: {dry_model.num_params()}")
     if n_expert > 1:
         print(f"active_params: {dry_model.num_params(active=True)}")
@@ -176,7 +185,21 @@ if num_threads > 0:
 try:
     device = choose_device(device)
 except ValueError as e:
+    exit_config_error(e)
+
+# data: every file is checked before out_dir is touched -------------------------
+try:
+    meta = read_meta(data_dir)
+    base_vocab = meta["vocab_size"]
+    dataset_vocab = 2 * base_vocab if low_resource else base_vocab
+    if vocab_size and vocab_size < dataset_vocab:
+        exit_config_error(f"key 'vocab_size' is {vocab_size} but the dataset in {data_dir} has {dataset_vocab} tokens")
+    # train.bin / val.bin as read-only uint16 memmaps: only the sampled windows are ever read
+    train_data, val_data = (load_tokens(data_dir, split, block_size, base_vocab) for split in ("train", "val"))
+except DataError as e:
     sys.exit(f"error: {e}")
+vocab_size = vocab_size or dataset_vocab
+shift = base_vocab if low_resource else 0   # id offset of the low-resource language
 rank, local_rank = 0, 0
 if parallel != "none":
     rank, local_rank, world_size = parallelism.init_distributed("cuda" if device.startswith("cuda") else device)
@@ -190,44 +213,6 @@ autocast = autocast_context(device, dtype)
 # the same seed on every rank: the model starts identical everywhere (FSDP2 shards each rank's
 # own copy, it does not broadcast), and dropout masks and dispersion positions are shared
 torch.manual_seed(seed)
-# a fresh run never replaces a run in out_dir by accident (a forgotten --init_from=resume would
-# otherwise lose it): only with overwrite=True, and then none of the old run's files are kept
-RUN_FILES = ("ckpt.pt", "ckpt.json", "best.pt", "best.json", "log.jsonl", "metrics.json", "marginalization.json")
-if init_from != "resume" and os.path.isdir(out_dir):
-    existing = [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
-    if existing and not overwrite:
-        sys.exit(f"error: {out_dir} already holds a run ({', '.join(existing)}). Continue it with --init_from=resume, "
-                 f"start it over on purpose with --overwrite=True, or give another --out_dir.")
-    if existing and master:
-        for name in existing:
-            os.remove(os.path.join(out_dir, name))
-if master and os.path.isdir(out_dir):  # temporary files of a write that was killed (utils.atomic_write)
-    for name in os.listdir(out_dir):
-        if name.startswith(".") and name.endswith(".tmp"):
-            os.remove(os.path.join(out_dir, name))
-os.makedirs(out_dir, exist_ok=True)
-
-# data ------------------------------------------------------------------------
-if not os.path.exists(meta_path):
-    sys.exit(f"error: no dataset in data_dir '{data_dir}' (missing meta.json); "
-             f"run prepare_shakespeare.py --out_dir {data_dir} first")
-with open(meta_path) as f:
-    meta = json.load(f)
-base_vocab = meta["vocab_size"]
-dataset_vocab = 2 * base_vocab if low_resource else base_vocab
-if vocab_size and vocab_size < dataset_vocab:
-    sys.exit(f"error: key 'vocab_size' is {vocab_size} but the dataset in {data_dir} has {dataset_vocab} tokens")
-vocab_size = vocab_size or dataset_vocab
-shift = base_vocab if low_resource else 0   # id offset of the low-resource language
-
-
-def load_tokens(split):
-    """The split as a read-only uint16 memmap: a C4 shard is ~150M tokens, and only the sampled
-    windows are ever read and widened to int64."""
-    return np.memmap(os.path.join(data_dir, f"{split}.bin"), dtype=np.uint16, mode="r")
-
-
-train_data, val_data = load_tokens("train"), load_tokens("val")
 data_generator = torch.Generator().manual_seed(seed)
 
 
@@ -266,21 +251,24 @@ try:
                           dispersion_positions=dispersion_positions, nitp=nitp_weight, nitp_layer=nitp_layer,
                           nitp_prenorm=nitp_prenorm, nitp_hidden=nitp_hidden, cwt=cwt_weight).to(device)
 except ValueError as e:
-    sys.exit(f"error: {e}")
+    exit_config_error(e)
 objective.init_weights()  # trainable parts of the losses (NITP's head), if any
 
 if init_from not in ("scratch", "resume"):
     # start from another run's weights (fresh optimizer, step 0), e.g. CWT's second stage:
     # a headless model gets a new untied LM head initialised as a copy of its input embedding
-    source = torch.load(init_from, map_location=device, weights_only=True)
+    try:
+        source = checkpoint.load(init_from, device)
+    except checkpoint.CheckpointError as e:
+        sys.exit(f"error: {e}")
     for key, value in source["model_config"].items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
-            sys.exit(f"error: cannot start from {init_from}: model key '{key}' is "
-                     f"{getattr(model_config, key)!r} here but {value!r} there")
+            exit_config_error(f"cannot start from {init_from}: model key '{key}' is "
+                              f"{getattr(model_config, key)!r} here but {value!r} there")
     weights = dict(source["model"])
     if head_from_embedding:
         if tie_weights:
-            sys.exit("error: head_from_embedding=True needs tie_weights=False (a tied head is the embedding)")
+            exit_config_error("head_from_embedding=True needs tie_weights=False (a tied head is the embedding)")
         weights["lm_head.weight"] = weights["wte.weight"].clone()
     model.load_state_dict(weights)  # before parallelize: plain, whole tensors
     if master:
@@ -305,68 +293,45 @@ clipper = AdaGC(model.parameters(), grad_clip, adagc_beta, adagc_rel, adagc_warm
 iter_num, best_val_loss = 0, float("inf")
 grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log_marginalization)
 
+# out_dir: only now, with every setting and file checked, is anything in it touched ------
 ckpt_path, best_path, log_path = (os.path.join(out_dir, n) for n in ("ckpt.pt", "best.pt", "log.jsonl"))
 checkpointed = torch.nn.ModuleDict({"model": model, "objective": objective})  # the keys of FSDP's sharded checkpoints
-dcp_slot = None  # FSDP: the folder of ckpt_dcp/ that ckpt.pt points to
+dcp_slots = [None, None]  # FSDP: the ckpt_dcp/ folders that ckpt_prev.pt and ckpt.pt name
+keep_previous = True      # False while ckpt.pt is the unreadable file a resume fell back from
+# a fresh run never replaces a run in out_dir by accident (a forgotten --init_from=resume would
+# otherwise lose it): only with overwrite=True, and then none of the old run's files are kept
+existing = checkpoint.existing_run(out_dir) if init_from != "resume" else []
+if existing and not overwrite:
+    sys.exit(f"error: {out_dir} already holds a run ({', '.join(existing)}). Continue it with --init_from=resume, "
+             f"start it over on purpose with --overwrite=True, or give another --out_dir.")
+if master:
+    if existing:
+        checkpoint.clear_run(out_dir)
+    checkpoint.remove_temporaries(out_dir)  # of a write that was killed
+    os.makedirs(out_dir, exist_ok=True)
 if init_from == "resume":
-    if not os.path.exists(ckpt_path):
-        sys.exit(f"error: init_from='resume' but there is no checkpoint at {ckpt_path}")
-    checkpoint = torch.load(ckpt_path, map_location=device, weights_only=True)
-    for key in ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias", "tie_weights", "low_resource",
-                "separate_embeddings", "data_dir"):
-        if checkpoint["config"].get(key, config[key]) != config[key]:  # keys newer than the checkpoint: default
-            sys.exit(f"error: cannot resume: key '{key}' is {config[key]!r} but the checkpoint "
-                     f"was trained with {checkpoint['config'][key]!r}")
-    objective_mismatch = ("error: cannot resume: the checkpoint's loss parameters (NITP head) do not match "
-                          "nitp_weight / nitp_hidden of this config")
-    if "dcp" in checkpoint:  # written by an FSDP run: weights and optimizer state are in shards
-        if parallel != "fsdp":
-            sys.exit(f"error: cannot resume: {ckpt_path} was written with parallel='fsdp' (sharded in "
-                     f"{os.path.join(out_dir, checkpoint['dcp'])}); resume with --parallel=fsdp")
-        shapes = {name: list(value.shape) for name, value in objective.state_dict().items()}
-        if checkpoint["objective_shapes"] != shapes:
-            sys.exit(objective_mismatch)
-        dcp_slot = checkpoint["dcp"]
-        parallelism.load_sharded(os.path.join(out_dir, dcp_slot), checkpointed, optimizers,
-                                 with_optimizers=checkpoint["dcp_optimizers"])
-    else:
-        if parallel == "fsdp":
-            sys.exit(f"error: cannot resume: {ckpt_path} holds whole weights (written with parallel="
-                     f"'{checkpoint['config'].get('parallel', 'none')}'); resume it with that setting")
-        model.load_state_dict(checkpoint["model"])
-        try:
-            objective.load_state_dict(checkpoint.get("objective", {}))
-        except RuntimeError:
-            sys.exit(objective_mismatch)
-        for opt, state in zip(optimizers, checkpoint["optimizers"]):
-            opt.load_state_dict(state)
-    iter_num, best_val_loss = checkpoint["iter_num"], checkpoint["best_val_loss"]
+    try:
+        resumed, resumed_path = checkpoint.load_latest(out_dir, device, master)
+        checkpoint.check_resumable(resumed, config, data_dir)
+        checkpoint.restore(resumed, resumed_path, out_dir, checkpointed, optimizers, parallel, dcp_slots)
+        # drop log lines from iter_num on: the loop re-runs the evaluation at iter_num (same value)
+        # and the steps an interrupted run logged after its last checkpoint
+        if master:
+            checkpoint.trim_log(log_path, resumed["iter_num"])
+    except checkpoint.CheckpointError as e:
+        sys.exit(f"error: {e}")
+    keep_previous = resumed_path == ckpt_path
+    iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
     # RNG states must be CPU tensors, whatever map_location moved them to
-    data_generator.set_state(checkpoint["data_rng"].cpu())
-    torch.set_rng_state(checkpoint["torch_rng"].cpu())
-    if on_cuda and checkpoint.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(checkpoint["cuda_rng"].cpu())
-    if clipper is not None and checkpoint.get("adagc") is not None:
-        clipper.load_state_dict(checkpoint["adagc"])
-    grad_parts = checkpoint.get("grad_parts", [])
-    # drop log lines from iter_num on: the loop re-runs the evaluation at iter_num (same value)
-    # and the steps an interrupted run logged after its last checkpoint
-    if master and os.path.exists(log_path):
-        with open(log_path) as f:
-            lines = [line for line in f if line.strip()]
-        records = []
-        for number, line in enumerate(lines, 1):
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                if number < len(lines):  # only the last line can be torn by a kill mid-write
-                    sys.exit(f"error: cannot resume: line {number} of {log_path} is not JSON; the log is damaged "
-                             f"(ckpt.pt itself may be fine: move the log aside to resume without it)")
-                print(f"note: {log_path} ended in a torn line (a kill mid-write); it is dropped")
-        kept = [r for r in records if r["iter"] < iter_num]
-        save_text("".join(json.dumps(r) + "\n" for r in kept), log_path)
+    data_generator.set_state(resumed["data_rng"].cpu())
+    torch.set_rng_state(resumed["torch_rng"].cpu())
+    if on_cuda and resumed.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(resumed["cuda_rng"].cpu())
+    if clipper is not None and resumed.get("adagc") is not None:
+        clipper.load_state_dict(resumed["adagc"])
+    grad_parts = resumed.get("grad_parts", [])
     if master:
-        print(f"resumed from {ckpt_path} at iter {iter_num}")
+        print(f"resumed from {resumed_path} at iter {iter_num}")
 
 
 def get_lr(it):
@@ -436,45 +401,33 @@ def estimate_val_loss():
     return out
 
 
-def save_checkpoint(path, full):
-    """Atomic torch.save plus a readable JSON beside it (config, step, losses), written by rank 0.
-    full=True: everything needed to continue exactly where we stopped. Under FSDP that state is
-    sharded (each rank writes its own part, torch.distributed.checkpoint) into ckpt_dcp/a and
-    ckpt_dcp/b in turn, and ckpt.pt names the folder only once it is complete: an interrupted save
-    never leaves a checkpoint that points at half-written shards. full=False (best.pt) gathers the
-    whole weights onto rank 0 in the single-process format, so evaluate.py reads it unchanged."""
-    global dcp_slot
+def run_state(full):
+    """What a checkpoint holds besides the weights (checkpoint.py adds those): config, step and
+    losses; the dataset's meta and resolved path (evaluate.py and sample.py run from anywhere);
+    full=True adds what continuing exactly needs: data and RNG states, FLOPs so far, AdaGC's
+    EMAs. Every rank draws the same random numbers, so rank 0's RNG states are everyone's."""
     state = {"model_config": model_config.__dict__, "config": config, "iter_num": iter_num,
-             "best_val_loss": best_val_loss, "meta": meta}
-    if parallel == "fsdp" and full:
-        dcp_slot = "ckpt_dcp/b" if dcp_slot == "ckpt_dcp/a" else "ckpt_dcp/a"
-        directory = os.path.join(out_dir, dcp_slot)
-        if master and os.path.exists(directory):
-            shutil.rmtree(directory)
-        parallelism.barrier()
-        has_optimizer_state = any(opt.state for opt in optimizers)  # none before the first step
-        parallelism.save_sharded(directory, checkpointed, optimizers, with_optimizers=has_optimizer_state)
-        parallelism.barrier()
-        state.update(dcp=dcp_slot, dcp_optimizers=has_optimizer_state,
-                     objective_shapes={name: list(value.shape) for name, value in objective.state_dict().items()})
-    elif parallel == "fsdp":
-        state.update(model=parallelism.full_state_dict(model), objective=parallelism.full_state_dict(objective))
-    else:  # single process or DDP: every rank holds the same whole state
-        state.update(model=model.state_dict(), objective=objective.state_dict())
-        if full:
-            state.update(optimizers=[opt.state_dict() for opt in optimizers])
-    if full:  # every rank draws the same random numbers, so rank 0's RNG states are everyone's
+             "best_val_loss": best_val_loss, "last_eval": last_eval, "meta": meta,
+             "data_dir_resolved": os.path.realpath(data_dir)}
+    if full:
         state.update(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
                      cuda_rng=torch.cuda.get_rng_state() if on_cuda else None, flops_done=dict(flops_done),
                      adagc=clipper.state_dict() if clipper is not None else None)
-    if master:
-        with stop_signals_deferred():  # the weights and their JSON name the same step
-            save_torch(state, path)
-            save_json({"config": config, "model_config": model_config.__dict__, "iter_num": iter_num,
-                       "best_val_loss": best_val_loss, "last_eval": last_eval}, path[:-3] + ".json")
-        if "dcp" in state:  # ckpt.pt now names the new shards: the previous ones can go
-            shutil.rmtree(os.path.join(out_dir, "ckpt_dcp/b" if dcp_slot == "ckpt_dcp/a" else "ckpt_dcp/a"),
-                          ignore_errors=True)
+    return state
+
+
+def save_latest():
+    """ckpt.pt (the previous one kept as ckpt_prev.pt), after checking that no weight is
+    non-finite; a failed write (a full disk) ends the run with the previous checkpoint intact."""
+    global keep_previous, last_saved_step
+    stop_if_diverged({}, "before writing a checkpoint", check_weights=True)
+    try:
+        checkpoint.save_full(out_dir, run_state(full=True), checkpointed, optimizers, parallel, master, dcp_slots,
+                             keep_previous)
+    except checkpoint.CheckpointError as e:
+        bar.close()
+        sys.exit(f"error: {e}")
+    keep_previous, last_saved_step = True, iter_num
 
 
 def stop_if_diverged(values, where, check_weights=False):
@@ -492,15 +445,21 @@ def stop_if_diverged(values, where, check_weights=False):
     if bad:
         bar.close()
         sys.exit(f"error: training diverged at step {iter_num}: non-finite {', '.join(bad)} ({where}). Nothing from "
-                 f"this step on was saved; the last good checkpoint is {ckpt_path} (step {last_saved_step}). Resume "
+                 f"this step on was saved; the last good checkpoint is "
+                 f"{ckpt_path if keep_previous else ckpt_path[:-3] + '_prev.pt'} (step {last_saved_step}). Resume "
                  f"from it with a smaller learning_rate (now {learning_rate:g}): --init_from=resume --learning_rate=...")
 
 
 def log(record):
     if not master:
         return
-    with open(log_path, "a") as f:
-        f.write(json.dumps(record) + "\n")
+    try:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:  # a full disk: say so in one line (ckpt.pt is whole: writes are atomic)
+        bar.close()
+        sys.exit(f"error: could not append to {log_path}: {e.strerror}; resume with --init_from=resume once "
+                 f"there is space")
 
 
 # training loop ---------------------------------------------------------------
@@ -517,7 +476,7 @@ languages_evaluated = 2 if low_resource else 1
 flops_per_eval = eval_iters * languages_evaluated * batch_size * block_size * model.flops_per_token(backward=False)
 flops_done = {"train": 0, "eval": 0}  # what this run has executed, for compare.py's efficiency figure
 if init_from == "resume":
-    flops_done = checkpoint.get("flops_done", flops_done)  # checkpoints from before the count: from 0
+    flops_done = resumed.get("flops_done", flops_done)  # checkpoints from before the count: from 0
 peak = peak_flops(device, dtype) * world_size
 if master:
     processes = f" | {world_size} process{'es' if world_size > 1 else ''}, {parallel}" if parallel != "none" else ""
@@ -526,6 +485,9 @@ if master:
 
 last_eval = None
 last_saved_step = iter_num if init_from == "resume" else None  # the step ckpt.pt holds
+# a stop takes effect between steps; one process reads its own flag every step, under torchrun the
+# ranks agree on it at each logged step through the all-reduce the log makes anyway (no extra sync)
+stopping = False
 bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True,
            disable=not master)
 t_window, window_iters = time.perf_counter(), 0
@@ -543,12 +505,30 @@ while True:
         stop_if_diverged(last_eval, "validation", check_weights=True)  # no checkpoint holds a NaN
         if last_eval["val"] < best_val_loss:
             best_val_loss = last_eval["val"]
-            save_checkpoint(best_path, full=False)
-        save_checkpoint(ckpt_path, full=True)
-        last_saved_step = iter_num
+            try:
+                checkpoint.save_weights(best_path, run_state(full=False), checkpointed, parallel, master)
+            except checkpoint.CheckpointError as e:
+                sys.exit(f"error: {e}")
+        save_latest()
         t_window, window_iters = time.perf_counter(), 0  # keep evaluation out of the speed figures
+    elif checkpoint_interval and iter_num % checkpoint_interval == 0:
+        save_latest()  # between evaluations: what a preempted long run loses at most
+        t_window, window_iters = time.perf_counter(), 0
     if iter_num >= max_iters:
         break
+    if stopping:  # a stop signal: the step is finished; save it, say how to go on, exit 128 + signal
+        if last_saved_step != iter_num:
+            save_latest()
+        bar.close()
+        resume_args = [a for a in sys.argv[1:] if not a.startswith(("--init_from=", "--overwrite="))]
+        launcher = f"torchrun --nproc_per_node={world_size}" if world_size > 1 else "python"
+        if master:
+            print(f"stopped by {stop.name or 'a stop signal on another rank'} at step {iter_num}; the full state is "
+                  f"in {ckpt_path}. Resume with:\n  {launcher} train.py {shlex.join(resume_args)} --init_from=resume",
+                  flush=True)
+        if parallel != "none":
+            torch.distributed.destroy_process_group()
+        sys.exit(128 + (stop.signum or 15))
 
     # The step's whole global batch is drawn at once, identically on every rank, and micro-step k
     # of rank r reads rows (k * world_size + r) * batch_size onwards: the union is the same global
@@ -598,11 +578,17 @@ while True:
     window_iters += 1
     flops_done["train"] += flops_per_iter
     bar.update(1)
+    if world_size == 1:
+        stopping = stop.signum is not None
 
     if iter_num % log_interval == 0:
-        # the loss of the global batch: mean over micro-steps here, over processes by one all-reduce
-        values = parallelism.mean_over_processes(torch.stack([v.float() for v in (step_loss, *step_terms.values())]))
-        loss_value, *term_values = values.tolist()  # .tolist() syncs: only when logging
+        # the loss of the global batch: mean over micro-steps here, over processes by one all-reduce,
+        # which also carries each rank's stop flag: a stop any rank got, every rank acts on
+        flag = torch.tensor(0.0 if stop.signum is None else 1.0, device=step_loss.device)
+        values = parallelism.mean_over_processes(torch.stack([v.float() for v in (step_loss, *step_terms.values(), flag)]))
+        *values, stop_vote = values.tolist()  # .tolist() syncs: only when logging
+        stopping = stopping or stop_vote > 0
+        loss_value, *term_values = values
         dt = (time.perf_counter() - t_window) / window_iters
         record = {"iter": iter_num - 1, "loss": loss_value, **dict(zip(step_terms, term_values)),
                   "lr": lr, "ms_per_iter": 1000 * dt,
@@ -621,8 +607,15 @@ if log_marginalization and grad_parts:  # (parallel='none' only: one process)
     ratios = evaluate.marginalization_report(parts, torch.from_numpy(train_data.astype(np.int64)), shift, meta["itos"])
     save_json(ratios, os.path.join(out_dir, "marginalization.json"))
 
+stop.release()  # the run is complete: from here Ctrl-C interrupts the final evaluation at once
 if final_eval and master:  # one process: best.pt holds the whole weights in any mode
-    metrics = evaluate.evaluate_checkpoint(best_path, device=device)
+    try:
+        metrics = evaluate.evaluate_checkpoint(best_path, device=device)
+    except KeyboardInterrupt:
+        print(f"interrupted during the final evaluation; training is complete ({ckpt_path}, {best_path}): "
+              f"python evaluate.py {best_path} --out={os.path.join(out_dir, 'metrics.json')} writes metrics.json",
+              file=sys.stderr)
+        sys.exit(130)
     # FLOPs of the whole run (all processes), evaluation included: compare.py sums them over a grid
     metrics["flops"] = {**flops_done, "final_eval": metrics["flops"]["final_eval"]}
     metrics["flops"]["total"] = sum(metrics["flops"].values())

@@ -7,7 +7,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 
 import torch
@@ -90,29 +89,33 @@ def atomic_write(path, write_fn):
         raise
 
 
-@contextlib.contextmanager
-def stop_signals_deferred():
-    """Hold Ctrl-C (SIGINT) and `kill` (SIGTERM) until the block ends, then act on them as usual.
-    A checkpoint is two files, the weights and a readable JSON of its step; a stop between the two
-    writes would leave the JSON naming an older step than the weights. Python runs signal handlers
-    in the main thread whichever thread the OS hands the signal to, so a handler that only notes
-    the signal defers it for the whole process; after the block it is raised again."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received = []
-    previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        handler = signal.getsignal(signum)
-        if handler is not None:  # None: a handler not set from Python, left alone
-            previous[signum] = signal.signal(signum, lambda number, frame: received.append(number))
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-        if received:
-            signal.raise_signal(received[0])
+class StopRequest:
+    """Turn SIGINT (Ctrl-C), SIGTERM (`kill`, torchrun passing on a stop) and SIGUSR1 (what a
+    cluster scheduler such as SLURM's --signal sends before preempting a job) into a request the
+    training loop reads between steps: it finishes the step, writes a checkpoint and exits with
+    128 + the signal's number, the shell's convention for "ended by a signal". A second Ctrl-C
+    while a stop is pending ends the process at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+
+    def __init__(self):
+        self.signum = None
+        for signum in self.SIGNALS:
+            signal.signal(signum, self._note)
+
+    def _note(self, signum, frame):
+        if self.signum == signal.SIGINT and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+    @property
+    def name(self):
+        return signal.Signals(self.signum).name if self.signum else None
+
+    def release(self):
+        """Give the signals their default actions back (Ctrl-C raises KeyboardInterrupt again)."""
+        for signum in self.SIGNALS:
+            signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
 
 
 def save_json(obj, path):
@@ -128,10 +131,6 @@ def save_text(text, path):
         with open(tmp, "w") as f:
             f.write(text)
     atomic_write(path, write)
-
-
-def save_torch(obj, path):
-    atomic_write(path, lambda tmp: torch.save(obj, tmp))
 
 
 # Dense bf16 tensor-core peaks (no sparsity) of common GPUs, for MFU on CUDA.

@@ -91,7 +91,9 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     assert "2 processes, ddp" in result.stdout and result.stdout.count("params:") == 1  # rank 0 prints
     assert_same_run(single, ddp)
     assert_same_run(single, fsdp)
-    assert not os.path.exists(fsdp / "ckpt_dcp" / "b")  # the previous shards are removed once ckpt.pt moves on
+    # shards on disk: exactly those that ckpt.pt and ckpt_prev.pt name (older ones are removed)
+    named = {torch.load(fsdp / name, weights_only=True)["dcp"] for name in ("ckpt.pt", "ckpt_prev.pt")}
+    assert {os.path.join("ckpt_dcp", slot) for slot in os.listdir(fsdp / "ckpt_dcp")} == named and len(named) == 2
     # best.pt holds whole weights in the single-process format: evaluate.py reads it unchanged
     import evaluate
     model, _ = evaluate.load_model(str(fsdp / "best.pt"))
@@ -116,6 +118,32 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
     result = finish(launch(part, data_dir, *LLAMA, "--init_from=resume"), check=False)
     assert result.returncode != 0 and "resume with --parallel=fsdp" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, data_dir):
+    """A scheduler's SIGUSR1 reaching one worker only: the ranks agree at the next logged step
+    (the flag rides on the log's all-reduce), ckpt.pt holds that step, and resuming under torchrun
+    finishes the uninterrupted run's losses bit for bit."""
+    import signal
+    import time
+    long = ["--parallel=ddp", "--max_iters=300", "--lr_decay_iters=300", "--eval_interval=150", "--log_interval=5"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    reference, process = launch(whole, data_dir, *long, processes=2), launch(stopped, data_dir, *long, processes=2)
+    log = stopped / "log.jsonl"
+    t0 = time.time()
+    while not (log.exists() and sum(1 for _ in open(log)) > 35) and process.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.01)
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    os.kill(int(workers[1]), signal.SIGUSR1)
+    result = finish(process, check=False)
+    finish(reference)
+    assert result.returncode != 0  # the workers exit 128 + signal; torchrun reports them as failed
+    step = torch.load(stopped / "ckpt.pt", weights_only=True)["iter_num"]
+    assert 150 < step < 300 and step % 5 == 0  # a logged step past the evaluation at 150
+    assert f"at step {step}; the full state is in" in result.stdout and "--init_from=resume" in result.stdout
+    finish(launch(stopped, data_dir, *long, "--init_from=resume", processes=2))
+    assert train_losses(stopped) == train_losses(whole)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -144,19 +172,19 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(arch):
 
 def test_what_does_not_combine_fails_clearly():
     out = dry_run("config/lowres_baseline.py", "--parallel=fsdp", "--separate_embeddings=True")
-    assert out.returncode == 1 and "separate_embeddings" in out.stderr and "fsdp" in out.stderr
+    assert out.returncode == 2 and "separate_embeddings" in out.stderr and "fsdp" in out.stderr
     out = dry_run("config/lowres_baseline.py", "--parallel=ddp", "--log_marginalization=True")
-    assert out.returncode == 1 and "log_marginalization needs parallel='none'" in out.stderr
+    assert out.returncode == 2 and "log_marginalization needs parallel='none'" in out.stderr
     out = dry_run("config/lowres_baseline.py", "--parallel=tp")
-    assert out.returncode == 1 and "'parallel'" in out.stderr
+    assert out.returncode == 2 and "'parallel'" in out.stderr
     out = dry_run("config/lowres_baseline.py", "--grad_clip_mode=agc")
-    assert out.returncode == 1 and "'grad_clip_mode'" in out.stderr
+    assert out.returncode == 2 and "'grad_clip_mode'" in out.stderr
     os.environ["WORLD_SIZE"] = "2"  # as torchrun would set it
     try:
         out = dry_run("config/lowres_baseline.py")
-        assert out.returncode == 1 and "parallel' is 'none'" in out.stderr
+        assert out.returncode == 2 and "parallel' is 'none'" in out.stderr
         out = dry_run("config/baseline_350m.py", "--batch_size=3")  # 512 / (3 x 2)
-        assert out.returncode == 1 and "processes (2)" in out.stderr
+        assert out.returncode == 2 and "processes (2)" in out.stderr
     finally:
         del os.environ["WORLD_SIZE"]
 

@@ -63,8 +63,8 @@ def test_paper_configs_build_at_their_size(size):
 
 def test_dry_run_needs_a_vocabulary_and_global_batch_must_divide():
     out = dry_run("config/lowres_baseline.py", "--data_dir=/nonexistent")
-    assert out.returncode == 1 and "vocab_size" in out.stderr and "/nonexistent" in out.stderr
+    assert out.returncode == 2 and "vocab_size" in out.stderr and "/nonexistent" in out.stderr
     out = dry_run("config/baseline_350m.py", "--batch_size=3")
-    assert out.returncode == 1 and "global_batch_size" in out.stderr and "multiple" in out.stderr
+    assert out.returncode == 2 and "global_batch_size" in out.stderr and "multiple" in out.stderr
     out = dry_run("config/baseline_350m.py", "--arch=mamba")
-    assert out.returncode == 1 and "arch" in out.stderr
+    assert out.returncode == 2 and "arch" in out.stderr

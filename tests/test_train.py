@@ -61,7 +61,8 @@ def baseline_run(tmp_path_factory, data_dir):
 def test_run_writes_log_checkpoints_and_metrics(baseline_run):
     out, result = baseline_run
     assert "params:" in result.stdout and "lr" in result.stdout
-    assert sorted(f for f in os.listdir(out)) == ["best.json", "best.pt", "ckpt.json", "ckpt.pt", "log.jsonl", "metrics.json"]
+    assert sorted(f for f in os.listdir(out)) == ["best.json", "best.pt", "ckpt.json", "ckpt.pt", "ckpt_prev.json",
+                                                  "ckpt_prev.pt", "log.jsonl", "metrics.json"]
     log = read_log(out)
     assert sorted(train_losses(out)) == list(range(20))
     evals = [r for r in log if "val" in r]
@@ -253,7 +254,7 @@ def test_headless_cwt_run(tmp_path, data_dir):
 
 def test_bad_objective_settings_fail_clearly(tmp_path, data_dir):
     result = train(tmp_path / "x", data_dir, "--dispersion_weight=0.1", "--dispersion_variant=spread", check=False)
-    assert result.returncode != 0 and "dispersion_variant must be one of angular" in result.stderr
+    assert result.returncode == 2 and "key 'dispersion_variant' must be one of angular" in result.stderr
     result = train(tmp_path / "y", data_dir, "--ce_weight=0.0", check=False)
     assert result.returncode != 0 and "every loss weight is 0" in result.stderr
 

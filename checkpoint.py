@@ -1,0 +1,275 @@
+"""
+Checkpoints of a training run, kept apart from train.py: what is saved, how it is written so that
+no crash or full disk can leave a run without a good checkpoint, and how a run resumes.
+
+A run's out_dir holds
+    ckpt.pt / ckpt.json            the latest full state: weights, optimizer, step, data and RNG state
+    ckpt_prev.pt / ckpt_prev.json  the full state before it, kept in case the latest cannot be read
+    best.pt / best.json            weights only, the best validation loss so far (what evaluate.py scores)
+Every .pt has a readable .json beside it (config, step, losses). Under FSDP the full state is
+sharded into ckpt_dcp/<slot>/ and ckpt.pt names the slot (parallelism.save_sharded).
+
+Writes go to a temporary file that is renamed into place (utils.atomic_write), so a kill at any
+moment leaves either the old or the new file, never half of one. Every function takes what it
+needs as arguments; errors a user can fix are raised as CheckpointError with one line that names
+the file.
+"""
+
+import errno
+import json
+import os
+import pickle
+import shutil
+import zipfile
+
+import torch
+
+import parallelism
+from utils import atomic_write, save_json, save_text
+
+# the files of a run: a fresh run refuses an out_dir holding any of them
+RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
+             "metrics.json", "marginalization.json")
+DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders: the latest, the previous, and the one being written
+
+
+class CheckpointError(Exception):
+    pass
+
+
+def load(path, device="cpu", need=("model_config", "config", "iter_num")):
+    """torch.load with weights_only=True (our checkpoints hold only tensors and plain containers),
+    and one clear error for a missing, truncated, empty or foreign file."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"no checkpoint at {path}")
+    if os.path.isdir(path):
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file (e.g. {os.path.join(path, 'best.pt')})")
+    try:
+        checkpoint = torch.load(path, map_location=device, weights_only=True)
+    except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
+        size = os.path.getsize(path)
+        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"cannot read checkpoint {path} ({size:,} bytes): it is truncated, empty or not a "
+                              f"PyTorch checkpoint ({reason})") from None
+    missing = [key for key in need if not isinstance(checkpoint, dict) or key not in checkpoint]
+    if missing:
+        raise CheckpointError(f"{path} is not a checkpoint written by train.py (no {', '.join(map(repr, missing))})")
+    return checkpoint
+
+
+def summary(state):
+    """The readable JSON written beside a .pt: config, step and losses."""
+    return {key: state.get(key) for key in ("config", "model_config", "iter_num", "best_val_loss", "last_eval")}
+
+
+def write(path, state, keep_previous=False):
+    """Write state to path (and its JSON summary beside it), atomically. keep_previous: the file
+    now at path becomes <name>_prev.pt first, so two full states exist at every moment after the
+    second save (a kill between the two renames leaves only _prev, which resume falls back to);
+    keep_previous=False replaces the file at path and leaves any _prev as it is.
+    A failed write (a full disk) removes its temporary file, leaves the previous checkpoint as it
+    was, and raises one CheckpointError that says how much space is left."""
+    directory = os.path.dirname(os.path.abspath(path))
+    prev = path[:-3] + "_prev.pt"
+    try:
+        if keep_previous:
+            tmp = os.path.join(directory, "." + os.path.basename(path) + ".new.tmp")
+            torch.save(state, tmp)
+            if os.path.exists(path):
+                os.replace(path, prev)
+                if os.path.exists(path[:-3] + ".json"):
+                    os.replace(path[:-3] + ".json", prev[:-3] + ".json")
+            os.replace(tmp, path)
+        else:
+            atomic_write(path, lambda tmp: torch.save(state, tmp))
+        # a kill before this line leaves the JSON a step behind its weights: load_latest rewrites it
+        save_json(summary(state), path[:-3] + ".json")
+    except (OSError, RuntimeError) as e:
+        for name in os.listdir(directory):
+            if name.startswith("." + os.path.basename(path)) and name.endswith(".tmp"):
+                os.remove(os.path.join(directory, name))
+        free = shutil.disk_usage(directory).free
+        kept = [p for p in (path, prev) if os.path.exists(p)]
+        reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0][:100]
+        raise CheckpointError(
+            f"could not write {path}: {reason} ({free / 2**20:,.0f} MiB free on that disk"
+            f"{', no space left' if isinstance(e, OSError) and e.errno == errno.ENOSPC else ''}). "
+            + (f"{' and '.join(kept)} {'is' if len(kept) == 1 else 'are'} intact." if kept else "Nothing was saved.")
+        ) from None
+
+
+def remove_temporaries(out_dir):
+    """The temporary files a killed write left behind (this module and utils.atomic_write)."""
+    if os.path.isdir(out_dir):
+        for name in os.listdir(out_dir):
+            if name.startswith(".") and name.endswith(".tmp"):
+                os.remove(os.path.join(out_dir, name))
+
+
+def existing_run(out_dir):
+    """The run files already in out_dir (empty if none)."""
+    return [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
+
+
+def clear_run(out_dir):
+    """Delete a run on purpose (--overwrite=True): its files and FSDP shards, nothing else."""
+    for name in existing_run(out_dir):
+        os.remove(os.path.join(out_dir, name))
+    shutil.rmtree(os.path.join(out_dir, "ckpt_dcp"), ignore_errors=True)
+
+
+def json_step(path):
+    try:
+        with open(path) as f:
+            return json.load(f).get("iter_num")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def load_latest(out_dir, device, master=True):
+    """The newest readable full checkpoint of out_dir: ckpt.pt, or ckpt_prev.pt if ckpt.pt is
+    missing or unreadable (rank 0 says so). Returns (checkpoint, path). A JSON that names
+    another step than its weights (a kill between the two writes) is written again."""
+    paths = [os.path.join(out_dir, name) for name in ("ckpt.pt", "ckpt_prev.pt")]
+    if not any(os.path.exists(p) for p in paths):
+        raise CheckpointError(f"init_from='resume' but there is no checkpoint at {paths[0]}")
+    problems = []
+    for path in paths:
+        try:
+            checkpoint = load(path, device, need=("model_config", "config", "iter_num", "data_rng", "torch_rng"))
+        except CheckpointError as e:
+            problems.append(str(e))
+            continue
+        if problems and master:
+            print(f"warning: {problems[0]}; resuming from the previous checkpoint {path} "
+                     f"(step {checkpoint['iter_num']}) instead")
+        if master and json_step(path[:-3] + ".json") != checkpoint["iter_num"]:  # killed between the two writes
+            save_json(summary(checkpoint), path[:-3] + ".json")
+        return checkpoint, path
+    raise CheckpointError("cannot resume: " + "; ".join(problems))
+
+
+# the config keys a run cannot change on resume (the model's shape and what the data means)
+RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias", "tie_weights",
+               "low_resource", "separate_embeddings")
+
+
+def check_resumable(checkpoint, config, data_dir):
+    """Refuse to resume with a config that changes what the checkpoint means. data_dir compares
+    resolved paths: the same data named relatively or absolutely is the same data."""
+    saved = checkpoint["config"]
+    for key in RESUME_KEYS:
+        if saved.get(key, config[key]) != config[key]:  # keys newer than the checkpoint: their default
+            raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was trained "
+                                  f"with {saved[key]!r}")
+    saved_data = checkpoint.get("data_dir_resolved") or os.path.realpath(saved["data_dir"])
+    if os.path.realpath(data_dir) != saved_data:
+        raise CheckpointError(f"cannot resume: key 'data_dir' is {data_dir!r} ({os.path.realpath(data_dir)}) but "
+                              f"the checkpoint was trained on {saved_data}")
+
+
+def data_dir_of(checkpoint, path, override=None):
+    """Where the checkpoint's dataset is, from wherever evaluate.py or sample.py runs: --data_dir
+    if given, else the resolved path the run stored, else its data_dir as written (relative to the
+    working directory); one clear error when none exists."""
+    candidates = [override] if override else [checkpoint.get("data_dir_resolved"), checkpoint["config"]["data_dir"]]
+    for candidate in candidates:
+        if candidate and os.path.exists(os.path.join(candidate, "val.bin")):
+            return candidate
+    named = " or ".join(repr(c) for c in candidates if c)
+    raise CheckpointError(f"the dataset of {path} is not at {named} (no val.bin there); pass --data_dir=...")
+
+
+def trim_log(log_path, iter_num):
+    """Drop the log lines from iter_num on (the resumed loop logs them again) and a torn last line
+    (a kill in the middle of a write); a damaged line elsewhere is an error."""
+    if not os.path.exists(log_path):
+        return
+    with open(log_path) as f:
+        lines = [line for line in f if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if number < len(lines):  # only the last line can be torn by a kill mid-write
+                raise CheckpointError(f"cannot resume: line {number} of {log_path} is not JSON; the log is damaged "
+                                      f"(ckpt.pt itself may be fine: move the log aside to resume without it)") from None
+            print(f"note: {log_path} ended in a torn line (a kill mid-write); it is dropped")
+    save_text("".join(json.dumps(r) + "\n" for r in records if r["iter"] < iter_num), log_path)
+
+
+# full training state -----------------------------------------------------------------------------
+
+def save_full(out_dir, state, modules, optimizers, parallel, master, dcp_slots, keep_previous=True):
+    """Write ckpt.pt, keeping the previous one as ckpt_prev.pt (keep_previous=False: when ckpt.pt
+    is the unreadable file a resume fell back from, it is replaced and ckpt_prev.pt stays). state: the plain part (config,
+    step, RNG states, ...); modules: ModuleDict {'model', 'objective'}. Single process and DDP:
+    rank 0 writes the whole weights and optimizer states. FSDP: every rank writes its shards into
+    a slot of ckpt_dcp/ that neither ckpt.pt nor ckpt_prev.pt names, and ckpt.pt names it only
+    once it is complete. dcp_slots: [previous, latest] slot names (None if none), updated here.
+    Collective under FSDP."""
+    path = os.path.join(out_dir, "ckpt.pt")
+    state = dict(state)
+    if parallel == "fsdp":
+        slot = next(s for s in DCP_SLOTS if s not in dcp_slots)
+        directory = os.path.join(out_dir, "ckpt_dcp", slot)
+        if master and os.path.exists(directory):
+            shutil.rmtree(directory)
+        parallelism.barrier()
+        has_optimizer_state = any(opt.state for opt in optimizers)  # none before the first step
+        parallelism.save_sharded(directory, modules, optimizers, with_optimizers=has_optimizer_state)
+        parallelism.barrier()
+        state.update(dcp=os.path.join("ckpt_dcp", slot), dcp_previous=dcp_slots[1], dcp_optimizers=has_optimizer_state,
+                     objective_shapes={k: list(v.shape) for k, v in modules["objective"].state_dict().items()})
+        dcp_slots[:] = [dcp_slots[1], slot]
+    else:
+        state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict(),
+                     optimizers=[opt.state_dict() for opt in optimizers])
+    if master:
+        write(path, state, keep_previous=keep_previous)
+        if parallel == "fsdp":  # shards no checkpoint names any more
+            for slot in DCP_SLOTS:
+                if slot not in dcp_slots:
+                    shutil.rmtree(os.path.join(out_dir, "ckpt_dcp", slot), ignore_errors=True)
+
+
+def save_weights(path, state, modules, parallel, master):
+    """best.pt: the whole weights (gathered onto rank 0 under FSDP) in the single-process format,
+    so evaluate.py reads it unchanged. Collective under FSDP."""
+    state = dict(state)
+    if parallel == "fsdp":
+        state.update(model=parallelism.full_state_dict(modules["model"]),
+                     objective=parallelism.full_state_dict(modules["objective"]))
+    else:
+        state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict())
+    if master:
+        write(path, state)
+
+
+def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots):
+    """Load a full checkpoint's weights and optimizer states in place (collective under FSDP).
+    The RNG and data state are the caller's (they live in train.py's generators)."""
+    objective_mismatch = (f"cannot resume from {path}: its loss parameters (NITP head) do not match "
+                          "nitp_weight / nitp_hidden of this config")
+    if "dcp" in checkpoint:  # written by an FSDP run: weights and optimizer state are in shards
+        if parallel != "fsdp":
+            raise CheckpointError(f"cannot resume: {path} was written with parallel='fsdp' (sharded in "
+                                  f"{os.path.join(out_dir, checkpoint['dcp'])}); resume with --parallel=fsdp")
+        shapes = {k: list(v.shape) for k, v in modules["objective"].state_dict().items()}
+        if checkpoint["objective_shapes"] != shapes:
+            raise CheckpointError(objective_mismatch)
+        parallelism.load_sharded(os.path.join(out_dir, checkpoint["dcp"]), modules, optimizers,
+                                 with_optimizers=checkpoint["dcp_optimizers"])
+        dcp_slots[:] = [checkpoint.get("dcp_previous"), os.path.basename(checkpoint["dcp"])]
+        return
+    if parallel == "fsdp":
+        raise CheckpointError(f"cannot resume: {path} holds whole weights (written with parallel="
+                              f"'{checkpoint['config'].get('parallel', 'none')}'); resume it with that setting")
+    modules["model"].load_state_dict(checkpoint["model"])
+    try:
+        modules["objective"].load_state_dict(checkpoint.get("objective", {}))
+    except RuntimeError:
+        raise CheckpointError(objective_mismatch) from None
+    for opt, opt_state in zip(optimizers, checkpoint["optimizers"]):
+        opt.load_state_dict(opt_state)

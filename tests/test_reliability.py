@@ -1,0 +1,314 @@
+"""A run never loses or misreports work. Real processes, real signals, real files:
+kill -9 at random moments (inside checkpoint writes too) and resume bit-identically; SIGTERM and
+SIGINT save and resume bit-identically; a full disk leaves the previous checkpoint intact; an
+unreadable latest checkpoint falls back to the previous one; every bad input is one line, a
+conventional exit status, and no file changed."""
+
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from test_train import REPO, TINY, data_dir, read_log, train  # noqa: F401  (data_dir is a fixture)
+
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+# long enough to interrupt: 200 steps, an evaluation every 50, a full checkpoint every step
+LONG = ["--max_iters=200", "--lr_decay_iters=200", "--eval_interval=50", "--checkpoint_interval=1"]
+
+
+def command(out_dir, data, *args):
+    return [sys.executable, "train.py", "config/lowres_baseline.py", f"--data_dir={data}", f"--out_dir={out_dir}",
+            *TINY, *args]
+
+
+def snapshot(*directories):
+    """Every file under the directories, path -> bytes."""
+    files = {}
+    for directory in directories:
+        for root, _, names in os.walk(directory):
+            for name in names:
+                path = os.path.join(root, name)
+                with open(path, "rb") as f:
+                    files[path] = f.read()
+    return files
+
+
+def trajectory(out_dir):
+    """What must not depend on interruptions: every logged training loss and every evaluation."""
+    return [{k: v for k, v in r.items() if k in ("iter", "loss", "val", "val_hr", "val_lr")} for r in read_log(out_dir)]
+
+
+def final_weights(out_dir):
+    return torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory, data_dir):  # noqa: F811
+    out = str(tmp_path_factory.mktemp("runs") / "whole")
+    train(out, data_dir, *LONG, "--final_eval=False")
+    return out
+
+
+def assert_same_run(out, reference):
+    assert trajectory(out) == trajectory(reference)
+    weights, expected = final_weights(out), final_weights(reference)
+    assert weights.keys() == expected.keys() and all(torch.equal(weights[k], expected[k]) for k in weights)
+
+
+def wait_for(predicate, process, timeout=120):
+    t0 = time.time()
+    while not predicate():
+        if process.poll() is not None or time.time() - t0 > timeout:
+            return False
+        time.sleep(0.001)
+    return True
+
+
+def log_stamp(out_dir):
+    try:
+        return os.stat(os.path.join(out_dir, "log.jsonl")).st_mtime_ns
+    except FileNotFoundError:
+        return None
+
+
+def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, data_dir, uninterrupted):  # noqa: F811
+    """12 kills -9: half the moment a checkpoint's temporary file appears (inside a write), half
+    after a random delay into training. Each time the run goes on from what is on disk (ckpt.pt,
+    or ckpt_prev.pt when the kill fell between the two renames), and the finished run equals the
+    uninterrupted one: every loss, every evaluation, every weight."""
+    out = str(tmp_path / "killed")
+    rng = random.Random(0)
+    kills = 0
+    while kills < 12:
+        started = os.path.exists(os.path.join(out, "ckpt.pt")) or os.path.exists(os.path.join(out, "ckpt_prev.pt"))
+        args = LONG + ["--final_eval=False", "--init_from=resume" if started else "--overwrite=True"]
+        stamp = log_stamp(out)
+        process = subprocess.Popen(command(out, data_dir, *args), cwd=REPO, env=ENV,
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # wait until this process writes its log (past its start, where a killed write's leftovers
+        # are removed), then a random time into training; every other kill then waits for a
+        # checkpoint's temporary file to appear, so it lands inside a write
+        hit = wait_for(lambda: log_stamp(out) not in (None, stamp), process)  # started (or trimmed the log)
+        stamp = log_stamp(out)
+        hit = hit and wait_for(lambda: log_stamp(out) != stamp, process)  # training: a new line
+        time.sleep(rng.uniform(0.0, 0.3))
+        if kills % 2 == 0:
+            hit = hit and wait_for(lambda: any(n.endswith(".tmp") for n in os.listdir(out)), process)
+        process.kill()
+        stderr = process.communicate()[1].decode()
+        if process.returncode == 0:
+            break  # finished before the kill: nothing left to interrupt
+        assert process.returncode == -signal.SIGKILL, stderr[-2000:]
+        kills += hit
+    assert kills >= 10, f"only {kills} kills landed"
+    result = train(out, data_dir, *LONG, "--final_eval=False", "--init_from=resume")
+    assert "Traceback" not in result.stderr
+    assert not any(n.endswith(".tmp") for n in os.listdir(out))
+    assert_same_run(out, uninterrupted)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_saves_the_step_and_resumes_bit_identically(tmp_path, data_dir, uninterrupted, signum):  # noqa: F811
+    """SIGTERM / SIGINT: the step finishes, ckpt.pt holds it (not only the last evaluation), the
+    command that resumes is printed, the exit status is 128 + the signal; resuming finishes the
+    same run."""
+    out = str(tmp_path / "stopped")
+    args = [a for a in LONG if not a.startswith("--checkpoint_interval")] + ["--final_eval=False"]
+    process = subprocess.Popen(command(out, data_dir, *args), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: os.path.exists(os.path.join(out, "log.jsonl"))
+                    and sum(1 for _ in open(os.path.join(out, "log.jsonl"))) > 60, process)
+    process.send_signal(signum)
+    stdout, stderr = process.communicate(timeout=120)
+    assert process.returncode == 128 + signum, stderr[-2000:]
+    assert "Traceback" not in stderr
+    step = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"]
+    assert 50 < step < 200  # past the evaluation at 50: saved by the stop itself
+    assert f"stopped by {signal.Signals(signum).name} at step {step}" in stdout
+    resume = stdout.strip().splitlines()[-1].split()
+    assert resume[:2] == ["python", "train.py"] and resume[-1] == "--init_from=resume"
+    result = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_same_run(out, uninterrupted)
+
+
+def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, data_dir):  # noqa: F811
+    out = tmp_path / "fallback"
+    train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False")
+    (out / "ckpt.pt").write_bytes((out / "ckpt.pt").read_bytes()[:1000])  # truncated
+    result = train(str(out), data_dir, "--max_iters=6", "--eval_interval=2", "--lr_decay_iters=4",
+                   "--init_from=resume", "--final_eval=False")
+    assert f"cannot read checkpoint {out / 'ckpt.pt'}" in result.stdout
+    assert f"resuming from the previous checkpoint {out / 'ckpt_prev.pt'} (step 2)" in result.stdout
+    assert [r["iter"] for r in read_log(str(out)) if "val" in r] == [0, 2, 4, 6]
+    # step 4 replaced the unreadable file (keeping step 2 as the previous), step 6 rotated as usual
+    assert torch.load(out / "ckpt_prev.pt", weights_only=True)["iter_num"] == 4
+    assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 6
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, data_dir):  # noqa: F811
+    """A write that runs out of space (here: a file-size limit, as on a full disk the write fails
+    part-way) ends the run with one line naming the file and the space left; the previous
+    checkpoint is byte-identical and no temporary file is left."""
+    out = tmp_path / "full"
+    train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False")
+    before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "ckpt_prev.pt", "best.pt")}
+    limit = len(before["ckpt.pt"]) // 2
+
+    def limit_file_size():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit then fails instead of killing
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    result = subprocess.run(command(str(out), data_dir, "--max_iters=8", "--eval_interval=2", "--lr_decay_iters=4",
+                                    "--init_from=resume", "--final_eval=False"),
+                            cwd=REPO, env=ENV, capture_output=True, text=True, preexec_fn=limit_file_size)
+    assert result.returncode == 1
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: could not write {out / 'ckpt.pt'}") and "MiB free on that disk" in message
+    assert f"{out / 'ckpt.pt'} and {out / 'ckpt_prev.pt'} are intact" in message
+    assert "Traceback" not in result.stderr
+    assert {name: (out / name).read_bytes() for name in before} == before
+    assert not any(n.endswith(".tmp") for n in os.listdir(out))
+
+
+# bad inputs: (name, extra train.py args, how to break the files first, exit status, message part)
+def _write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _both(out, data):
+    """ckpt.pt and ckpt_prev.pt (else resume falls back to the readable one)."""
+    for name in ("ckpt.pt", "ckpt_prev.pt"):
+        _write(os.path.join(out, name), data if isinstance(data, bytes) else data(os.path.join(out, name)))
+
+
+def _meta(data, change):
+    with open(os.path.join(data, "meta.json")) as f:
+        meta = json.load(f)
+    change(meta)
+    _write(os.path.join(data, "meta.json"), json.dumps(meta).encode())
+
+
+BAD_INPUTS = [
+    ("margin not a number", ["--margin=abc"], None, 2, "key 'margin' must be None or a finite number > 0, got 'abc'"),
+    ("margin negative", ["--margin=-1"], None, 2, "key 'margin' must be None or a finite number > 0, got -1"),
+    ("eval_interval 0", ["--eval_interval=0"], None, 2, "key 'eval_interval' must be a positive integer, got 0"),
+    ("max_iters negative", ["--max_iters=-1"], None, 2, "key 'max_iters' must be an integer >= 0, got -1"),
+    ("batch_size 0", ["--batch_size=0"], None, 2, "key 'batch_size' must be a positive integer, got 0"),
+    ("block_size 0", ["--block_size=0"], None, 2, "key 'block_size' must be a positive integer, got 0"),
+    ("learning rate inf", ["--learning_rate=1e999"], None, 2, "key 'learning_rate' must be a finite number > 0"),
+    ("dropout 1", ["--dropout=1.0"], None, 2, "key 'dropout' must be a number in [0, 1), got 1.0"),
+    ("unknown variant", ["--dispersion_variant=spread"], None, 2, "key 'dispersion_variant' must be one of angular"),
+    ("unknown dtype", ["--dtype=float8"], None, 2, "key 'dtype' must be one of auto, float32"),
+    ("misspelt key", ["--lerning_rate=1e-3"], None, 2, "unknown config key 'lerning_rate'"),
+    ("wrong type", ["--n_layer=2.5"], None, 2, "key 'n_layer' expects int, got 2.5"),
+    ("no such device", ["--device=cuda:99"], None, 2, "cuda:99"),
+    ("decay before warm-up", ["--warmup_iters=30"], None, 2, "key 'lr_decay_iters' (4) must be above warmup_iters (30)"),
+    ("garbage checkpoints", ["--init_from=resume"], lambda out, data: _both(out, b"not a checkpoint"),
+     1, "cannot resume: cannot read checkpoint"),
+    ("empty checkpoints", ["--init_from=resume"], lambda out, data: _both(out, b""), 1, "cannot read checkpoint"),
+    ("truncated checkpoints", ["--init_from=resume"],
+     lambda out, data: _both(out, lambda path: open(path, "rb").read()[:5000]), 1, "truncated"),
+    ("foreign checkpoint", ["--init_from=resume"],
+     lambda out, data: [torch.save({"weights": torch.ones(2)}, os.path.join(out, name))
+                        for name in ("ckpt.pt", "ckpt_prev.pt")],
+     1, "is not a checkpoint written by train.py"),
+    ("damaged log", ["--init_from=resume"], lambda out, data: _write(out + "/log.jsonl", b"{oops\n{}\n"), 1,
+     "line 1 of"),
+    ("truncated meta.json", [], lambda out, data: _write(data + "/meta.json", b'{"vocab_si'), 1,
+     "meta.json is not valid JSON"),
+    ("meta.json without vocab_size", [], lambda out, data: _meta(data, lambda m: m.pop("vocab_size")),
+     1, "has no positive integer 'vocab_size'"),
+    ("vocabulary too small", [],
+     lambda out, data: _meta(data, lambda m: m.update(vocab_size=5, itos=m["itos"][:5])), 1, "holds token id"),
+    ("dataset shorter than a window", [],
+     lambda out, data: _write(data + "/val.bin", b"\x01\x00" * 10), 1, "holds 10 tokens, fewer than one window"),
+    ("fresh run on a run", [], None, 1, "already holds a run"),
+    ("resume with another shape", ["--init_from=resume", "--n_layer=2"], None, 1, "cannot resume: key 'n_layer'"),
+]
+
+
+DATA_CASES = ("truncated meta.json", "meta.json without vocab_size", "vocabulary too small",
+              "dataset shorter than a window")
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_dir):  # noqa: F811
+    out = str(tmp_path_factory.mktemp("runs") / "done")
+    train(out, data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False")
+    return out
+
+
+@pytest.mark.parametrize("name,args,damage,status,message", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
+def test_bad_input_is_one_line_and_changes_nothing(tmp_path, data_dir, finished_run, name, args, damage,  # noqa: F811
+                                                  status, message):
+    """Each case against a copy of a finished run (and of its dataset if the case damages it): the exit status, exactly one
+    line on stderr (no traceback) that says what is wrong, and every file as it was."""
+    import shutil
+    out, data = str(tmp_path / "run"), data_dir
+    shutil.copytree(finished_run, out)
+    if name in DATA_CASES:  # a damaged copy of the dataset (a run checks its data before out_dir)
+        data = str(tmp_path / "data")
+        shutil.copytree(data_dir, data)
+    if damage:
+        damage(out, data)
+    before = snapshot(out, data)
+    result = subprocess.run(command(out, data, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4",
+                                    "--final_eval=False", *args), cwd=REPO, env=ENV, capture_output=True, text=True)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == status, result.stderr[-2000:]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr[-2000:]
+    assert snapshot(out, data) == before
+
+
+def run_tool(script, *args, cwd=REPO):
+    return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=ENV,
+                          capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("script", ["evaluate.py", "sample.py"])
+def test_evaluate_and_sample_on_broken_paths(tmp_path, script):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"\x00" * 100)
+    for path, expected in ((garbage, "cannot read checkpoint"), (tmp_path, "is a directory"),
+                           (tmp_path / "missing.pt", "no checkpoint at")):
+        result = run_tool(script, str(path))
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 1 and len(lines) == 1 and expected in lines[0], result.stderr[-2000:]
+
+
+def test_checkpoints_work_from_any_directory_and_evaluate_keeps_what_a_run_wrote(tmp_path, data_dir):  # noqa: F811
+    """data_dir given relative to the repository: evaluate.py finds the data from another working
+    directory (the resolved path in the checkpoint) or with --data_dir; resume accepts the same data
+    named absolutely. evaluate.py writes eval_best.json, never replaces a file unasked, and keeps a
+    run's training FLOPs when it does replace metrics.json."""
+    relative = os.path.relpath(data_dir, REPO)
+    out = tmp_path / "run"
+    result = subprocess.run(command(str(out), relative, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4"),
+                            cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics_before = (out / "metrics.json").read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    result = run_tool("evaluate.py", str(out / "best.pt"), cwd=elsewhere)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert (out / "metrics.json").read_bytes() == metrics_before and (out / "eval_best.json").exists()
+    result = run_tool("evaluate.py", str(out / "best.pt"), cwd=elsewhere)
+    assert result.returncode == 1 and "eval_best.json exists; pass --overwrite" in result.stderr
+    result = run_tool("evaluate.py", str(out / "best.pt"), f"--data_dir={data_dir}", f"--out={out / 'metrics.json'}",
+                      "--overwrite", cwd=elsewhere)
+    assert result.returncode == 0, result.stderr[-2000:]
+    old, new = json.loads(metrics_before), json.loads((out / "metrics.json").read_bytes())
+    assert new["flops"] == old["flops"] and new["hr"] == old["hr"]
+    result = subprocess.run(command(str(out), os.path.abspath(data_dir), "--max_iters=6", "--eval_interval=2",
+                                    "--lr_decay_iters=4", "--init_from=resume", "--final_eval=False"),
+                            cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
