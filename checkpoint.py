@@ -47,10 +47,8 @@ def load(path, device="cpu", need=("model_config", "config", "iter_num")):
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=True)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
-        size = os.path.getsize(path)
-        reason = str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"cannot read checkpoint {path} ({size:,} bytes): it is truncated, empty or not a "
-                              f"PyTorch checkpoint ({reason})") from None
+        raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path):,} bytes, {type(e).__name__}): "
+                              f"it is truncated, empty or not a PyTorch checkpoint") from None
     missing = [key for key in need if not isinstance(checkpoint, dict) or key not in checkpoint]
     if missing:
         raise CheckpointError(f"{path} is not a checkpoint written by train.py (no {', '.join(map(repr, missing))})")

@@ -10,6 +10,7 @@ what was expected. A silent typo (`--lerning_rate=...`) would otherwise cost a w
 """
 
 import ast
+import difflib
 import math
 import sys
 
@@ -38,8 +39,9 @@ def _check_type(key, value, default, source):
 
 def _check_key(key, defaults, source):
     if key not in defaults:
-        valid = ", ".join(sorted(defaults))
-        raise ConfigError(f"{source}: unknown config key '{key}'. Valid keys: {valid}")
+        close = difflib.get_close_matches(key, defaults, n=1)
+        hint = f"did you mean '{close[0]}'?" if close else f"valid keys: {', '.join(sorted(defaults))}"
+        raise ConfigError(f"{source}: unknown config key '{key}'; {hint}")
 
 
 def parse_config(argv, defaults):

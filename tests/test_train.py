@@ -269,6 +269,8 @@ def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_d
     assert result.returncode == 1, result.stderr[-2000:]
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: training diverged at step ") and "non-finite" in message
+    terms = message.split("non-finite ")[1].split(" (")[0].split(", ")  # the terms it names
+    assert terms and set(terms) <= {"loss", "ce", "val", "val_hr", "val_lr", "weights"}, terms
     assert f"{out / 'ckpt.pt'} (step 0)" in message and "--init_from=resume" in message
     assert not (out / "metrics.json").exists()
     step = int(message.split("at step ")[1].split(":")[0])
@@ -284,14 +286,14 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, data_dir):
     to go on, and no file of the old run changes; --overwrite=True starts over on purpose."""
     out = tmp_path / "run"
     train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4")
-    names = ("ckpt.pt", "best.pt", "log.jsonl", "metrics.json")
+    names = sorted(os.listdir(out))  # every file of the run
     before = {name: (out / name).read_bytes() for name in names}
     result = train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", check=False)
     assert result.returncode == 1
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: {out} already holds a run (") and "--init_from=resume" in message
     assert "--overwrite=True" in message
-    assert {name: (out / name).read_bytes() for name in names} == before
+    assert sorted(os.listdir(out)) == names and {name: (out / name).read_bytes() for name in names} == before
     (out / ".ckpt.pt.k3j2x.tmp").write_bytes(b"half a checkpoint")  # what a killed write leaves
     train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--overwrite=True", "--seed=7")
     assert not any(name.endswith(".tmp") for name in os.listdir(out))
