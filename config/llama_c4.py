@@ -18,5 +18,6 @@ weight_decay = 0.1
 grad_clip = 1.0
 warmup_iters = 2000
 eval_interval = 500
+checkpoint_interval = 100   # a full state between evaluations: a preempted 7B job loses at most 100 steps
 eval_iters = 20
 final_eval = False          # evaluate.py's full-vocabulary metrics are made for the char experiment
