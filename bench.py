@@ -49,7 +49,7 @@ def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device,
     model = build_model(model_config, device)
     objective = Objective(model_config.n_layer, model_config.n_embd, **objective_kwargs).to(device)
     objective.init_weights()
-    optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), device_type=device, extra_modules=[objective])
+    optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
     T, V = model_config.block_size, model_config.vocab_size
     x = torch.randint(0, V, (batch_size, T), device=device)
     y = torch.randint(0, V, (batch_size, T), device=device)

@@ -90,7 +90,7 @@ def claim(paper, method, quantity, value, direction, paper_says, paper_effect=No
 
 SJ, SR, DI, NI, CW = "Stop Jostling", "SimReg", "Dispersion", "NITP", "CWT"
 # The Stop Jostling numbers: the authors' baseline and runs (a toy identical to ours, so the
-# paper's effect is on our scale; see README's results section for where each comes from).
+# paper's effect is on our scale; compare.PAPER says where each comes from).
 _SJ_RUNS = {"margin 2": (9.62, .358, .642), "margin 1": (9.54, .371, .765), "margin 0.6 + SE": (6.17, .487, .762)}
 _SJ_BASE = (10.63, .315, .417)
 
@@ -204,12 +204,12 @@ def evaluate_claims(grid, runs, baseline):
             for (c, r), p in zip(rows, adjusted)]
 
 
-def claims_table(grid, runs, baseline, with_rule=True):
-    """Markdown lines: the rule (unless the reader has it already), then one row per claim."""
+def claims_table(grid, runs, baseline):
+    """Markdown lines: the rule, then one row per claim."""
     evaluated = evaluate_claims(grid, runs, baseline)
     if not evaluated:
         return []
-    lines = ([RULE, ""] if with_rule else []) + ["| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p | verdict | "
+    lines = [RULE, ""] + ["| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p | verdict | "
              "paper's effect in CI |", "|---|---|---|---|---|---|---|---|---|"]
     for c, r, p, v in evaluated:
         arrow = "↑" if c["direction"] > 0 else "↓"

@@ -1,5 +1,5 @@
 """
-Evaluate a saved checkpoint the way SPEC.md section 1 defines it:
+Evaluate a saved checkpoint with the metrics of Stop Jostling (Sec. 4.3, Table 1):
 
     python evaluate.py out/lowres_baseline/best.pt    # prints, and writes eval_best.json beside it
     python evaluate.py run/best.pt --data_dir=/data/shakespeare_char --out=scores.json
@@ -196,9 +196,9 @@ def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
 
 @torch.no_grad()
 def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
-    """The metrics of SPEC section 1 on the whole val split, plus "flops": the matmul FLOPs this
-    evaluation executed (forward passes, and the LM head's extra passes when streamed), for
-    compare.py's efficiency figure."""
+    """The metrics of Stop Jostling (Sec. 4.3) on the whole val split, plus "flops": the matmul
+    FLOPs this evaluation executed (forward passes, and the LM head's extra passes when
+    streamed), for compare.py's efficiency figure."""
     x, y = val_blocks(data_dir, model.config.block_size)
     W = model.output_embedding().detach().float().cpu()
     forward_flops = x.numel() * model.flops_per_token(backward=False)
@@ -245,7 +245,7 @@ def evaluate_checkpoint(path, device="cpu", data_dir=None):
 def marginalization_report(parts, train_data, shift, itos):
     """Stop Jostling's gradient ratios for the low-resource rows, rarest first.
     parts (S, 3, V): per training step, the norms of each embedding row's gradient from its use
-    as input, as target and as non-target (metrics.embedding_gradient_parts)."""
+    as input, as target and as non-target (metrics.embedding_gradient_part_vectors)."""
     V = parts.size(-1)
     ratios = metrics.marginalization_ratios(parts[:, 0], parts[:, 1], parts[:, 2])
     counts = torch.bincount(train_data, minlength=shift)  # LR windows reuse the same text

@@ -3,7 +3,7 @@ Every training loss of this repository, each one plain function: tensors in, sca
 
 A loss never reaches into the model. The model returns logits and hidden states (model.py);
 train.py calls the functions here and adds them up with the weights a config names.
-Formulas, defaults and edge cases are pinned down in SPEC.md; each docstring repeats them.
+Each docstring gives its loss's formula, defaults and edge cases, and the paper section it follows.
 """
 
 import math
@@ -64,7 +64,7 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
     softmax(z) = e / sum(e) with e = exp(z - max z), which the forward computes anyway for the
     logsumexp; so the forward keeps e and the backward only rescales it. On 1024 x 50304 logits,
     1 thread, forward + backward: 0.85-0.90 of F.cross_entropy's time (`python bench.py
-    --section softmax`; README, "The second toy").
+    --section softmax`; docs/performance.md).
     Rescaling e in place would save another ~10 %, but would break a second backward through a
     retained graph, which gradcheck does. Positions whose target is ignore_index get no loss and
     no gradient; none left: NaN, as in F.cross_entropy.
@@ -94,7 +94,8 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# Representation-level losses (SPEC sections 2-5). Each works on hidden states, not on logits.
+# Representation-level losses (SimReg, dispersion, NITP, CWT; each docstring cites its paper).
+# Each works on hidden states, not on logits.
 # They share three habits: half precision is upcast to float32 (float64 stays float64) and
 # autocast is switched off inside, so the similarity matmuls really run in that precision; sets
 # that may be empty go through _masked_logsumexp, whose fill is finite, so an empty set gives a
@@ -352,7 +353,7 @@ class Objective(nn.Module):
     here, so train.py optimises model and objective together, checkpoints both, and inference
     uses the model alone.
 
-    Options (SPEC sections 2-5):
+    Options (the docstrings of the losses above cite their papers):
       margin               logit thresholding of the CE term (None = plain CE)
       simreg_layer         -1 = final normed state (default), l = output of block l (0 = embedding)
       simreg_chunk_size    0 = full sequences

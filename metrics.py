@@ -13,7 +13,7 @@ Contents
     isotropy                      I(W) of Mu & Viswanath (2018), both signs of each eigenvector
     isotropy_authors              I(W) as the Stop Jostling paper computed it (for comparisons with it)
     translation_metrics           twin / 12-case neighbour counts of an embedding
-    embedding_gradient_part_vectors, embedding_gradient_parts
+    embedding_gradient_part_vectors
                                   the three pieces of a tied embedding's gradient
     marginalization_ratios        "Stop Jostling" ratios of those pieces
     pairwise_cosine_stats         mean pairwise cosine per sequence and its histogram (condensation)
@@ -307,15 +307,6 @@ def embedding_gradient_part_vectors(idx, targets, hidden, grad_logits, grad_embe
     keep = valid.view(-1, 1) & (torch.arange(V, device=targets.device).view(1, -1) != safe_t.view(-1, 1))  # (N, V)
     g_nontarget = (grad_logits * keep.to(dtype)).T @ hidden
     return g_input, g_target, g_nontarget
-
-
-def embedding_gradient_parts(idx, targets, hidden, grad_logits, grad_embedding, vocab_size):
-    """
-    L2 norms (each a (V,) tensor) of the three parts of embedding_gradient_part_vectors:
-    ||input use||, ||target||, ||non-target|| for every vocabulary row.
-    """
-    parts = embedding_gradient_part_vectors(idx, targets, hidden, grad_logits, grad_embedding, vocab_size)
-    return tuple(p.norm(dim=1) for p in parts)
 
 
 def marginalization_ratios(g_input, g_target, g_nontarget):

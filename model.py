@@ -3,8 +3,9 @@ A GPT-2 style language model, and the LLaMA / Mixtral variants the SimReg paper 
 enough to read in one sitting. `GPTConfig.arch` picks the block:
 
     gpt2    pre-LN LayerNorm, learned positions, GELU MLP (the toy experiments)
-    llama   RMSNorm, rotary positions (RoPE), SwiGLU MLP, no biases, untied embeddings
-            (SPEC.md section 6); with n_expert > 1 the MLP is a Mixtral mixture of experts
+    llama   RMSNorm, rotary positions (RoPE), SwiGLU MLP, no biases, untied embeddings (the
+            SimReg paper's LLaMA-2, App. A.1); with n_expert > 1 the MLP is a Mixtral mixture
+            of experts
 
 The model knows nothing about losses. Its forward pass returns the logits and, when asked, the
 hidden states that representation-level losses work on:
@@ -79,7 +80,6 @@ class CausalSelfAttention(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        assert config.n_embd % config.n_head == 0, "n_embd must be divisible by n_head"
         self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.n_head = config.n_head
@@ -190,10 +190,11 @@ class SwiGLU(nn.Module):
 
 
 class MixtureOfExperts(nn.Module):
-    """Mixtral's sparse MLP (SPEC 6): a linear router scores the experts, softmax in fp32 over all
-    of them, each token goes to its top_k, and their outputs are mixed with the top_k
-    probabilities renormalised to sum to 1. Each expert sees only its tokens (a loop over
-    experts, never over tokens), so compute per token is top_k experts' worth.
+    """Mixtral's sparse MLP (Jiang et al. 2024; the SimReg paper's Mixtral-8x1B, Table 4): a linear
+    router scores the experts, softmax in fp32 over all of them, each token goes to its top_k, and
+    their outputs are mixed with the top_k probabilities renormalised to sum to 1. Each expert sees
+    only its tokens (a loop over experts, never over tokens), so compute per token is top_k
+    experts' worth.
 
     aux_loss: the load-balancing loss E * sum_e f_e * P_e (Switch Transformer, eq. 4; Mixtral),
     f_e = fraction of the N * top_k routed slots that went to expert e, P_e = mean router

@@ -7,8 +7,8 @@ row got no gradient this step, its first moment still carries last steps' gradie
 keeps moving (momentum drift), and weight decay shrinks it. The paper's SE keeps every row as its
 own nn.Parameter so that AdamW skips rows without a gradient. In PyTorch that does not happen:
 the rows are torch.stack-ed in forward, stack's backward gives every row a zero tensor (not
-None), and AdamW updates every row anyway (SPEC.md section 1). SeparatedRowsAdamW does what the
-paper meant: a row whose gradient is all zeros is left bitwise untouched -- weights, both
+None), and AdamW updates every row anyway (tests/test_optim.py shows it). SeparatedRowsAdamW does
+what the paper meant: a row whose gradient is all zeros is left bitwise untouched -- weights, both
 moments and its own step count -- so each row behaves exactly as if it were a separate
 parameter stepped only when it had a gradient.
 """
@@ -64,7 +64,7 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
 
 
 def configure_optimizers(model, learning_rate, weight_decay, betas, separate_embeddings=False,
-                         device_type="cpu", extra_modules=(), embedding_weight_decay=None):
+                         extra_modules=(), embedding_weight_decay=None):
     """AdamW with decay on every 2-D tensor (matmul weights, embeddings) and none on gains and
     biases (nanoGPT's rule), over the model and any extra_modules (e.g. the objective's NITP
     head). With separate_embeddings the token embedding (tied or not) moves to a
@@ -93,7 +93,8 @@ def configure_optimizers(model, learning_rate, weight_decay, betas, separate_emb
 
 
 class AdaGC:
-    """Adaptive per-tensor gradient clipping (Wang et al. 2025, "AdaGC"; SPEC.md section 6).
+    """Adaptive per-tensor gradient clipping (Wang et al. 2025, "AdaGC", as in the SimReg paper,
+    App. A.1).
 
     Global norm clipping lets one tensor's gradient spike pass as long as the total stays under
     the threshold, and shrinks every tensor when one spikes. AdaGC bounds each tensor i against its

@@ -5,7 +5,7 @@ Train a GPT on a prepared dataset, nanoGPT style:
     python train.py config/lowres_margin0.6_se.py --seed=2 --out_dir=out/se_s2
     torchrun --nproc_per_node=8 train.py config/baseline_1b3.py     # data parallel (parallelism.py)
 
-Defaults below are the Stop Jostling low-resource experiment (SPEC.md section 1): a 0.8M-parameter
+Defaults below are the Stop Jostling low-resource experiment (Sec. 4.1, Table 4): a 0.8M-parameter
 character GPT on tiny Shakespeare where each training window is, with probability
 low_resource_prob, rewritten into a second "low-resource" language (every id shifted by the
 char vocabulary size). The run writes to out_dir:
@@ -63,7 +63,7 @@ batch_size = 12
 block_size = 64
 gradient_accumulation_steps = 1      # micro-steps per optimizer step (derived when global_batch_size > 0)
 global_batch_size = 0                # sequences per optimizer step over all processes; 0 = batch_size x accumulation
-low_resource = True                  # add the simulated low-resource language (SPEC section 1)
+low_resource = True                  # add the simulated low-resource language (Stop Jostling, Sec. 4.1)
 low_resource_prob = 0.02             # probability that a training window is in that language
 # model
 vocab_size = 0                       # 0 = the dataset's (meta.json); more pads the table (GPT-2 BPE: 50304)
@@ -73,7 +73,7 @@ n_embd = 128
 dropout = 0.0
 bias = False
 tie_weights = True
-arch = "gpt2"                        # gpt2 | llama (RMSNorm, RoPE, SwiGLU; SPEC section 6)
+arch = "gpt2"                        # gpt2 | llama (RMSNorm, RoPE, SwiGLU; SimReg paper, App. A.1)
 ffn_hidden = 0                       # llama: SwiGLU width; 0 = 8/3 n_embd rounded up to a multiple of 256
 n_expert = 1                         # llama: > 1 = Mixtral mixture of experts
 top_k = 2                            # experts per token
@@ -83,20 +83,20 @@ init_std = 0.01                      # llama: std of every weight matrix
 # loss: a weighted sum of the terms of losses.py, each *_weight = 0 switches it off (losses.Objective)
 ce_weight = 1.0                      # next-token cross-entropy; 0 with cwt_weight > 0 = headless
 margin = None                        # logit thresholding margin of the CE term (Stop Jostling); None = off
-simreg_weight = 0.0                  # SimReg (SPEC 2); the paper's rule: 10 * sqrt(n_embd / 1024)
+simreg_weight = 0.0                  # SimReg (Sec. 3, Eq. 3); the paper's rule (App. A.2): 10 * sqrt(n_embd / 1024)
 simreg_tau = 0.01
 simreg_chunk_size = 0                # 0 = whole sequences
 simreg_layer = -1                    # -1 = the final normed state; l = output of block l (0 = embedding)
-dispersion_weight = 0.0              # dispersion loss (SPEC 3); the paper's 0.1
+dispersion_weight = 0.0              # dispersion loss (Liu et al., Eq. 2); the paper's 0.1 (Sec. 5.3)
 dispersion_tau = 1.0
 dispersion_variant = "angular"       # angular | decorrelation | l2_repel | orthogonalization
 dispersion_layers = "all"            # all | last
 dispersion_positions = 0             # P > 0: P random positions per layer (an estimate); 0 = all
-nitp_weight = 0.0                    # NITP (SPEC 4); the paper's 1.0
+nitp_weight = 0.0                    # NITP (NITP paper, Method); the paper's 1.0
 nitp_layer = 0                       # target block; 0 = max(1, round(0.2 * n_layer))
 nitp_prenorm = False                 # predict from the last block's output instead of the normed state
 nitp_hidden = 0                      # SwiGLU head width; 0 = 4 * n_embd
-cwt_weight = 0.0                     # contrastive weight tying (SPEC 5)
+cwt_weight = 0.0                     # contrastive weight tying (headless LM paper, Sec. 3.2)
 separate_embeddings = False          # Stop Jostling SE: rows without gradient are not stepped
 embedding_weight_decay = -1.0        # token embedding's weight decay; < 0: weight_decay (0: rows not decayed)
 # AdamW and schedule
@@ -106,7 +106,7 @@ weight_decay = 0.1
 beta1 = 0.9
 beta2 = 0.99
 grad_clip = 1.0                      # clip the global gradient norm at this; 0 = off (adagc: during its warm-up)
-grad_clip_mode = "norm"              # norm: global norm clipping | adagc: per-tensor adaptive (SPEC 6, optim.AdaGC)
+grad_clip_mode = "norm"              # norm: global norm clipping | adagc: per-tensor adaptive (SimReg paper App. A.1, optim.AdaGC)
 adagc_beta = 0.99                    # AdaGC: EMA coefficient of each tensor's clipped gradient norm
 adagc_rel = 1.04                     # AdaGC: a tensor's norm is bounded by adagc_rel x its EMA
 adagc_warmup = 100                   # AdaGC: steps of global clipping at grad_clip while the EMAs start
@@ -285,7 +285,7 @@ train_model, train_objective = parallelism.parallelize(
     unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights))
 # after parallelize: FSDP2 has replaced every parameter by its shard
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
-                                  separate_embeddings, device, extra_modules=[objective],
+                                  separate_embeddings, extra_modules=[objective],
                                   embedding_weight_decay=None if embedding_weight_decay < 0 else embedding_weight_decay)
 # gradient clipping covers the model's parameters (not the objective's NITP head), in both modes
 clipper = AdaGC(model.parameters(), grad_clip, adagc_beta, adagc_rel, adagc_warmup) if grad_clip_mode == "adagc" \

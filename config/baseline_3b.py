@@ -1,4 +1,4 @@
-# CE-only baseline of the SimReg paper's 3b model (SPEC.md section 6, Tables 4-5) on C4.
+# CE-only baseline of the SimReg paper's 3b model (App. A.1, Tables 4-5) on C4.
 import os
 exec(open(os.path.join(os.path.dirname(__file__), "llama_c4.py")).read())
 out_dir = "out/baseline_3b"
@@ -14,4 +14,4 @@ min_lr = 3e-4 / 10
 max_iters = 12500
 lr_decay_iters = 12500
 parallel = "fsdp"             # FSDP2: weights, gradients and AdamW state (16 B per parameter) sharded over the GPUs
-grad_clip_mode = "adagc"      # SPEC 6: per-tensor adaptive clipping (optim.AdaGC), global clipping at 1.0 for 100 steps first
+grad_clip_mode = "adagc"      # AdaGC (SimReg paper, App. A.1, Table 5; optim.AdaGC), global clipping at 1.0 for 100 steps first (our default)

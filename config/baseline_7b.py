@@ -1,4 +1,4 @@
-# CE-only baseline of the SimReg paper's 7b model (SPEC.md section 6, Tables 4-5) on C4.
+# CE-only baseline of the SimReg paper's 7b model (App. A.1, Tables 4-5) on C4.
 import os
 exec(open(os.path.join(os.path.dirname(__file__), "llama_c4.py")).read())
 out_dir = "out/baseline_7b"
@@ -15,4 +15,4 @@ max_iters = 12500
 lr_decay_iters = 12500
 parallel = "fsdp"             # FSDP2: 6.9B x 16 B = 110 GB of weights, gradients and AdamW state, sharded over the GPUs
 activation_checkpointing = True   # 32 blocks of 2048 x 4096 activations: recompute them so batch_size can grow
-grad_clip_mode = "adagc"      # SPEC 6: per-tensor adaptive clipping (optim.AdaGC), global clipping at 1.0 for 100 steps first
+grad_clip_mode = "adagc"      # AdaGC (SimReg paper, App. A.1, Table 5; optim.AdaGC), global clipping at 1.0 for 100 steps first (our default)

@@ -1,4 +1,4 @@
-# CE-only baseline of the SimReg paper's moe_8x1b model (SPEC.md section 6, Tables 4-5) on C4.
+# CE-only baseline of the SimReg paper's moe_8x1b model (App. A.1, Tables 4-5) on C4.
 import os
 exec(open(os.path.join(os.path.dirname(__file__), "llama_c4.py")).read())
 out_dir = "out/baseline_moe_8x1b"
@@ -16,4 +16,4 @@ min_lr = 3e-4 / 10
 max_iters = 50000
 lr_decay_iters = 50000
 parallel = "fsdp"             # FSDP2: 7.3B parameters in all (2.3B active), sharded over the GPUs
-grad_clip_mode = "adagc"      # SPEC 6: per-tensor adaptive clipping (optim.AdaGC), global clipping at 1.0 for 100 steps first
+grad_clip_mode = "adagc"      # AdaGC (SimReg paper, App. A.1, Table 5; optim.AdaGC), global clipping at 1.0 for 100 steps first (our default)

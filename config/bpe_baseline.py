@@ -2,8 +2,8 @@
 # pre-training runs -- a 50304-token vocabulary (11,234 distinct tokens in the 302k training tokens,
 # most of them rare) instead of 65 characters. A 4 x 128 GPT-2-style model with a tied head, sized
 # to train in minutes on one CPU core. No simulated low-resource language here.
-#   TIKTOKEN_CACHE_DIR=../shared/data/tiktoken python prepare_shakespeare.py --tokenizer gpt2 \
-#       --input ../shared/data/tinyshakespeare/input.txt
+#   python prepare_shakespeare.py --tokenizer gpt2     # -> data/shakespeare_gpt2
+# (offline: --input input.txt, and TIKTOKEN_CACHE_DIR pointing at a cache that holds the GPT-2 ranks)
 out_dir = "out/bpe_baseline"
 data_dir = "data/shakespeare_gpt2"
 low_resource = False

@@ -1,4 +1,4 @@
-# CWT's second stage on the BPE toy (SPEC section 5): a new untied LM head, a copy of the input
+# CWT's second stage on the BPE toy (headless LM paper, Sec. 4.2 and App. B.3): a new untied LM head, a copy of the input
 # embedding, trained with cross-entropy on 2 % of the pre-training tokens (400 x 8 x 128 -> 8192),
 # a batch 4x smaller (2), warm-up over the first 20 % of steps, weight decay 0, lr 1/10 of the
 # pre-training peak. compare.py passes the first stage's best.pt as init_from.

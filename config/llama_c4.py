@@ -1,5 +1,6 @@
-# The SimReg paper's pre-training recipe (SPEC.md section 6), shared by baseline_*.py and simreg_*.py:
-# LLaMA blocks (RMSNorm, RoPE, SwiGLU, no biases, untied embeddings, init std 0.01) on C4 with GPT-2 BPE,
+# The SimReg paper's pre-training recipe (Sec. 5 and App. A.1, Tables 4-5), shared by baseline_*.py and simreg_*.py:
+# LLaMA blocks (RMSNorm, RoPE, SwiGLU, no biases, untied embeddings, init std 0.01) on C4 with GPT-2 BPE
+# (our choice: the paper names no tokenizer),
 # sequences of 2048, AdamW (0.9, 0.95), weight decay 0.1, 2000 warm-up steps, cosine to 10 % of the peak.
 # Data: python prepare_c4.py --shards N (writes data/c4). A size config sets the width, batch, lr and steps.
 data_dir = "data/c4"

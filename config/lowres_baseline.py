@@ -1,4 +1,4 @@
-# Stop Jostling's simulated low-resource experiment, baseline (SPEC.md section 1, the paper's Table 4):
+# Stop Jostling's simulated low-resource experiment, baseline (the paper's Sec. 4.1 and App. D, Table 4):
 # 0.8M-parameter char GPT, weight tying, 2 % of training windows in the low-resource language.
 out_dir = "out/lowres_baseline"
 data_dir = "data/shakespeare_char"

@@ -1,4 +1,4 @@
-# CWT second stage (SPEC section 5): a new untied LM head, a copy of the headless model's input
+# CWT second stage (headless LM paper, Sec. 4.2 and App. B.3): a new untied LM head, a copy of the headless model's input
 # embedding, fine-tuned with cross-entropy only. The paper's recipe scaled to the toy: 2 % of the
 # pre-training tokens (8000 x 12 x 64 x 0.02 = 640 steps at batch 3, 4x smaller), linear warm-up
 # over the first 20 % then constant, weight decay 0, lr 1e-4 (1/10 of the toy's peak; the paper's

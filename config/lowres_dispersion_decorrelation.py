@@ -1,4 +1,4 @@
-# Dispersion loss, decorrelation variant (SPEC section 3), every block, lambda 0.1 and tau 1.0 as for angular (our choice).
+# Dispersion loss, decorrelation variant (dispersion paper, Sec. 4.4, Table 1), every block, lambda 0.1 and tau 1.0 as for angular (our choice).
 import os
 exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
 dispersion_weight = 0.1

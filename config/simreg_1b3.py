@@ -1,4 +1,4 @@
-# SimReg (SPEC.md section 2) on the 1b3 model: tau 0.01, lambda = 10 sqrt(d / 1024) = 14.14, on the final normed state.
+# SimReg (SimReg paper, Sec. 3, Eq. 3) on the 1b3 model: tau 0.01, lambda = 10 sqrt(d / 1024) = 14.14 (App. A.2), on the final normed state.
 import os
 exec(open(os.path.join(os.path.dirname(__file__), "baseline_1b3.py")).read())
 out_dir = "out/simreg_1b3"

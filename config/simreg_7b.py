@@ -1,4 +1,4 @@
-# SimReg (SPEC.md section 2) on the 7b model: tau 0.01, lambda = 10 sqrt(d / 1024) = 20.0, on the final normed state.
+# SimReg (SimReg paper, Sec. 3, Eq. 3) on the 7b model: tau 0.01, lambda = 10 sqrt(d / 1024) = 20.0 (App. A.2), on the final normed state.
 import os
 exec(open(os.path.join(os.path.dirname(__file__), "baseline_7b.py")).read())
 out_dir = "out/simreg_7b"

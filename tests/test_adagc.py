@@ -1,6 +1,6 @@
-"""optim.AdaGC (SPEC.md section 6) against a plain loop over its definition, tensor by tensor,
-on hand-made gradients: the global warm-up phase, the per-tensor phase, a spike in one tensor,
-a tensor without a gradient, and a state round trip."""
+"""optim.AdaGC (the SimReg paper's clipping, App. A.1) against a plain loop over its definition,
+tensor by tensor, on hand-made gradients: the global warm-up phase, the per-tensor phase, a spike
+in one tensor, a tensor without a gradient, and a state round trip."""
 
 import math
 import os

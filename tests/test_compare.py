@@ -1,4 +1,4 @@
-"""compare.py: the results table from known metrics files, the README markers, resumability."""
+"""compare.py: the results table from known metrics files, resumability."""
 
 import json
 import os
@@ -61,19 +61,6 @@ def test_existing_runs_are_skipped_and_archived(tiny_grid, tmp_path):
     assert compare.run_grid("tiny", tiny_grid, workers=2, overrides=[], archive=archive) >= 0  # nothing to run
     assert not os.path.exists(os.path.join(archive, "tiny", "wall.json"))
     assert os.path.exists(compare.run_dir(archive, "tiny", "SimReg", 1338) + "/metrics.json")
-
-
-def test_readme_markers_are_replaced_and_nothing_else(tmp_path, tiny_grid):
-    readme = tmp_path / "README.md"
-    readme.write_text("intro\n<!-- results:tiny:begin -->\nold\n<!-- results:tiny:end -->\noutro\n")
-    summary = compare.readme_summary("tiny", tiny_grid)
-    assert summary.startswith("#### Grid `tiny`: 4 runs, 2 methods") and "results/tiny.md" in summary
-    assert compare.update_readme(str(readme), "tiny", summary)
-    text = readme.read_text()
-    assert text == "intro\n<!-- results:tiny:begin -->\n" + summary + "<!-- results:tiny:end -->\noutro\n"
-    other = tmp_path / "OTHER.md"
-    other.write_text("no markers\n")
-    assert not compare.update_readme(str(other), "tiny", summary) and other.read_text() == "no markers\n"
 
 
 def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch):
@@ -167,7 +154,7 @@ def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monk
     tiny = [f"--data_dir={tmp_path / 'data'}", "--eval_interval=3", "--eval_iters=1", "--warmup_iters=1",
             "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--log_interval=1"]
     grid = subprocess.Popen([sys.executable, "compare.py", "lowres", f"--root={root}", f"--archive={archive}",
-                             f"--results={tmp_path / 'results'}", "--readme=", *tiny, "--max_iters=1000000"],
+                             f"--results={tmp_path / 'results'}", *tiny, "--max_iters=1000000"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     out = compare.run_dir(root, "lowres", "CE", 1337)
     deadline = time.time() + 120

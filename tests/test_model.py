@@ -13,7 +13,8 @@ TINY = GPTConfig(vocab_size=30, block_size=16, n_layer=2, n_head=2, n_embd=32)
 
 
 def test_paper_model_size():
-    # SPEC section 1: ~0.80M parameters for 4 layers, 4 heads, 128 channels, vocab 130, block 64
+    # Stop Jostling, Sec. 4.1 and Table 4: ~0.8M parameters for 4 layers, 4 heads, 128 channels,
+    # vocab 130, block 64
     model = build_model(GPTConfig())
     assert model.num_params() == 812_416
     assert model.lm_head.weight is model.wte.weight

@@ -1,5 +1,6 @@
 """Representation losses (simreg, dispersion, nitp, cwt) against brute-force loops written
-straight from SPEC.md, on tiny float64 tensors: same value and same autograd gradient."""
+straight from the formulas in losses.py's docstrings (and the papers they cite), on tiny
+float64 tensors: same value and same autograd gradient."""
 
 import math
 import os

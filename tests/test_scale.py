@@ -1,4 +1,4 @@
-"""The paper-scale configs (SPEC.md section 6) build at the sizes the SimReg paper's table gives:
+"""The paper-scale configs build at the sizes the SimReg paper's Table 4 (App. A.1) gives:
 `train.py --dry_run=True` on the meta device, checked against a closed-form count."""
 
 import contextlib
@@ -13,7 +13,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 50304
 
-# SPEC section 6: layers, d, FFN, experts (top-2 when > 1)
+# SimReg paper, Table 4: layers, d, FFN, experts (top-2 when > 1, as in Mixtral)
 SIZES = {"350m": (24, 1024, 2371, 1), "1b3": (24, 2048, 5461, 1), "3b": (26, 3072, 8640, 1),
          "7b": (32, 4096, 11008, 1), "moe_8x1b": (24, 2048, 5632, 8)}
 
