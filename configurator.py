@@ -6,12 +6,14 @@ overrides it, e.g.
 
 Unlike nanoGPT's exec-into-globals, every key is checked: a name that is not a known key, or a
 value whose type does not match the default's, stops the run with a message naming the key and
-what was expected. A silent typo (`--lerning_rate=...`) would otherwise cost a whole run.
+what was expected. A silent typo (`--lerning_rate=...`) would otherwise cost a whole run. A
+config builds on another with `include = "base.py"` (config/lowres_margin_2.py does).
 """
 
 import ast
 import difflib
 import math
+import os
 import sys
 
 
@@ -44,25 +46,44 @@ def _check_key(key, defaults, source):
         raise ConfigError(f"{source}: unknown config key '{key}'; {hint}")
 
 
+def read_config_file(path, _chain=()):
+    """The values a config file assigns, its includes first: `include = "base.py"` (a path
+    relative to the including file, or a list of them) makes a config build on another, and its
+    own assignments win. A config stays plain Python assignments; the include is resolved here
+    rather than by exec-ing the base inside the file."""
+    if path in _chain:
+        raise ConfigError(f"config file '{path}' includes itself: {' -> '.join(_chain + (path,))}")
+    try:
+        with open(path) as f:
+            source_code = f.read()
+    except OSError as e:
+        where = f" (included by '{_chain[-1]}')" if _chain else ""
+        raise ConfigError(f"cannot read config file '{path}'{where}: {e.strerror}") from None
+    namespace = {}
+    try:
+        exec(compile(source_code, path, "exec"), namespace)
+    except Exception as e:
+        raise ConfigError(f"config file '{path}' failed to run: {type(e).__name__}: {e}") from None
+    own = {key: value for key, value in namespace.items()
+           if not key.startswith("_") and not callable(value) and type(value).__name__ != "module"}
+    include = own.pop("include", [])
+    includes = [include] if isinstance(include, str) else include
+    if not isinstance(includes, list) or not all(isinstance(name, str) for name in includes):
+        raise ConfigError(f"config file '{path}': include must be a file name or a list of them, got {include!r}")
+    values = {}
+    for name in includes:
+        values.update(read_config_file(os.path.join(os.path.dirname(path), name), _chain + (path,)))
+    values.update(own)
+    return values
+
+
 def parse_config(argv, defaults):
     """Apply config files (positional) and --key=value overrides, in order, to a copy of defaults.
     Returns the new dict; raises ConfigError on the first bad file, key or value."""
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
-            try:
-                with open(arg) as f:
-                    source_code = f.read()
-            except OSError as e:
-                raise ConfigError(f"cannot read config file '{arg}': {e.strerror}") from None
-            namespace = {"__file__": arg}  # lets a config build on another: see config/lowres_margin_2.py
-            try:
-                exec(compile(source_code, arg, "exec"), namespace)
-            except Exception as e:
-                raise ConfigError(f"config file '{arg}' failed to run: {type(e).__name__}: {e}") from None
-            for key, value in namespace.items():
-                if key.startswith("_") or callable(value) or type(value).__name__ == "module":
-                    continue
+            for key, value in read_config_file(arg).items():
                 _check_key(key, defaults, f"config file '{arg}'")
                 config[key] = _check_type(key, value, defaults[key], f"config file '{arg}'")
         else:

@@ -22,16 +22,15 @@ import sys
 
 import torch
 
+from configurator import read_config_file
 from model import GPT, GPTConfig
 
 GiB = 2 ** 30
 
 
 def read_config(path):
-    """The model and batch keys of a train.py config file (configs may exec() a base config)."""
-    namespace = {"__file__": path}
-    with open(path) as f:
-        exec(compile(f.read(), path, "exec"), namespace)
+    """The model and batch keys of a train.py config file, its includes followed."""
+    namespace = read_config_file(path)
     fields = {k: namespace[k] for k in GPTConfig.__dataclass_fields__ if k in namespace}
     return GPTConfig(**fields), namespace.get("batch_size", 1)
 

@@ -1,6 +1,5 @@
 # CE-only baseline of the SimReg paper's 1b3 model (App. A.1, Tables 4-5) on C4.
-import os
-exec(open(os.path.join(os.path.dirname(__file__), "llama_c4.py")).read())
+include = "llama_c4.py"
 out_dir = "out/baseline_1b3"
 n_layer = 24
 n_head = 32

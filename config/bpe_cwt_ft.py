@@ -2,8 +2,7 @@
 # embedding, trained with cross-entropy on 2 % of the pre-training tokens (400 x 8 x 128 -> 8192),
 # a batch 4x smaller (2), warm-up over the first 20 % of steps, weight decay 0, lr 1/10 of the
 # pre-training peak. compare.py passes the first stage's best.pt as init_from.
-import os
-exec(open(os.path.join(os.path.dirname(__file__), "bpe_baseline.py")).read())
+include = "bpe_baseline.py"
 init_from = "out/bpe_cwt/best.pt"
 head_from_embedding = True
 tie_weights = False

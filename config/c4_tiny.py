@@ -2,8 +2,7 @@
 # SwiGLU, untied, GPT-2 BPE) cut to 4 x 128 and sequences of 128, minutes on 2 CPU cores.
 # Real C4:      python prepare_c4.py --shards 1 --out_dir data/c4
 # Without internet: python prepare_c4.py --from_text input.txt --out_dir data/c4_tiny (any plain text)
-import os
-exec(open(os.path.join(os.path.dirname(__file__), "llama_c4.py")).read())
+include = "llama_c4.py"
 out_dir = "out/c4_tiny"
 data_dir = "data/c4_tiny"
 n_layer = 4

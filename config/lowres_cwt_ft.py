@@ -3,8 +3,7 @@
 # pre-training tokens (8000 x 12 x 64 x 0.02 = 640 steps at batch 3, 4x smaller), linear warm-up
 # over the first 20 % then constant, weight decay 0, lr 1e-4 (1/10 of the toy's peak; the paper's
 # 1e-5 is 1/10-1/30 of its pre-training peak). Run after lowres_cwt.py.
-import os
-exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+include = "lowres_baseline.py"
 init_from = "out/lowres_cwt/best.pt"
 head_from_embedding = True
 tie_weights = False

@@ -1,6 +1,5 @@
 # Dispersion loss, l2_repel variant (dispersion paper, Sec. 4.4, Table 1), every block, lambda 0.1 and tau 1.0 as for angular (our choice).
-import os
-exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+include = "lowres_baseline.py"
 dispersion_weight = 0.1
 dispersion_tau = 1.0
 dispersion_variant = "l2_repel"

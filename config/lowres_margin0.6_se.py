@@ -1,6 +1,5 @@
 # Margin 0.6 + separated embeddings (the paper's best run): embedding rows without gradient are not stepped by AdamW.
-import os
-exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+include = "lowres_baseline.py"
 margin = 0.6
 separate_embeddings = True
 out_dir = "out/lowres_margin0.6_se"

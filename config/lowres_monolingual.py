@@ -1,6 +1,5 @@
 # Monolingual reference: the same model trained only on low-resource windows for 2 % of the steps (Stop Jostling, Sec. 4.1).
-import os
-exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+include = "lowres_baseline.py"
 low_resource_prob = 1.0
 max_iters = 160
 lr_decay_iters = 160

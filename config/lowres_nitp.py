@@ -1,7 +1,6 @@
 # NITP (NITP paper, Method): a SwiGLU head (C -> 4C -> C; the paper says only "MLP", the form is ours) on the final normed state
 # predicts block 1's output (~20 % of 4 layers, the paper's depth) at the next position; lambda 1.0 (the paper's).
-import os
-exec(open(os.path.join(os.path.dirname(__file__), "lowres_baseline.py")).read())
+include = "lowres_baseline.py"
 nitp_weight = 1.0
 nitp_layer = 1
 out_dir = "out/lowres_nitp"

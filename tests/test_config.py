@@ -28,11 +28,20 @@ def test_int_is_accepted_for_float_and_optional_keys_take_numbers_or_none():
 
 
 def test_config_can_build_on_another(tmp_path):
-    (tmp_path / "base.py").write_text("max_iters = 5\nout_dir = 'base'\n")
-    (tmp_path / "child.py").write_text(
-        "import os\nexec(open(os.path.join(os.path.dirname(__file__), 'base.py')).read())\nout_dir = 'child'\n")
-    config = parse_config([str(tmp_path / "child.py")], DEFAULTS)
-    assert config["max_iters"] == 5 and config["out_dir"] == "child"
+    """include: the base's values first, the file's own win wherever the line stands; paths are
+    relative to the including file; chains and lists work; a cycle or a missing base is one error."""
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "base.py").write_text("max_iters = 5\nout_dir = 'base'\nmargin = 1.0\n")
+    (tmp_path / "sub" / "child.py").write_text("out_dir = 'child'\ninclude = '../base.py'\n")
+    (tmp_path / "sub" / "grandchild.py").write_text("include = ['child.py']\nmargin = 2.0\n")
+    config = parse_config([str(tmp_path / "sub" / "grandchild.py")], DEFAULTS)
+    assert (config["max_iters"], config["out_dir"], config["margin"]) == (5, "child", 2.0)
+    (tmp_path / "loop.py").write_text("include = 'loop.py'\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        parse_config([str(tmp_path / "loop.py")], DEFAULTS)
+    (tmp_path / "orphan.py").write_text("include = 'nowhere.py'\n")
+    with pytest.raises(ConfigError, match=r"cannot read config file '.*nowhere.py' \(included by '.*orphan.py'\)"):
+        parse_config([str(tmp_path / "orphan.py")], DEFAULTS)
 
 
 @pytest.mark.parametrize("args, message", [

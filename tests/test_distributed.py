@@ -190,10 +190,10 @@ def test_what_does_not_combine_fails_clearly():
 
 
 def test_paper_configs_name_their_parallelism():
+    from configurator import read_config_file
     values = {}
     for size in ("350m", "1b3", "3b", "7b", "moe_8x1b"):
-        scope = {"__file__": os.path.join(REPO, "config", f"simreg_{size}.py")}
-        exec(open(scope["__file__"]).read(), scope)
+        scope = read_config_file(os.path.join(REPO, "config", f"simreg_{size}.py"))
         values[size] = (scope["parallel"], scope["grad_clip_mode"], scope.get("activation_checkpointing", False))
     assert values["350m"] == ("ddp", "adagc", False)
     assert all(values[s][:2] == ("fsdp", "adagc") for s in ("1b3", "3b", "7b", "moe_8x1b"))

@@ -22,7 +22,7 @@ def test_activation_estimate_matches_a_direct_measurement(config):
     assert e["act_ckpt"] < e["act"]
 
 
-def test_read_config_follows_exec_chains():
+def test_read_config_follows_includes():
     config, batch_size = memory.read_config(os.path.join(memory.__file__.rsplit(os.sep, 1)[0], "config", "simreg_7b.py"))
     assert (config.arch, config.n_layer, config.n_embd, config.ffn_hidden, config.vocab_size) == ("llama", 32, 4096, 11008, 50304)
     assert batch_size == 1
