@@ -62,9 +62,8 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
     writes log_softmax, a zero-filled gradient for nll_loss, and reads both again in
     log_softmax's backward. The gradient of the mean loss is (softmax(z) - onehot(y)) / N, and
     softmax(z) = e / sum(e) with e = exp(z - max z), which the forward computes anyway for the
-    logsumexp; so the forward keeps e and the backward only rescales it. On 1024 x 50304 logits,
-    1 thread, forward + backward: 0.85-0.90 of F.cross_entropy's time (`python bench.py
-    --section softmax`; docs/performance.md).
+    logsumexp; so the forward keeps e and the backward only rescales it (`python bench.py
+    --section softmax` times both; docs/performance.md has a measurement).
     Rescaling e in place would save another ~10 %, but would break a second backward through a
     retained graph, which gradcheck does. Positions whose target is ignore_index get no loss and
     no gradient; none left: NaN, as in F.cross_entropy.

@@ -17,9 +17,8 @@ def keep_freed_memory():
     By default every block above 32 MB is mmap-ed on allocation and munmap-ed on free, so the next
     block of that size faults all its pages in again, each one zeroed by the kernel. With a
     50304-token vocabulary every step's logits are such blocks (1024 tokens: 206 MB), and the page
-    faults cost more than the matmuls: one streamed BPE evaluation spent 3 min 39 s in the kernel
-    and 1 min 36 s computing; with this, 2 s in the kernel and the same metrics bit for bit. A
-    no-op off Linux/glibc. Memory stays at the process's peak instead of shrinking between steps."""
+    faults can cost more than the matmuls (measured in docs/performance.md). A no-op off
+    Linux/glibc. Memory stays at the process's peak instead of shrinking between steps."""
     if not sys.platform.startswith("linux"):
         return False
     try:

@@ -3,13 +3,10 @@ tensor by tensor, on hand-made gradients: the global warm-up phase, the per-tens
 in one tensor, a tensor without a gradient, and a state round trip."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from optim import AdaGC  # noqa: E402
 
 SHAPES = [(3, 4), (5,), (2, 2, 2)]

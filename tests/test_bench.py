@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 import bench  # noqa: E402
 from model import GPTConfig  # noqa: E402
 

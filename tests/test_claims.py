@@ -3,13 +3,11 @@
 import json
 import math
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import claims  # noqa: E402
 import metrics  # noqa: E402
 import stats  # noqa: E402

@@ -7,7 +7,6 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from configurator import ConfigError, parse_config  # noqa: E402
 
 DEFAULTS = {"learning_rate": 1e-3, "max_iters": 100, "out_dir": "out", "tie_weights": True, "margin": None}

@@ -7,7 +7,6 @@ import sys
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import figures  # noqa: E402
 
 ITOS = list("\n !,.ABCabc")

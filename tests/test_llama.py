@@ -2,14 +2,11 @@
 paper sizes against a closed-form count, and a forward/backward of every architecture."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import GPT, GPTConfig, MixtureOfExperts, RMSNorm, apply_rope, build_model, rope_angles  # noqa: E402
 
 LLAMA = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16, arch="llama", tie_weights=False,

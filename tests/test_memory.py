@@ -2,11 +2,9 @@
 (flash-style attention stores nothing of size T^2), checked against direct measurements."""
 
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import memory  # noqa: E402
 from model import GPTConfig  # noqa: E402
 

@@ -5,11 +5,8 @@ Run: python -m pytest tests/test_metrics.py -q
 """
 
 import math
-import os
 import string
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import numpy as np
 import pytest

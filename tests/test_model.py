@@ -1,12 +1,9 @@
 """model.py: shapes, hidden states, tying, init, causality, generation."""
 
 import math
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from model import GPT, GPTConfig, build_model  # noqa: E402
 
 TINY = GPTConfig(vocab_size=30, block_size=16, n_layer=2, n_head=2, n_embd=32)

@@ -1,11 +1,8 @@
 """Separated embeddings: a row with no gradient this step is not touched by the optimizer."""
 
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from losses import cross_entropy  # noqa: E402
 from model import GPTConfig, build_model  # noqa: E402
 from optim import SeparatedRowsAdamW, configure_optimizers  # noqa: E402

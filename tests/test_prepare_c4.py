@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 # tiktoken reads its BPE file from this cache (no network here); spawned workers inherit it.
 os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO_ROOT.parent / "shared" / "data" / "tiktoken"))
 

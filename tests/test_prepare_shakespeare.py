@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO_ROOT))
 
 import prepare_shakespeare as ps  # noqa: E402
 

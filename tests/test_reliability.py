@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from test_train import REPO, TINY, data_dir, read_log, train  # noqa: F401  (data_dir is a fixture)
+from test_train import REPO, TINY, read_log, train
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 # long enough to interrupt: 200 steps, an evaluation every 50, a full checkpoint every step

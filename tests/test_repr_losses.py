@@ -3,14 +3,11 @@ straight from the formulas in losses.py's docstrings (and the papers they cite),
 float64 tensors: same value and same autograd gradient."""
 
 import math
-import os
-import sys
 
 import pytest
 import torch
 from torch.nn import functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from losses import cwt, dispersion, nitp, simreg  # noqa: E402
 
 

@@ -2,12 +2,9 @@
 computations."""
 
 import math
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import stats  # noqa: E402
 
 

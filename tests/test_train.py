@@ -3,34 +3,16 @@ determinism, exact resume, the Stop Jostling options, evaluate.py on a saved che
 
 import json
 import os
-import random
 import subprocess
 import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
-import prepare_shakespeare  # noqa: E402
 
 TINY = ["--n_layer=1", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=4",
         "--eval_interval=10", "--eval_iters=2", "--warmup_iters=2", "--lr_decay_iters=20",
         "--max_iters=20", "--log_interval=1", "--num_threads=1"]
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    words = ["And", "the", "king", "shall", "Away", "a", "QUEEN", "so", "my", "lord", "Zounds", "jest", "of",
-             "BY", "wax", "five", "very", "good", "Exit", "Titus", "Ho", "quick", "Cry", "mercy"]
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + rng.choice(".,;:!?")
-             for _ in range(700)]
-    text = "\n".join(lines) + "\n"
-    (root / "input.txt").write_text(text)
-    out = root / "chars"
-    prepare_shakespeare.prepare(input_path=str(root / "input.txt"), out_dir=str(out))
-    return str(out)
 
 
 def train(out_dir, data_dir, *args, check=True):
@@ -148,7 +130,6 @@ def test_flops_executed_match_a_count_of_the_matmuls(baseline_run, data_dir, tmp
     them; not the position table, a lookup), 4 L C T for attention scores, backward = 2x forward; 3 evaluations of eval_iters batches in both languages; the final evaluation scores
     the whole val split in both languages. The NITP head adds 6 per weight per training token."""
     import torch
-    sys.path.insert(0, REPO)
     import evaluate
     out, _ = baseline_run
     model, _ = evaluate.load_model(os.path.join(out, "best.pt"))

@@ -2,12 +2,10 @@
 
 import os
 import signal
-import sys
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO)
 from utils import StopRequest  # noqa: E402
 
 

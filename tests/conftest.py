@@ -1,0 +1,27 @@
+"""Shared by every test: the repository on sys.path (the tests import its modules by name) and
+the small character dataset that the end-to-end tests train on."""
+
+import os
+import random
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+import prepare_shakespeare  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def data_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    words = ["And", "the", "king", "shall", "Away", "a", "QUEEN", "so", "my", "lord", "Zounds", "jest", "of",
+             "BY", "wax", "five", "very", "good", "Exit", "Titus", "Ho", "quick", "Cry", "mercy"]
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(3, 9))) + rng.choice(".,;:!?")
+             for _ in range(700)]
+    text = "\n".join(lines) + "\n"
+    (root / "input.txt").write_text(text)
+    out = root / "chars"
+    prepare_shakespeare.prepare(input_path=str(root / "input.txt"), out_dir=str(out))
+    return str(out)
