@@ -264,6 +264,15 @@ def reevaluate(directory):
                    env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
+def evaluated_today(run_dir_):
+    """Whether an archived run's metrics.json has what today's evaluate.py writes (an archive made
+    before the hidden-state geometry or the FLOP counts existed cannot be re-evaluated without its
+    checkpoint, so such a run is trained again rather than copied into another grid)."""
+    with open(os.path.join(run_dir_, "metrics.json")) as f:
+        metrics = json.load(f)
+    return all(key in metrics for key in ("geometry", "flops"))
+
+
 def reuse_identical(grid, todo, root, archive, overrides):
     """A run another grid already made (the same commands, e.g. the CE baseline shared by the
     jostling and lowres grids) is copied instead of trained again: from root, checkpoints and
@@ -280,7 +289,8 @@ def reuse_identical(grid, todo, root, archive, overrides):
         if source is not None and os.path.abspath(source) != os.path.abspath(out) \
                 and not os.path.exists(os.path.join(out, "metrics.json")):
             copy_run(source, out, prepare=reevaluate)
-        elif archived.get(identity) is not None and not os.path.exists(os.path.join(dest, "metrics.json")):
+        elif archived.get(identity) is not None and not os.path.exists(os.path.join(dest, "metrics.json")) \
+                and evaluated_today(archived[identity]):
             copy_run(archived[identity], dest)
         else:
             continue

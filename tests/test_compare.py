@@ -138,6 +138,17 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
                                                 compare.run_dir(archive, "mini2", "CE again", 1337))
     assert sorted(os.listdir(copied)) == sorted(os.listdir(compare.run_dir(archive, "mini", "CE", 1337)))
     assert not os.path.exists(root + "/mini/CE")
+    # ... unless its metrics.json predates today's evaluate.py (no geometry): then it is trained again
+    for grid, method in (("mini", "CE"), ("mini2", "CE again"), ("mini4", "CE from the archive")):
+        path = compare.run_dir(archive, grid, method, 1337) + "/metrics.json"
+        with open(path) as f:
+            metrics = json.load(f)
+        metrics.pop("geometry")
+        with open(path, "w") as f:
+            json.dump(metrics, f)
+    monkeypatch.setitem(compare.GRIDS, "mini5", {"CE from an old archive": ("config/lowres_baseline.py", [], 1)})
+    with pytest.raises(pytest.fail.Exception, match="trained again"):
+        compare.run_grid("mini5", root, workers=1, overrides=overrides, archive=archive)
 
 
 def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monkeypatch):
