@@ -78,11 +78,27 @@ def log_stamp(out_dir):
         return None
 
 
+def logged_step(out_dir):
+    """The last training step log.jsonl records (-1 if none yet); a torn last line is skipped."""
+    step = -1
+    try:
+        with open(os.path.join(out_dir, "log.jsonl")) as f:
+            for line in f:
+                try:
+                    step = max(step, json.loads(line)["iter"])
+                except ValueError:
+                    pass
+    except FileNotFoundError:
+        pass
+    return step
+
+
 def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, data_dir, uninterrupted):  # noqa: F811
-    """12 kills -9: half the moment a checkpoint's temporary file appears (inside a write), half
-    after a random delay into training. Each time the run goes on from what is on disk (ckpt.pt,
-    or ckpt_prev.pt when the kill fell between the two renames), and the finished run equals the
-    uninterrupted one: every loss, every evaluation, every weight."""
+    """12 kills -9, each a random number of steps (1-12) into the resumed run, every other one at
+    the moment a checkpoint's temporary file appears (inside a write). Steps, not seconds, so the
+    kills land the same way on a fast machine and a slow one. Each time the run goes on from what
+    is on disk (ckpt.pt, or ckpt_prev.pt when the kill fell between the two renames), and the
+    finished run equals the uninterrupted one: every loss, every evaluation, every weight."""
     out = str(tmp_path / "killed")
     rng = random.Random(0)
     kills = 0
@@ -92,13 +108,12 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, data_dir, un
         stamp = log_stamp(out)
         process = subprocess.Popen(command(out, data_dir, *args), cwd=REPO, env=ENV,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        # wait until this process writes its log (past its start, where a killed write's leftovers
-        # are removed), then a random time into training; every other kill then waits for a
-        # checkpoint's temporary file to appear, so it lands inside a write
-        hit = wait_for(lambda: log_stamp(out) not in (None, stamp), process)  # started (or trimmed the log)
-        stamp = log_stamp(out)
-        hit = hit and wait_for(lambda: log_stamp(out) != stamp, process)  # training: a new line
-        time.sleep(rng.uniform(0.0, 0.3))
+        # past this process's start (where it trims the log and removes a killed write's
+        # leftovers), then some steps into training; every other kill then waits for a
+        # checkpoint's temporary file, so that it lands inside a write
+        hit = wait_for(lambda: log_stamp(out) not in (None, stamp), process)
+        target = logged_step(out) + rng.randint(1, 12)
+        hit = hit and wait_for(lambda: logged_step(out) >= target, process)
         if kills % 2 == 0:
             hit = hit and wait_for(lambda: any(n.endswith(".tmp") for n in os.listdir(out)), process)
         process.kill()
@@ -107,7 +122,7 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, data_dir, un
             break  # finished before the kill: nothing left to interrupt
         assert process.returncode == -signal.SIGKILL, stderr[-2000:]
         kills += hit
-    assert kills >= 10, f"only {kills} kills landed"
+    assert kills == 12, f"only {kills} kills landed"
     result = train(out, data_dir, *LONG, "--final_eval=False", "--init_from=resume")
     assert "Traceback" not in result.stderr
     assert not any(n.endswith(".tmp") for n in os.listdir(out))
