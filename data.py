@@ -34,10 +34,11 @@ def read_meta(data_dir):
     return meta
 
 
-def load_tokens(data_dir, split, block_size, vocab_size):
+def load_tokens(data_dir, split, block_size, vocab_size=None):
     """The split as a read-only uint16 memmap (a C4 shard is ~150M tokens: only the sampled windows
-    are ever read and widened). It must hold at least one window of block_size + 1 tokens, and no
-    id at or above vocab_size (an embedding lookup past the table fails far from the cause)."""
+    are ever read and widened). It must hold at least one window of block_size + 1 tokens, and
+    (if vocab_size is given) no id at or above vocab_size: an embedding lookup past the table
+    fails far from the cause."""
     path = os.path.join(data_dir, f"{split}.bin")
     if not os.path.isfile(path):
         raise DataError(f"missing {path}; prepare the dataset again")
@@ -48,8 +49,7 @@ def load_tokens(data_dir, split, block_size, vocab_size):
         raise DataError(f"{path} holds {size // 2} tokens, fewer than one window of block_size + 1 = "
                         f"{block_size + 1}; use a smaller block_size or more data")
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    top = int(tokens.max())
-    if top >= vocab_size:
-        raise DataError(f"{path} holds token id {top} but meta.json's vocab_size is {vocab_size}: the two do not "
-                        f"belong together; prepare the dataset again")
+    if vocab_size is not None and int(tokens.max()) >= vocab_size:
+        raise DataError(f"{path} holds token id {int(tokens.max())} but meta.json's vocab_size is {vocab_size}: the "
+                        f"two do not belong together; prepare the dataset again")
     return tokens

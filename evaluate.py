@@ -28,7 +28,7 @@ import torch
 
 import checkpoint as checkpoints
 import metrics
-from data import DataError
+from data import DataError, load_tokens
 from losses import simreg
 from model import GPT, GPTConfig
 from utils import choose_device, keep_freed_memory, save_json
@@ -47,10 +47,7 @@ def load_model(path, device="cpu"):
 def val_blocks(data_dir, block_size):
     """Non-overlapping (inputs, targets) blocks covering the whole val split: block i reads
     tokens [i*T, (i+1)*T) and predicts [i*T+1, (i+1)*T+1)."""
-    data = torch.from_numpy(np.fromfile(os.path.join(data_dir, "val.bin"), dtype=np.uint16).astype(np.int64))
-    if len(data) < block_size + 1:
-        raise DataError(f"{os.path.join(data_dir, 'val.bin')} holds {len(data)} tokens, fewer than one block of "
-                        f"block_size + 1 = {block_size + 1}")
+    data = torch.from_numpy(load_tokens(data_dir, "val", block_size).astype(np.int64))
     n_blocks = (len(data) - 1) // block_size
     x = data[: n_blocks * block_size].view(n_blocks, block_size)
     y = data[1: n_blocks * block_size + 1].view(n_blocks, block_size)
@@ -231,6 +228,14 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     return result
 
 
+def with_run_flops(result, run_flops):
+    """The evaluation's result with the FLOPs its run executed (train, eval) beside its own final
+    evaluation, and their total: what metrics.json records."""
+    flops = {**{k: v for k, v in run_flops.items() if k not in ("final_eval", "total")},
+             "final_eval": result["flops"]["final_eval"]}
+    return {**result, "flops": {**flops, "total": sum(flops.values())}}
+
+
 def evaluate_checkpoint(path, device="cpu", data_dir=None):
     """data_dir: where the checkpoint's dataset is, if not where the run found it."""
     model, checkpoint = load_model(path, device)
@@ -312,8 +317,7 @@ if __name__ == "__main__":
         except ValueError:
             pass
     if isinstance(previous, dict) and "train" in previous.get("flops", {}):  # a run's metrics.json: keep its FLOPs
-        result["flops"] = {**previous["flops"], "final_eval": result["flops"]["final_eval"]}
-        result["flops"]["total"] = sum(v for k, v in result["flops"].items() if k != "total")
+        result = with_run_flops(result, previous["flops"])
     save_json(result, out)
     print(format_metrics(result))
     print(json.dumps(result["checkpoint"]))

@@ -617,7 +617,6 @@ if final_eval and master:  # one process: best.pt holds the whole weights in any
               file=sys.stderr)
         sys.exit(130)
     # FLOPs of the whole run (all processes), evaluation included: compare.py sums them over a grid
-    metrics["flops"] = {**flops_done, "final_eval": metrics["flops"]["final_eval"]}
-    metrics["flops"]["total"] = sum(metrics["flops"].values())
+    metrics = evaluate.with_run_flops(metrics, flops_done)
     save_json(metrics, os.path.join(out_dir, "metrics.json"))
     print(evaluate.format_metrics(metrics))
