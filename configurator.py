@@ -77,6 +77,25 @@ def read_config_file(path, _chain=()):
     return values
 
 
+TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
+
+
+def train_defaults(path=TRAIN_PY):
+    """train.py's default config, read from its source without running it: the top-level
+    assignments of constants between its "# default config" and "config_keys" lines. The defaults
+    stay where a reader of train.py expects them (nanoGPT's layout), and a tool that needs a full
+    config (tools/memory.py) gets exactly what train.py would use."""
+    with open(path) as f:
+        source = f.read()
+    first, last = (source[:source.index(marker)].count("\n") + 1 for marker in ("# default config", "config_keys ="))
+    defaults = {}
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Assign) and first < node.lineno < last and len(node.targets) == 1 \
+                and isinstance(node.targets[0], ast.Name):
+            defaults[node.targets[0].id] = ast.literal_eval(node.value)
+    return defaults
+
+
 def parse_config(argv, defaults):
     """Apply config files (positional) and --key=value overrides, in order, to a copy of defaults.
     Returns the new dict; raises ConfigError on the first bad file, key or value."""

@@ -195,7 +195,7 @@ def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
 def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     """The metrics of Stop Jostling (Sec. 4.3) on the whole val split, plus "flops": the matmul
     FLOPs this evaluation executed (forward passes, and the LM head's extra passes when
-    streamed), for compare.py's efficiency figure."""
+    streamed), for the comparison grids' efficiency figure (tools/report.py)."""
     x, y = val_blocks(data_dir, model.config.block_size)
     W = model.output_embedding().detach().float().cpu()
     forward_flops = x.numel() * model.flops_per_token(backward=False)

@@ -62,7 +62,7 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
     writes log_softmax, a zero-filled gradient for nll_loss, and reads both again in
     log_softmax's backward. The gradient of the mean loss is (softmax(z) - onehot(y)) / N, and
     softmax(z) = e / sum(e) with e = exp(z - max z), which the forward computes anyway for the
-    logsumexp; so the forward keeps e and the backward only rescales it (`python bench.py
+    logsumexp; so the forward keeps e and the backward only rescales it (`python -m tools.bench
     --section softmax` times both; docs/performance.md has a measurement).
     Rescaling e in place would save another ~10 %, but would break a second backward through a
     retained graph, which gradcheck does. Positions whose target is ignore_index get no loss and

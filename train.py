@@ -2,7 +2,7 @@
 Train a GPT on a prepared dataset, nanoGPT style:
 
     python train.py config/lowres_baseline.py
-    python train.py config/lowres_margin0.6_se.py --seed=2 --out_dir=out/se_s2
+    python train.py config/lowres_margin_0.6_se.py --seed=2 --out_dir=out/se_s2
     torchrun --nproc_per_node=8 train.py config/baseline_1b3.py     # data parallel (parallelism.py)
 
 Defaults below are the Stop Jostling low-resource experiment (Sec. 4.1, Table 4): a 0.8M-parameter
@@ -42,7 +42,6 @@ from optim import AdaGC, configure_optimizers
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
                    save_json)
 
-keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted in anew every step
 
 # -----------------------------------------------------------------------------
 # default config (every key can be set in a config file or with --key=value)
@@ -129,6 +128,7 @@ config_keys = [k for k, v in globals().items()
 # every value is checked (type and range, configurator.TRAIN_RULES) before anything is touched: exit 2
 config = parse_config_or_exit(sys.argv[1:], {k: globals()[k] for k in config_keys}, TRAIN_RULES)
 globals().update(config)
+keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted in anew every step
 stop = StopRequest()  # from here on Ctrl-C / kill / SIGUSR1 end the run at the next step, saved
 # -----------------------------------------------------------------------------
 
@@ -474,7 +474,7 @@ flops_per_iter = (model.flops_per_token(with_head=objective.needs_logits) + 6 * 
 # every evaluation: eval_iters batches, each scored in every language, with the LM head
 languages_evaluated = 2 if low_resource else 1
 flops_per_eval = eval_iters * languages_evaluated * batch_size * block_size * model.flops_per_token(backward=False)
-flops_done = {"train": 0, "eval": 0}  # what this run has executed, for compare.py's efficiency figure
+flops_done = {"train": 0, "eval": 0}  # what this run has executed (the grids' efficiency, tools/report.py)
 if init_from == "resume":
     flops_done = resumed.get("flops_done", flops_done)  # checkpoints from before the count: from 0
 peak = peak_flops(device, dtype) * world_size
@@ -616,7 +616,7 @@ if final_eval and master:  # one process: best.pt holds the whole weights in any
               f"python evaluate.py {best_path} --out={os.path.join(out_dir, 'metrics.json')} writes metrics.json",
               file=sys.stderr)
         sys.exit(130)
-    # FLOPs of the whole run (all processes), evaluation included: compare.py sums them over a grid
+    # FLOPs of the whole run (all processes), evaluation included: tools/runner.py sums them over a grid
     metrics = evaluate.with_run_flops(metrics, flops_done)
     save_json(metrics, os.path.join(out_dir, "metrics.json"))
     print(evaluate.format_metrics(metrics))

@@ -5,13 +5,8 @@ n_layer = 32
 n_head = 32
 n_embd = 4096
 ffn_hidden = 11008
-n_expert = 1
 global_batch_size = 2048      # sequences of 2048 per optimizer step
-batch_size = 1              # per process and micro-step: raise it as far as memory allows
 learning_rate = 3e-4
 min_lr = 3e-4 / 10
-max_iters = 12500
-lr_decay_iters = 12500
 parallel = "fsdp"             # FSDP2: 6.9B x 16 B = 110 GB of weights, gradients and AdamW state, sharded over the GPUs
 activation_checkpointing = True   # 32 blocks of 2048 x 4096 activations: recompute them so batch_size can grow
-grad_clip_mode = "adagc"      # AdaGC (SimReg paper, App. A.1, Table 5; optim.AdaGC), global clipping at 1.0 for 100 steps first (our default)

@@ -1,6 +1,4 @@
-# CWT's first stage on the BPE toy (headless LM paper, Sec. 3.2): headless, no LM head is computed. With a
-# 50304-token vocabulary this is the setting CWT was made for (at V = 130 it is not).
-include = "bpe_baseline.py"
-ce_weight = 0.0
-cwt_weight = 1.0
+# Headless CWT on the BPE toy (methods/cwt.py): with a 50304-token vocabulary this is the setting CWT was made
+# for (at V = 130 it is not). Fine-tune a head with bpe_cwt_ft.py.
+include = ["bpe_baseline.py", "methods/cwt.py"]
 out_dir = "out/bpe_cwt"

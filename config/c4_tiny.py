@@ -15,6 +15,7 @@ min_lr = 2e-4
 warmup_iters = 100
 max_iters = 1000
 lr_decay_iters = 1000
+grad_clip_mode = "norm"     # plain global-norm clipping: the toy needs no per-tensor AdaGC
 eval_interval = 100
 eval_iters = 10
 final_eval = True            # val metrics of best.pt (streamed: the logits of 50304 tokens are never all held)

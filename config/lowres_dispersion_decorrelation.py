@@ -1,6 +1,3 @@
-# Dispersion loss, decorrelation variant (dispersion paper, Sec. 4.4, Table 1), every block, lambda 0.1 and tau 1.0 as for angular (our choice).
-include = "lowres_baseline.py"
-dispersion_weight = 0.1
-dispersion_tau = 1.0
-dispersion_variant = "decorrelation"
+# The dispersion loss, decorrelation variant on the char experiment (methods/dispersion_decorrelation.py).
+include = ["lowres_baseline.py", "methods/dispersion_decorrelation.py"]
 out_dir = "out/lowres_dispersion_decorrelation"

@@ -1,6 +1,3 @@
-# NITP (NITP paper, Method): a SwiGLU head (C -> 4C -> C; the paper says only "MLP", the form is ours) on the final normed state
-# predicts block 1's output (~20 % of 4 layers, the paper's depth) at the next position; lambda 1.0 (the paper's).
-include = "lowres_baseline.py"
-nitp_weight = 1.0
-nitp_layer = 1
+# NITP on the char experiment (methods/nitp.py).
+include = ["lowres_baseline.py", "methods/nitp.py"]
 out_dir = "out/lowres_nitp"

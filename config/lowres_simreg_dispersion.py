@@ -1,5 +1,3 @@
-# SimReg and dispersion together (CE + 3.54 SimReg + 0.1 dispersion).
-include = "lowres_baseline.py"
-simreg_weight = 3.54
-dispersion_weight = 0.1
+# SimReg and dispersion together on the char experiment (methods/simreg_dispersion.py).
+include = ["lowres_baseline.py", "methods/simreg_dispersion.py"]
 out_dir = "out/lowres_simreg_dispersion"

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-import bench  # noqa: E402
+from tools import bench  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
 
@@ -18,7 +18,7 @@ def test_step_time_runs_each_objective():
 
 
 def test_memory_child_reports_growth():
-    out = subprocess.run([sys.executable, "bench.py", "--memory_child", "1024"], cwd=REPO, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "tools.bench", "--memory_child", "1024"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
     assert '"peak_delta_mib"' in out
 
@@ -33,7 +33,7 @@ def test_loss_time_runs_each_term_alone():
 
 
 def test_efficiency_child_reports_a_step_and_its_flops():
-    out = subprocess.run([sys.executable, "bench.py", "--efficiency_child", "lowres", "--steps", "1", "--warmup", "0"],
+    out = subprocess.run([sys.executable, "-m", "tools.bench", "--efficiency_child", "lowres", "--steps", "1", "--warmup", "0"],
                          cwd=REPO, capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     result = __import__("json").loads(out.stdout)
     # the lowres CE step: 12 x 64 tokens, 6N + 12 L C T per token with N = 812,416 - 64 x 128 positions
@@ -41,7 +41,7 @@ def test_efficiency_child_reports_a_step_and_its_flops():
 
 
 def test_softmax_section_times_both_cross_entropies():
-    out = subprocess.run([sys.executable, "bench.py", "--section", "softmax", "--steps", "1", "--warmup", "0"],
+    out = subprocess.run([sys.executable, "-m", "tools.bench", "--section", "softmax", "--steps", "1", "--warmup", "0"],
                          cwd=REPO, capture_output=True, text=True, check=True).stdout
     rows = [line for line in out.splitlines() if line.startswith("| F.") or line.startswith("| losses.")]
     assert len(rows) == 2 and rows[0].endswith("| 1.00 |")

@@ -8,9 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-import claims  # noqa: E402
 import metrics  # noqa: E402
-import stats  # noqa: E402
+from tools import claims, stats  # noqa: E402
 
 
 def run(acc, ppl, directory=""):

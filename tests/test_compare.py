@@ -1,4 +1,5 @@
-"""compare.py: the results table from known metrics files, resumability."""
+"""tools/compare.py and its parts (grids, runner, report): the results table from known metrics files,
+resumability, run reuse, the grids' commands."""
 
 import json
 import os
@@ -9,7 +10,8 @@ import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-import compare  # noqa: E402
+from configurator import train_defaults  # noqa: E402
+from tools import grids, report, runner  # noqa: E402
 
 
 def fake_metrics(acc_lr, ppl_hr):
@@ -21,12 +23,12 @@ def fake_metrics(acc_lr, ppl_hr):
 
 @pytest.fixture
 def tiny_grid(tmp_path, monkeypatch):
-    monkeypatch.setitem(compare.GRIDS, "tiny", {"ce": ("config/lowres_baseline.py", [], 2),
-                                                "SimReg": ("config/lowres_simreg.py", [], 2)})
+    monkeypatch.setitem(grids.GRIDS, "tiny", {"ce": ("config/lowres_baseline.py", 2),
+                                                "SimReg": ("config/lowres_simreg.py", 2)})
     values = {("ce", 1337): (0.30, 5.0), ("ce", 1338): (0.40, 7.0), ("SimReg", 1337): (0.35, 6.0),
               ("SimReg", 1338): (0.47, 8.0)}
     for (method, seed), (acc, ppl) in values.items():
-        out = compare.run_dir(str(tmp_path), "tiny", method, seed)
+        out = grids.run_dir(str(tmp_path), "tiny", method, seed)
         os.makedirs(out)
         with open(os.path.join(out, "metrics.json"), "w") as f:
             json.dump(fake_metrics(acc, ppl), f)
@@ -38,7 +40,7 @@ def tiny_grid(tmp_path, monkeypatch):
 
 
 def test_table_has_mean_std_and_paired_differences(tiny_grid):
-    table, results = compare.build_table("tiny", tiny_grid)
+    table, results = report.build_table("tiny", tiny_grid)
     assert set(results) == {"ce", "SimReg"}
     # HR ppl of ce: mean 6.00, sample std sqrt(2) = 1.41
     assert "| ce | 2 | 6.00 ± 1.41 |" in table
@@ -57,9 +59,9 @@ def test_table_has_mean_std_and_paired_differences(tiny_grid):
 
 def test_existing_runs_are_skipped_and_archived(tiny_grid, tmp_path):
     archive = str(tmp_path / "archive")
-    assert compare.run_grid("tiny", tiny_grid, workers=2, overrides=[], archive=archive) >= 0  # nothing to run
+    assert runner.run_grid("tiny", tiny_grid, workers=2, overrides=[], archive=archive) >= 0  # nothing to run
     assert not os.path.exists(os.path.join(archive, "tiny", "wall.json"))
-    assert os.path.exists(compare.run_dir(archive, "tiny", "SimReg", 1338) + "/metrics.json")
+    assert os.path.exists(grids.run_dir(archive, "tiny", "SimReg", 1338) + "/metrics.json")
 
 
 def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch):
@@ -67,14 +69,14 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
     (tmp_path / "input.txt").write_text(text)
     prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
-    monkeypatch.setitem(compare.GRIDS, "mini", {"CE": ("config/lowres_baseline.py", [], 1),
-                                                "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), [], 1)})
+    monkeypatch.setitem(grids.GRIDS, "mini", {"CE": ("config/lowres_baseline.py", 1),
+                                                "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), 1)})
     monkeypatch.chdir(REPO)
     overrides = [f"--data_dir={tmp_path / 'data'}", "--max_iters=4", "--eval_interval=2", "--eval_iters=1",
                  "--warmup_iters=1", "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16"]
     root, archive = str(tmp_path / "runs"), str(tmp_path / "archive")
-    compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
-    chained = compare.run_dir(root, "mini", "CWT + FT", 1337)
+    runner.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
+    chained = grids.run_dir(root, "mini", "CWT + FT", 1337)
     with open(os.path.join(chained, "run.json")) as f:
         commands = json.load(f)["commands"]
     assert commands[0][2] == "config/lowres_cwt.py" and commands[1][-1] == f"--init_from={chained}/stage0/best.pt"
@@ -88,19 +90,19 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
             stage_flops.append(json.load(f)["flops"]["total"])
     with open(os.path.join(chained, "run.json")) as f:
         assert json.load(f)["flops"] == sum(stage_flops) > 0
-    with open(os.path.join(compare.run_dir(root, "mini", "CE", 1337), "metrics.json")) as f:
+    with open(os.path.join(grids.run_dir(root, "mini", "CE", 1337), "metrics.json")) as f:
         ce_flops = json.load(f)["flops"]["total"]
     assert call["runs"] == 2 and call["flops"] == sum(stage_flops) + ce_flops
     # the peak is the faster of the dtypes measured (bf16 only on CPUs with bf16 units)
     assert call["peak_flops"] == max(call["measured"].values()) > 1e9 and call["wall_s"] > 0
     assert call["measured"][call["peak_dtype"]] == call["peak_flops"] and "float32" in call["measured"]
-    archived = compare.run_dir(archive, "mini", "CWT + FT", 1337)
+    archived = grids.run_dir(archive, "mini", "CWT + FT", 1337)
     assert sorted(os.listdir(archived)) == ["embedding.npz", "log.jsonl", "metrics.json", "run.json"]  # no checkpoints
-    table, results = compare.build_table("mini", archive)
+    table, results = report.build_table("mini", archive)
     assert set(results) == {"CE", "CWT + FT"} and "## Hidden-state geometry" in table
     efficiency = call["flops"] / call["peak_flops"] / call["wall_s"]
     assert f"**Efficiency = (grid FLOPs / peak) / wall time = {efficiency:.2f}**:" in table
-    drawn = compare.make_figures("mini", archive, str(tmp_path / "results"))
+    drawn = report.make_figures("mini", archive, str(tmp_path / "results"))
     try:
         import matplotlib  # noqa: F401
         # a chained method's val curve is its fine-tune's: no val-loss difference figure is drawn for it
@@ -111,44 +113,44 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     except ImportError:
         assert drawn == []
     mtime = os.path.getmtime(os.path.join(chained, "metrics.json"))
-    compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)  # nothing left to run
+    runner.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)  # nothing left to run
     assert os.path.getmtime(os.path.join(chained, "metrics.json")) == mtime
     with open(os.path.join(archive, "mini", "wall.json")) as f:
         assert len(json.load(f)["calls"]) == 1  # a call with nothing to do adds no wall time
     # another grid with the same run (same config, seed and overrides) copies it instead of training
-    monkeypatch.setitem(compare.GRIDS, "mini2", {"CE again": ("config/lowres_baseline.py", [], 1)})
-    monkeypatch.setattr(compare, "launch", lambda *a: pytest.fail("an identical run was trained again"))
-    compare.run_grid("mini2", root, workers=1, overrides=overrides, archive=archive)
-    with open(os.path.join(compare.run_dir(root, "mini2", "CE again", 1337), "run.json")) as f:
-        assert json.load(f)["reused_from"] == compare.run_dir(root, "mini", "CE", 1337)
-    assert os.path.exists(compare.run_dir(archive, "mini2", "CE again", 1337) + "/metrics.json")
-    # ... but not when anything differs (here one override)
+    monkeypatch.setitem(grids.GRIDS, "mini2", {"CE again": ("config/lowres_baseline.py", 1)})
+    monkeypatch.setattr(runner, "launch", lambda *a: pytest.fail("an identical run was trained again"))
+    runner.run_grid("mini2", root, workers=1, overrides=overrides, archive=archive)
+    with open(os.path.join(grids.run_dir(root, "mini2", "CE again", 1337), "run.json")) as f:
+        assert json.load(f)["reused_from"] == grids.run_dir(root, "mini", "CE", 1337)
+    assert os.path.exists(grids.run_dir(archive, "mini2", "CE again", 1337) + "/metrics.json")
+    # ... but not when anything differs (here the config)
     with pytest.raises(pytest.fail.Exception, match="trained again"):
-        monkeypatch.setitem(compare.GRIDS, "mini3", {"CE, no dropout": ("config/lowres_baseline.py", ["--dropout=0.0"], 1)})
-        compare.run_grid("mini3", root, workers=1, overrides=overrides, archive=archive)
+        monkeypatch.setitem(grids.GRIDS, "mini3", {"CE at margin 1": ("config/lowres_margin_1.py", 1)})
+        runner.run_grid("mini3", root, workers=1, overrides=overrides, archive=archive)
     # a fresh checkout has only the archive: still nothing to run
     shutil.rmtree(root)
-    compare.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
+    runner.run_grid("mini", root, workers=2, overrides=overrides, archive=archive)
     # ... and a new grid with an identical run copies its archived files, no checkpoint needed
-    monkeypatch.setitem(compare.GRIDS, "mini4", {"CE from the archive": ("config/lowres_baseline.py", [], 1)})
-    compare.run_grid("mini4", root, workers=1, overrides=overrides, archive=archive)
-    copied = compare.run_dir(archive, "mini4", "CE from the archive", 1337)
+    monkeypatch.setitem(grids.GRIDS, "mini4", {"CE from the archive": ("config/lowres_baseline.py", 1)})
+    runner.run_grid("mini4", root, workers=1, overrides=overrides, archive=archive)
+    copied = grids.run_dir(archive, "mini4", "CE from the archive", 1337)
     with open(os.path.join(copied, "run.json")) as f:
-        assert json.load(f)["reused_from"] in (compare.run_dir(archive, "mini", "CE", 1337),
-                                                compare.run_dir(archive, "mini2", "CE again", 1337))
-    assert sorted(os.listdir(copied)) == sorted(os.listdir(compare.run_dir(archive, "mini", "CE", 1337)))
+        assert json.load(f)["reused_from"] in (grids.run_dir(archive, "mini", "CE", 1337),
+                                                grids.run_dir(archive, "mini2", "CE again", 1337))
+    assert sorted(os.listdir(copied)) == sorted(os.listdir(grids.run_dir(archive, "mini", "CE", 1337)))
     assert not os.path.exists(root + "/mini/CE")
     # ... unless its metrics.json predates today's evaluate.py (no geometry): then it is trained again
     for grid, method in (("mini", "CE"), ("mini2", "CE again"), ("mini4", "CE from the archive")):
-        path = compare.run_dir(archive, grid, method, 1337) + "/metrics.json"
+        path = grids.run_dir(archive, grid, method, 1337) + "/metrics.json"
         with open(path) as f:
             metrics = json.load(f)
         metrics.pop("geometry")
         with open(path, "w") as f:
             json.dump(metrics, f)
-    monkeypatch.setitem(compare.GRIDS, "mini5", {"CE from an old archive": ("config/lowres_baseline.py", [], 1)})
+    monkeypatch.setitem(grids.GRIDS, "mini5", {"CE from an old archive": ("config/lowres_baseline.py", 1)})
     with pytest.raises(pytest.fail.Exception, match="trained again"):
-        compare.run_grid("mini5", root, workers=1, overrides=overrides, archive=archive)
+        runner.run_grid("mini5", root, workers=1, overrides=overrides, archive=archive)
 
 
 def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monkeypatch):
@@ -163,10 +165,10 @@ def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monk
     root, archive = str(tmp_path / "runs"), str(tmp_path / "archive")
     tiny = [f"--data_dir={tmp_path / 'data'}", "--eval_interval=3", "--eval_iters=1", "--warmup_iters=1",
             "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--log_interval=1"]
-    grid = subprocess.Popen([sys.executable, "compare.py", "lowres", f"--root={root}", f"--archive={archive}",
+    grid = subprocess.Popen([sys.executable, "-m", "tools.compare", "lowres", f"--root={root}", f"--archive={archive}",
                              f"--results={tmp_path / 'results'}", *tiny, "--max_iters=1000000"],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out = compare.run_dir(root, "lowres", "CE", 1337)
+    out = grids.run_dir(root, "lowres", "CE", 1337)
     deadline = time.time() + 120
     while time.time() < deadline:  # until the first run has a checkpoint past step 0
         try:
@@ -200,9 +202,9 @@ def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monk
         stopped_wall = json.load(f)["wall_s"]
     assert 0 < stopped_wall <= call["wall_s"]
     monkeypatch.chdir(REPO)
-    config, extra, _ = compare.GRIDS["lowres"]["CE"]
+    config, _ = grids.GRIDS["lowres"]["CE"]
     t0 = time.time()
-    compare.launch(config, extra, 1337, out, 1, [*tiny, f"--max_iters={stopped_at + 2}"])
+    runner.launch(config, 1337, out, 1, [*tiny, f"--max_iters={stopped_at + 2}"])
     with open(os.path.join(out, "run.json")) as f:  # the run's wall time: both calls
         assert stopped_wall < json.load(f)["wall_s"] <= stopped_wall + time.time() - t0
     with open(os.path.join(out, "train.out")) as f:
@@ -221,13 +223,13 @@ def test_efficiency_sums_calls_and_says_when_runs_did_not_count(tiny_grid):
     common = {"workers": 2, "threads_per_run": 1, "cpu": "Test CPU", "cores": 2, "torch": "x", "peak_dtype": "float32"}
     with open(path, "w") as f:  # an older, single-call wall.json: no FLOPs
         json.dump({"wall_s": 1800.0, "runs": 1, **{k: v for k, v in common.items() if k != "peak_dtype"}}, f)
-    table, _ = compare.build_table("tiny", tiny_grid)
-    assert "1 runs in 0.50 h over 1 `compare.py tiny` call(s)" in table and "Efficiency: not available" in table
-    compare.record_call(path, {**common, "wall_s": 3600.0, "runs": 2, "flops": 2.0e14, "peak_flops": 1.0e11})
-    compare.record_call(path, {**common, "wall_s": 1800.0, "runs": 1, "flops": 0.6e14, "peak_flops": 1.5e11})
-    table, _ = compare.build_table("tiny", tiny_grid)
+    table, _ = report.build_table("tiny", tiny_grid)
+    assert "1 runs in 0.50 h over 1 `tools.compare tiny` call(s)" in table and "Efficiency: not available" in table
+    runner.record_call(path, {**common, "wall_s": 3600.0, "runs": 2, "flops": 2.0e14, "peak_flops": 1.0e11})
+    runner.record_call(path, {**common, "wall_s": 1800.0, "runs": 1, "flops": 0.6e14, "peak_flops": 1.5e11})
+    table, _ = report.build_table("tiny", tiny_grid)
     # (2000 s + 400 s at peak) / 5400 s = 0.444...
-    assert "4 runs in 2.00 h over 3 `compare.py tiny` call(s)" in table
+    assert "4 runs in 2.00 h over 3 `tools.compare tiny` call(s)" in table
     assert ("**Efficiency = (grid FLOPs / peak) / wall time = 0.44** (the 2 call(s) whose runs counted their "
             "FLOPs: 3 runs, 1.50 h): 0.260 PFLOP executed") in table
     assert "at the peaks measured at each call's start (float32, all cores: 100–150 GFLOP/s) would take 40.0 min" in table
@@ -236,42 +238,42 @@ def test_efficiency_sums_calls_and_says_when_runs_did_not_count(tiny_grid):
 def test_time_breakdown_splits_step_time_from_the_rest(tiny_grid):
     """Training-step share = iterations x median ms/iter over single-stage runs' wall time; the
     fill = all runs' wall time / (runs at a time x grid wall time)."""
-    for method, seed, *_, out in compare.runs_of("tiny", tiny_grid):
+    for method, seed, *_, out in grids.runs_of("tiny", tiny_grid):
         chained = (method, seed) == ("SimReg", 1338)  # its log holds only its last stage: left out of the share
         with open(os.path.join(out, "run.json"), "w") as f:
             json.dump({"wall_s": 100.0 if chained else 20.0, "commands": [["a"], ["b"]] if chained else [["a"]]}, f)
         with open(os.path.join(out, "log.jsonl"), "a") as f:  # 1000 iterations at a median of 10 ms: 10 s
             f.write(json.dumps({"iter": 999, "loss": 1.0, "tokens_per_s": 1.0, "ms_per_iter": 10.0, "mfu": 0.5}) + "\n")
-    compare.record_call(os.path.join(tiny_grid, "tiny", "wall.json"),
+    runner.record_call(os.path.join(tiny_grid, "tiny", "wall.json"),
                         {"workers": 2, "threads_per_run": 1, "cpu": "Test CPU", "cores": 2, "torch": "x",
                          "peak_dtype": "float32", "wall_s": 100.0, "runs": 4, "flops": 1e12, "peak_flops": 1e11})
-    table, _ = compare.build_table("tiny", tiny_grid)
+    table, _ = report.build_table("tiny", tiny_grid)
     # share: 3 x 10 s of 3 x 20 s; fill: (3 x 20 + 100) s / (2 x 100 s)
     assert "training steps (iterations × median ms/iter) are 50 % of the single-stage runs' wall time" in table
     assert "the runs' wall times fill 80 % of 2 × the grid's wall time" in table
 
 
 def test_machine_peak_measures_fp32_and_bf16_only_with_bf16_units(monkeypatch):
-    monkeypatch.setattr(compare, "bf16_matrix_units", lambda: False)
-    peak = compare.machine_peak()
+    monkeypatch.setattr(runner, "bf16_matrix_units", lambda: False)
+    peak = runner.machine_peak()
     assert set(peak["measured"]) == {"float32"} and peak["peak_dtype"] == "float32" and peak["peak_flops"] > 1e9
-    monkeypatch.setattr(compare, "bf16_matrix_units", lambda: True)
-    monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype, repeats: 3e11 if dtype == torch.bfloat16 else 1e11)
-    assert compare.machine_peak() == {"peak_flops": 3e11, "peak_dtype": "bfloat16",
+    monkeypatch.setattr(runner, "bf16_matrix_units", lambda: True)
+    monkeypatch.setattr(runner, "measure_matmul_flops", lambda device, dtype, repeats: 3e11 if dtype == torch.bfloat16 else 1e11)
+    assert runner.machine_peak() == {"peak_flops": 3e11, "peak_dtype": "bfloat16",
                                       "measured": {"float32": 1e11, "bfloat16": 3e11}}
-    monkeypatch.setattr(compare, "measure_matmul_flops", lambda device, dtype, repeats: 1e9 if dtype == torch.bfloat16 else 1e11)
-    assert compare.machine_peak()["peak_dtype"] == "float32"  # bf16 units, but slower: fp32 is the peak
+    monkeypatch.setattr(runner, "measure_matmul_flops", lambda device, dtype, repeats: 1e9 if dtype == torch.bfloat16 else 1e11)
+    assert runner.machine_peak()["peak_dtype"] == "float32"  # bf16 units, but slower: fp32 is the peak
 
 
 def test_single_language_grid_table(tmp_path, monkeypatch):
     """The BPE grid's runs are scored on one val split: one table, paired differences over its
     metrics, no embedding-twin or marginalization sections."""
-    monkeypatch.setitem(compare.GRIDS, "onelang", {"CE": ("config/bpe_baseline.py", [], 2),
-                                                   "SimReg": ("config/bpe_baseline.py", ["--simreg_weight=3.54"], 2)})
+    monkeypatch.setitem(grids.GRIDS, "onelang", {"CE": ("config/bpe_baseline.py", 2),
+                                                   "SimReg": ("config/bpe_simreg.py", 2)})
     values = {("CE", 1337): (0.20, 300.0), ("CE", 1338): (0.22, 280.0), ("SimReg", 1337): (0.21, 290.0),
               ("SimReg", 1338): (0.24, 260.0)}
     for (method, seed), (acc, ppl) in values.items():
-        out = compare.run_dir(str(tmp_path), "onelang", method, seed)
+        out = grids.run_dir(str(tmp_path), "onelang", method, seed)
         os.makedirs(out)
         val = {"ppl": ppl, "ppl_best": ppl - 10, "t_best": 1.1, "accuracy": acc, "recall_at_5": 0.4, "mrr": 0.3,
                "isotropy": 0.5}
@@ -282,53 +284,35 @@ def test_single_language_grid_table(tmp_path, monkeypatch):
             json.dump({"val": val, "geometry": {"val": geometry}, "rare": rare}, f)
         with open(os.path.join(out, "log.jsonl"), "w") as f:
             f.writelines(json.dumps({"iter": 50 * k, "val": v}) + "\n" for k, v in enumerate([7.0, 6.0, 5.5]))
-    table, results = compare.build_table("onelang", str(tmp_path))
+    table, results = report.build_table("onelang", str(tmp_path))
     assert "## Validation" in table and "HR validation" not in table and "Embedding geometry" not in table
     assert "| CE | 2 | 290.00 ± 14.14 |" in table  # ppl: 300, 280
     # paired: acc +0.01, +0.02 -> mean 0.015, se 0.005, half-width 12.7062 * 0.005 = 0.0635;
     # ppl -10, -20 -> -15, se 5, half-width 63.5 (no decimals at PPL ~300)
     assert "| SimReg | 2 | +0.015 [-0.049, +0.079], 2/2 up | +0.000 [+0.000, +0.000], 0/2 up | -15 [-79, +49], 2/2 down |" in table
-    assert "## Rare targets" in table and f"| CE | 2 | 0.100 ± 0.000 | 2900 ± 141 | {compare.fmt([0.05, 0.055])} | 0.105 ± 0.007 |" in table
+    assert "## Rare targets" in table and f"| CE | 2 | 0.100 ± 0.000 | 2900 ± 141 | {report.fmt([0.05, 0.055])} | 0.105 ± 0.007 |" in table
     # paired rare columns: acc/4 -> +0.0025, +0.005 (se 0.00125); ppl x10 -> -100, -200 (se 50)
     assert "| +0.004 [-0.012, +0.020], 2/2 up | -150 [-785, +485], 2/2 down |" in table
     assert "## Hidden-state geometry (val)" in table and "paper" not in table
 
 
-def train_defaults():
-    """train.py's config keys and defaults, read from its source the way train.py collects them
-    (top-level assignments of plain values, up to config_keys)."""
-    import ast
-    with open(os.path.join(REPO, "train.py")) as f:
-        tree = ast.parse(f.read())
-    defaults = {}
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
-            if node.targets[0].id == "config_keys":
-                break
-            try:
-                defaults[node.targets[0].id] = ast.literal_eval(node.value)
-            except ValueError:
-                pass
-    return defaults
-
-
 def test_every_grid_command_is_a_valid_config(monkeypatch):
-    """Each run of every grid parses (config files, overrides, types): a typo would otherwise
+    """Each run of every grid parses (config files, types): a typo would otherwise
     surface hours into a grid. One of them goes through train.py itself (--dry_run)."""
     import subprocess
     import configurator
     monkeypatch.chdir(REPO)
     defaults = train_defaults()
     assert defaults["n_layer"] == 4 and defaults["margin"] is None and len(defaults) > 60
-    for grid in compare.GRIDS:
-        for method, (config, extra, _) in compare.GRIDS[grid].items():
-            for cmd in compare.planned_commands(config, extra, 1337, []):
+    for grid in grids.GRIDS:
+        for method, (config, _) in grids.GRIDS[grid].items():
+            for cmd in runner.planned_commands(config, 1337, []):
                 parsed = configurator.parse_config(cmd[2:], defaults)
                 assert parsed["seed"] == 1337 and parsed["max_iters"] > 0, (grid, method)
-    bpe = compare.GRIDS["bpe"]
-    simreg = configurator.parse_config(compare.planned_commands(*bpe["SimReg chunk 32"][:2], 1338, [])[0][2:], defaults)
+    bpe = grids.GRIDS["bpe"]
+    simreg = configurator.parse_config(runner.planned_commands(bpe["SimReg chunk 32"][0], 1338, [])[0][2:], defaults)
     assert (simreg["data_dir"], simreg["simreg_weight"], simreg["simreg_chunk_size"], simreg["low_resource"]) == \
         ("data/shakespeare_gpt2", 3.54, 32, False)
-    cmd = compare.planned_commands(*bpe["CE"][:2], 1337, [])[0]
+    cmd = runner.planned_commands(bpe["CE"][0], 1337, [])[0]
     result = subprocess.run(cmd + ["--dry_run=True", "--vocab_size=50304"], capture_output=True, text=True)
     assert result.returncode == 0 and "params: 7242880" in result.stdout, result.stderr[-500:]

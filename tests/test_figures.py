@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-import figures  # noqa: E402
+from tools import figures  # noqa: E402
 
 ITOS = list("\n !,.ABCabc")
 PNG = b"\x89PNG\r\n\x1a\n"

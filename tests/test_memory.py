@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-import memory  # noqa: E402
+from tools import memory  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
 
@@ -21,6 +21,6 @@ def test_activation_estimate_matches_a_direct_measurement(config):
 
 
 def test_read_config_follows_includes():
-    config, batch_size = memory.read_config(os.path.join(memory.__file__.rsplit(os.sep, 1)[0], "config", "simreg_7b.py"))
+    config, batch_size = memory.read_config(os.path.join(os.path.dirname(os.path.dirname(memory.__file__)), "config", "simreg_7b.py"))
     assert (config.arch, config.n_layer, config.n_embd, config.ffn_hidden, config.vocab_size) == ("llama", 32, 4096, 11008, 50304)
     assert batch_size == 1

@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-import stats  # noqa: E402
+from tools import stats  # noqa: E402
 
 
 @pytest.mark.parametrize("x", [0.01, 0.3, 0.5, 0.77, 0.99])

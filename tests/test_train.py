@@ -71,6 +71,20 @@ def test_run_writes_log_checkpoints_and_metrics(baseline_run):
     assert best["best_val_loss"] == min(r["val"] for r in evals)
 
 
+def test_train_defaults_are_what_a_run_uses(baseline_run):
+    """configurator.train_defaults() reads train.py's defaults from its source; a real run's
+    checkpoint records the config it ran with: every key not set by the test's command line (or
+    config/lowres_baseline.py, which only names the run) must be the same."""
+    from configurator import train_defaults
+    out, _ = baseline_run
+    with open(os.path.join(out, "ckpt.json")) as f:
+        used = json.load(f)["config"]
+    defaults = train_defaults()
+    set_here = {arg[2:].split("=")[0] for arg in TINY} | {"data_dir", "out_dir"}
+    assert set(defaults) == set(used)
+    assert {k: v for k, v in defaults.items() if k not in set_here} == {k: v for k, v in used.items() if k not in set_here}
+
+
 def test_same_seed_same_run_other_seed_other_run(tmp_path, data_dir, baseline_run):
     out, _ = baseline_run
     train(tmp_path / "again", data_dir)

@@ -10,7 +10,7 @@ p-values of all claims of a grid are Holm-adjusted together before stats.verdict
 
 Where the paper measured something else (a downstream benchmark, a bigger model), the toy's
 nearest quantity stands in for it, and the table says the paper's number is not on our scale.
-compare.py calls claims_table() for each grid and paired_cell() for its difference tables.
+tools/report.py calls claims_table() for each grid and paired_cell() for its difference tables.
 """
 
 import json
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 import metrics
-import stats
+from tools import stats
 
 
 def _metric(*path):
@@ -90,7 +90,7 @@ def claim(paper, method, quantity, value, direction, paper_says, paper_effect=No
 
 SJ, SR, DI, NI, CW = "Stop Jostling", "SimReg", "Dispersion", "NITP", "CWT"
 # The Stop Jostling numbers: the authors' baseline and runs (a toy identical to ours, so the
-# paper's effect is on our scale; compare.PAPER says where each comes from).
+# paper's effect is on our scale; grids.PAPER says where each comes from).
 _SJ_RUNS = {"margin 2": (9.62, .358, .642), "margin 1": (9.54, .371, .765), "margin 0.6 + SE": (6.17, .487, .762)}
 _SJ_BASE = (10.63, .315, .417)
 

@@ -1,7 +1,7 @@
 """
 How much GPU memory does each paper-scale config need? Prints a Markdown table:
 
-    python memory.py config/baseline_350m.py config/simreg_7b.py ... [--gpus 8] [--seq_len 2048]
+    python -m tools.memory config/baseline_350m.py config/simreg_7b.py ... [--gpus 8] [--seq_len 2048]
 
 Parameters, gradients and AdamW state follow from the parameter count (exact). Activations are
 *measured*, not guessed: the model is built at the config's real width with 1 and 2 blocks, one
@@ -22,17 +22,18 @@ import sys
 
 import torch
 
-from configurator import read_config_file
+from configurator import parse_config, train_defaults
 from model import GPT, GPTConfig
 
 GiB = 2 ** 30
 
 
 def read_config(path):
-    """The model and batch keys of a train.py config file, its includes followed."""
-    namespace = read_config_file(path)
-    fields = {k: namespace[k] for k in GPTConfig.__dataclass_fields__ if k in namespace}
-    return GPTConfig(**fields), namespace.get("batch_size", 1)
+    """The model and micro-batch of a train.py config file: train.py's defaults, then the file (its
+    includes followed), checked by the same configurator as a run."""
+    config = parse_config([path], train_defaults())
+    fields = {k: config[k] for k in GPTConfig.__dataclass_fields__ if k in config}
+    return GPTConfig(**fields), config["batch_size"]
 
 
 def saved_activation_bytes(config, n_layer, batch_size, seq_len):

@@ -2,8 +2,8 @@
 What does each loss cost? Times real training steps (forward, backward, AdamW) with each loss
 switched on, as ratios to the cross-entropy step measured in the same process:
 
-    python bench.py                 # every section
-    python bench.py --section toy   # toy | 350m | cwt | memory | efficiency | softmax
+    python -m tools.bench                 # every section
+    python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
   350m    the SimReg paper's 350M width cut to fit here: d = 1024, 16 heads, T = 2048, batch 1,
@@ -18,7 +18,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
   efficiency  how close the grids' CE training step (lowres: the char model; bpe: the GPT-2 BPE
           toy) comes to the machine's arithmetic limit: model FLOPs per second (train.py's 6N +
           attention) / the 2048^2 fp32 matmul peak on all cores, for one process on all cores
-          and for one 1-thread process per core running side by side (how compare.py runs a grid)
+          and for one 1-thread process per core running side by side (how tools/compare.py runs a grid)
   softmax the cross-entropy alone on the BPE toy's logits (1024 x 50304), forward + backward on
           1 thread: losses.cross_entropy vs F.cross_entropy, alternating so both see the same load
 
@@ -41,6 +41,9 @@ from losses import Objective, cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
 from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
 
 
 def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device, dtype):
@@ -199,14 +202,14 @@ def memory_child(chunk_size):
 def memory(args, device, dtype):
     rows = []
     for chunk in (0, 1024, 256):
-        out = subprocess.run([sys.executable, __file__, "--memory_child", str(chunk)], capture_output=True, text=True,
-                             check=True).stdout
+        out = subprocess.run([*SELF, "--memory_child", str(chunk)], capture_output=True, text=True, check=True,
+                             cwd=REPO).stdout
         rows.append(("full" if chunk == 0 else f"chunk {chunk}", f"{json.loads(out)['peak_delta_mib']:.0f}"))
     table("SimReg peak memory, forward + backward, T 2048, C 1024 (growth of the peak resident set)",
           ["SimReg", "peak MiB"], rows)
 
 
-EFFICIENCY_SETTINGS = {  # name -> (model config, batch size): the CE runs of compare.py's grids
+EFFICIENCY_SETTINGS = {  # name -> (model config, batch size): the CE runs of the comparison grids
     "lowres": (dict(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128), 12),
     "bpe": (dict(vocab_size=50304, block_size=128, n_layer=4, n_head=4, n_embd=128), 8),
 }
@@ -227,14 +230,14 @@ def efficiency_child(setting, steps, warmup):
 def efficiency(args, device, dtype):
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
-    peak = measure_matmul_flops("cpu", torch.float32, repeats=20)  # as compare.py: a best of 3 can read low
+    peak = measure_matmul_flops("cpu", torch.float32, repeats=20)  # as tools/runner.py: a best of 3 can read low
     rows = []
     for setting in EFFICIENCY_SETTINGS:
         steps = args.steps * (20 if setting == "lowres" else 4)
-        command = [sys.executable, __file__, "--efficiency_child", setting, "--steps", str(steps), "--warmup", "3"]
+        command = [*SELF, "--efficiency_child", setting, "--steps", str(steps), "--warmup", "3"]
         alone = json.loads(subprocess.run(command, capture_output=True, text=True, check=True,
-                                          env=dict(os.environ, OMP_NUM_THREADS=str(cores))).stdout)
-        children = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(cores))).stdout)
+        children = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
                     for _ in range(cores)]
         side_by_side = [json.loads(child.communicate()[0]) for child in children]
         rate = sum(r["flops"] / r["seconds"] for r in side_by_side)

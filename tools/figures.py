@@ -20,7 +20,7 @@ function here returns None and nothing else in the repo changes.
     embedding_pca          the rows projected on their first two principal components, every HR
                            letter joined to its LR twin (Stop Jostling Fig. 6)
 
-compare.py calls make_figures() after writing a grid's table; each function takes plain data
+tools/report.py calls make_figures() after writing a grid's table; each function takes plain data
 (lists, numpy arrays) and a path, and writes one PNG atomically.
 """
 

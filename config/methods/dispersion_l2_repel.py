@@ -1,0 +1,3 @@
+# Dispersion loss, l2_repel variant (dispersion paper, Sec. 4.4, Table 1); lambda and tau as for angular (our choice).
+include = "dispersion.py"
+dispersion_variant = "l2_repel"
