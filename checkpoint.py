@@ -147,6 +147,23 @@ def load_latest(out_dir, device, master=True):
     raise CheckpointError("cannot resume: " + "; ".join(problems))
 
 
+def starting_weights(path, model_config, head_from_embedding, device="cpu"):
+    """The weights of another run's checkpoint, to start a new run from (load them before the model
+    is parallelized: plain, whole tensors). The model must have the same shape (tie_weights and
+    dropout may differ). head_from_embedding: the new untied LM head starts as a copy of the input
+    embedding -- CWT's second stage gives a headless model a head that way (headless LM paper,
+    Sec. 4.2). Raises CheckpointError for an unreadable file, ValueError for another shape."""
+    source = load(path, device)
+    for key, value in source["model_config"].items():
+        if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
+            raise ValueError(f"cannot start from {path}: model key '{key}' is {getattr(model_config, key)!r} here "
+                             f"but {value!r} there")
+    weights = dict(source["model"])
+    if head_from_embedding:
+        weights["lm_head.weight"] = weights["wte.weight"].clone()
+    return weights
+
+
 # the config keys a run cannot change on resume (the model's shape and what the data means)
 RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias", "tie_weights",
                "low_resource", "separate_embeddings")

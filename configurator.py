@@ -163,6 +163,39 @@ TRAIN_RULES = {
 }
 
 
+def check_train_config(config, world_size):
+    """The first rule between train.py's keys that config breaks, as a message (None if none):
+    the checks that one key's range cannot express, made before a run touches anything."""
+    c = config
+    for problem, message in (
+        (c["log_marginalization"] and (c["dropout"] > 0 or not c["tie_weights"] or c["ce_weight"] == 0
+                                       or c["cwt_weight"] > 0),
+         "log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
+         "(it splits the tied embedding's cross-entropy gradient)"),
+        (c["init_from"] not in ("scratch", "resume") and not os.path.isfile(c["init_from"]),
+         f"key 'init_from' must be 'scratch', 'resume' or an existing checkpoint file, got {c['init_from']!r}"),
+        (c["head_from_embedding"] and c["init_from"] not in ("scratch", "resume") and c["tie_weights"],
+         "head_from_embedding=True needs tie_weights=False (a tied head is the embedding)"),
+        (c["lr_schedule"] == "cosine" and c["lr_decay_iters"] <= c["warmup_iters"],
+         f"key 'lr_decay_iters' ({c['lr_decay_iters']}) must be above warmup_iters ({c['warmup_iters']}) with the "
+         f"cosine schedule"),
+        (c["top_k"] > c["n_expert"] > 1, f"key 'top_k' ({c['top_k']}) must be at most n_expert ({c['n_expert']})"),
+        (world_size > 1 and c["parallel"] == "none",
+         f"launched on {world_size} processes but key 'parallel' is 'none' (use ddp or fsdp)"),
+        (c["parallel"] != "none" and c["log_marginalization"],
+         "log_marginalization needs parallel='none' (it reads one process's gradients)"),
+        (c["parallel"] == "fsdp" and c["separate_embeddings"],
+         "separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps per-row state as "
+         "plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),
+        (c["global_batch_size"] % (c["batch_size"] * world_size) if c["global_batch_size"] else False,
+         f"key 'global_batch_size' ({c['global_batch_size']}) must be a multiple of batch_size ({c['batch_size']}) x "
+         f"processes ({world_size})"),
+    ):
+        if problem:
+            return message
+    return None
+
+
 def check_values(config, rules):
     """Raise ConfigError naming the first key whose value breaks its rule."""
     for key, (expected, ok) in rules.items():

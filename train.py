@@ -34,7 +34,7 @@ import checkpoint
 import evaluate
 import metrics
 import parallelism
-from configurator import TRAIN_RULES, exit_config_error, parse_config_or_exit
+from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, load_tokens, read_meta
 from losses import Objective
 from model import GPT, GPTConfig, build_model
@@ -133,27 +133,9 @@ stop = StopRequest()  # from here on Ctrl-C / kill / SIGUSR1 end the run at the 
 # -----------------------------------------------------------------------------
 
 world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; a plain `python train.py` is one process
-for problem, message in (
-    (log_marginalization and (dropout > 0 or not tie_weights or ce_weight == 0 or cwt_weight > 0),
-     "log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
-     "(it splits the tied embedding's cross-entropy gradient)"),
-    (init_from not in ("scratch", "resume") and not os.path.isfile(init_from),
-     f"key 'init_from' must be 'scratch', 'resume' or an existing checkpoint file, got {init_from!r}"),
-    (lr_schedule == "cosine" and lr_decay_iters <= warmup_iters,
-     f"key 'lr_decay_iters' ({lr_decay_iters}) must be above warmup_iters ({warmup_iters}) with the cosine schedule"),
-    (top_k > n_expert and n_expert > 1, f"key 'top_k' ({top_k}) must be at most n_expert ({n_expert})"),
-    (world_size > 1 and parallel == "none",
-     f"launched on {world_size} processes but key 'parallel' is 'none' (use ddp or fsdp)"),
-    (parallel != "none" and log_marginalization, "log_marginalization needs parallel='none' (it reads one "
-     "process's gradients)"),
-    (parallel == "fsdp" and separate_embeddings, "separate_embeddings=True does not work with parallel='fsdp' "
-     "(SeparatedRowsAdamW keeps per-row state as plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),
-    (global_batch_size % (batch_size * world_size) if global_batch_size else False,
-     f"key 'global_batch_size' ({global_batch_size}) must be a multiple of batch_size ({batch_size}) x processes "
-     f"({world_size})"),
-):
-    if problem:
-        exit_config_error(message)
+problem = check_train_config(config, world_size)  # keys that must agree with each other
+if problem:
+    exit_config_error(problem)
 if global_batch_size:  # the config names the batch the recipe needs; micro-steps follow from the hardware
     gradient_accumulation_steps = global_batch_size // (batch_size * world_size)
 
@@ -254,23 +236,13 @@ except ValueError as e:
     exit_config_error(e)
 objective.init_weights()  # trainable parts of the losses (NITP's head), if any
 
-if init_from not in ("scratch", "resume"):
-    # start from another run's weights (fresh optimizer, step 0), e.g. CWT's second stage:
-    # a headless model gets a new untied LM head initialised as a copy of its input embedding
+if init_from not in ("scratch", "resume"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
     try:
-        source = checkpoint.load(init_from, device)
+        model.load_state_dict(checkpoint.starting_weights(init_from, model_config, head_from_embedding, device))
     except checkpoint.CheckpointError as e:
         sys.exit(f"error: {e}")
-    for key, value in source["model_config"].items():
-        if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
-            exit_config_error(f"cannot start from {init_from}: model key '{key}' is "
-                              f"{getattr(model_config, key)!r} here but {value!r} there")
-    weights = dict(source["model"])
-    if head_from_embedding:
-        if tie_weights:
-            exit_config_error("head_from_embedding=True needs tie_weights=False (a tied head is the embedding)")
-        weights["lm_head.weight"] = weights["wte.weight"].clone()
-    model.load_state_dict(weights)  # before parallelize: plain, whole tensors
+    except ValueError as e:
+        exit_config_error(e)
     if master:
         print(f"initialised from {init_from}" + (" (LM head := copy of wte)" if head_from_embedding else ""))
 

@@ -284,6 +284,20 @@ def test_bad_input_is_one_line_and_changes_nothing(tmp_path, data_dir, finished_
     assert snapshot(out, data) == before
 
 
+def test_starting_from_another_run_checks_shape_and_head(tmp_path, data_dir, finished_run):  # noqa: F811
+    """--init_from=<checkpoint>: a model of another shape, or a head copied from the embedding while
+    the head is tied to it, is one line (exit 2) before the new out_dir exists."""
+    best = os.path.join(finished_run, "best.pt")
+    for args, message in ((["--n_layer=2"], "model key 'n_layer' is 2 here but 1 there"),
+                          (["--head_from_embedding=True"], "head_from_embedding=True needs tie_weights=False")):
+        out = str(tmp_path / "new")
+        result = subprocess.run(command(out, data_dir, f"--init_from={best}", *args), cwd=REPO, env=ENV,
+                                capture_output=True, text=True)
+        lines = [line for line in result.stderr.splitlines() if line.strip()]
+        assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+        assert not os.path.exists(out)
+
+
 def run_tool(script, *args, cwd=REPO):
     return subprocess.run([sys.executable, os.path.join(REPO, script), *args], cwd=cwd, env=ENV,
                           capture_output=True, text=True)
