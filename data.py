@@ -1,18 +1,87 @@
 """
-Reading a prepared dataset (prepare_shakespeare.py, prepare_c4.py): data_dir holds train.bin and
-val.bin (token ids as uint16) and meta.json (vocab_size, and itos for characters). Every way these
-files can be wrong gets one line that names the file and what was expected, before a run touches
-its out_dir.
+A prepared dataset: data_dir holds train.bin and val.bin (token ids as uint16) and meta.json
+(vocab_size, and itos for characters). prepare_shakespeare.py and prepare_c4.py write it through
+the functions here and train.py and evaluate.py read it through them, so both sides agree on one
+format. Every way these files can be wrong, or preparing them can fail, is one DataError: one
+line that names the file and what was expected (train.py checks its data before it touches its
+out_dir).
 """
 
+import hashlib
 import json
 import os
 
 import numpy as np
 
+from utils import atomic_write, save_text
+
+# GPT-2's BPE, as both prepare scripts write it and meta.json records it.
+BPE_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's ranks ("gpt2" has the same ranks)
+BPE_TOKENS = 50257          # tokens in those ranks: every id in the data is below this
+BPE_EOT = 50256             # <|endoftext|>
+BPE_VOCAB_SIZE = 50304      # BPE_TOKENS padded up to a multiple of 64: GPU-friendly matmul shapes
+
 
 class DataError(Exception):
-    pass
+    """A dataset that is missing or wrong, or that could not be prepared."""
+
+
+def gpt2_encoding():
+    """tiktoken's GPT-2 BPE. tiktoken downloads the rank file on first use and then caches it,
+    so offline the one fix is a cache, and the message says how to point at one."""
+    import tiktoken  # only BPE data needs it
+
+    try:
+        return tiktoken.get_encoding(BPE_ENCODING)
+    except Exception as exc:  # whatever its HTTP client or file reader raised
+        raise DataError(f"cannot load tiktoken's {BPE_ENCODING} ranks ({type(exc).__name__}: {exc}); offline, "
+                        "point TIKTOKEN_CACHE_DIR at a directory that holds its cached BPE file") from None
+
+
+def sha256_of_file(path):
+    """Hashed in blocks, so a multi-GB shard never has to fit in memory."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_tokens(path, arrays):
+    """Stream uint16 token arrays into `path` (a split's .bin) through a temp file renamed into
+    place; return (number of tokens, sha256 of the file). The meta.json beside it is removed
+    first and write_meta writes it after the bins, so a meta.json always describes the bins next
+    to it: a crash leaves a complete dataset or one that read_meta reports as missing."""
+    directory = os.path.dirname(path) or "."
+    meta_path = os.path.join(directory, "meta.json")
+    result = {}
+
+    def write(tmp):
+        h, n_tokens = hashlib.sha256(), 0
+        with open(tmp, "wb") as f:
+            for ids in arrays:
+                block = ids.tobytes()
+                f.write(block)
+                h.update(block)
+                n_tokens += len(ids)
+        result["n_tokens"], result["sha256"] = n_tokens, h.hexdigest()
+
+    try:
+        if os.path.exists(meta_path):
+            os.remove(meta_path)
+        atomic_write(path, write)
+    except OSError as exc:
+        raise DataError(f"could not write outputs to {directory}: {exc}") from exc
+    return result["n_tokens"], result["sha256"]
+
+
+def write_meta(meta, data_dir):
+    """meta.json, last: its presence means the bins beside it are complete (see write_tokens).
+    UTF-8 with the characters themselves, so a char vocabulary's itos stays readable."""
+    try:
+        save_text(json.dumps(meta, indent=2, ensure_ascii=False) + "\n", os.path.join(data_dir, "meta.json"))
+    except OSError as exc:
+        raise DataError(f"could not write outputs to {data_dir}: {exc}") from exc
 
 
 def read_meta(data_dir):
@@ -22,7 +91,7 @@ def read_meta(data_dir):
         raise DataError(f"no dataset in data_dir '{data_dir}' (missing meta.json); "
                         f"run prepare_shakespeare.py --out_dir {data_dir} first")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             meta = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise DataError(f"{path} is not valid JSON (truncated or damaged? {e}); prepare the dataset again") from None

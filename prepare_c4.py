@@ -28,8 +28,8 @@ Why the code looks the way it does:
    bad one stops the run with one ``error:`` line naming it and is renamed to ``<name>.corrupt``
    (kept for inspection, never read again), so rerunning downloads it afresh.
 3. Never leave half-written output. Bins and meta.json are written to a temp file and renamed
-   (``utils.atomic_write``). meta.json is removed first and written last: when it exists, the
-   bins next to it are complete and are the ones it describes.
+   (``data.write_tokens``, ``data.write_meta``). meta.json is removed first and written last:
+   when it exists, the bins next to it are complete and are the ones it describes.
 4. Tokenising is the slow part (minutes of CPU per train shard), so batches of documents go to
    a pool of processes; results are taken back in submission order, so the output is the same
    for any number of workers.
@@ -42,7 +42,6 @@ LM-head matmuls get GPU-friendly shapes; ids 50257..50303 never occur in the dat
 import argparse
 import collections
 import gzip
-import hashlib
 import json
 import multiprocessing
 import os
@@ -53,29 +52,22 @@ import zlib
 
 import numpy as np
 import requests
-import tiktoken
 import urllib3
 from tqdm import tqdm
 
-from prepare_shakespeare import sha256_of_file
+from data import BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, read_meta, \
+    sha256_of_file, write_meta, write_tokens
+from utils import atomic_write
 
 DEFAULT_OUT_DIR = os.path.join("data", "c4")
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/allenai/c4/resolve/main"
 N_TRAIN_SHARDS, N_VAL_SHARDS = 1024, 8
-TOKENIZER = "r50k_base"    # GPT-2 BPE; tiktoken's "gpt2" has identical ranks
-TOKENIZER_VOCAB = 50257
-EOT = 50256                # <|endoftext|>, appended after every document
-VOCAB_SIZE = 50304         # 50257 padded up to a multiple of 64
 DOCS_PER_BATCH = 256       # documents per task sent to a tokenizer process (~0.5 MB of C4 text)
-CHUNK_SIZE = 1 << 20       # download / hashing block
+CHUNK_SIZE = 1 << 20       # download block
 DEFAULT_RETRIES = 5
 DEFAULT_RETRY_DELAY = 2.0  # seconds before the first retry; doubles every retry
 MAX_RETRY_DELAY = 60.0
 DEFAULT_TIMEOUT = 60.0     # seconds to connect, and at most between two received blocks
-
-
-class PrepareError(Exception):
-    """Anything that stops us from producing a correct dataset."""
 
 
 class _Retryable(Exception):
@@ -86,7 +78,7 @@ def shard_names(split, n):
     """File names of the first ``n`` shards of ``split`` ('train' or 'validation')."""
     total = N_TRAIN_SHARDS if split == "train" else N_VAL_SHARDS
     if not 1 <= n <= total:
-        raise PrepareError(f"number of {split} shards must be between 1 and {total}, got {n}")
+        raise DataError(f"number of {split} shards must be between 1 and {total}, got {n}")
     return [f"c4-{split}.{i:05d}-of-{total:05d}.json.gz" for i in range(n)]
 
 
@@ -103,7 +95,7 @@ def _parse_content_range(value):
 
 
 def _fetch_into(url, part, timeout):
-    """One attempt: bring ``part`` up to the full file. Raises _Retryable or PrepareError."""
+    """One attempt: bring ``part`` up to the full file. Raises _Retryable or DataError."""
     have = os.path.getsize(part) if os.path.exists(part) else 0
     # identity: we want the file's own bytes, never a server-side re-compression of them.
     headers = {"Accept-Encoding": "identity"}
@@ -121,7 +113,7 @@ def _fetch_into(url, part, timeout):
             if status == 429 or status >= 500:
                 raise _Retryable(f"HTTP {status} {resp.reason}")
             if status >= 400 or status not in (200, 206):
-                raise PrepareError(f"download of {url} failed: HTTP {status} {resp.reason}")
+                raise DataError(f"download of {url} failed: HTTP {status} {resp.reason}")
             if status == 206:
                 start, total = _parse_content_range(resp.headers.get("Content-Range"))
                 if start != have or total is None:
@@ -147,9 +139,9 @@ def _fetch_into(url, part, timeout):
             urllib3.exceptions.HTTPError) as exc:
         raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
     except requests.RequestException as exc:  # bad URL and the like: retrying will not help
-        raise PrepareError(f"download of {url} failed: {exc}") from exc
+        raise DataError(f"download of {url} failed: {exc}") from exc
     except OSError as exc:
-        raise PrepareError(f"could not write {part}: {exc}") from exc
+        raise DataError(f"could not write {part}: {exc}") from exc
 
 
 def download(url, dest_path, retries=DEFAULT_RETRIES, retry_delay=DEFAULT_RETRY_DELAY,
@@ -172,7 +164,7 @@ def download(url, dest_path, retries=DEFAULT_RETRIES, retry_delay=DEFAULT_RETRY_
             if attempt == retries:
                 kept = (f"; the partial download {part} is kept, rerun to resume"
                         if os.path.exists(part) else "")
-                raise PrepareError(
+                raise DataError(
                     f"download of {url} failed after {attempt + 1} attempts: {exc}{kept}") from None
             delay = min(retry_delay * 2 ** attempt, MAX_RETRY_DELAY)
             print(f"{os.path.basename(dest_path)}: {exc}; retry {attempt + 1}/{retries} "
@@ -190,12 +182,12 @@ def _corrupt(path, reason):
     """Move a bad shard out of the way (a rerun downloads it again) and describe it."""
     bad = path + ".corrupt"
     os.replace(path, bad)
-    return PrepareError(f"{path} is corrupt ({reason}); moved it to {os.path.basename(bad)}, "
-                        "rerun to download it again")
+    return DataError(f"{path} is corrupt ({reason}); moved it to {os.path.basename(bad)}, "
+                     "rerun to download it again")
 
 
 def iter_documents(path):
-    """Yield the "text" of every line of a shard; a damaged shard raises PrepareError."""
+    """Yield the "text" of every line of a shard; a damaged shard raises DataError."""
     lineno = 0
     try:
         with gzip.open(path, "rb") as f:
@@ -211,9 +203,9 @@ def iter_documents(path):
         what = "truncated" if isinstance(exc, EOFError) else "bad gzip data"
         raise _corrupt(path, f"{what} after line {lineno}: {exc}") from None
     except FileNotFoundError:
-        raise PrepareError(f"shard {path} not found") from None
+        raise DataError(f"shard {path} not found") from None
     except OSError as exc:  # a read error of the disk, not of the data: leave the file alone
-        raise PrepareError(f"could not read {path}: {exc}") from exc
+        raise DataError(f"could not read {path}: {exc}") from exc
     if lineno == 0:
         raise _corrupt(path, "no documents")
 
@@ -227,27 +219,17 @@ def count_documents(path):
 # step 3: tokenise in parallel, write
 # ---------------------------------------------------------------------------
 
-def load_encoding():
-    try:
-        return tiktoken.get_encoding(TOKENIZER)
-    except Exception as exc:  # tiktoken fetches its BPE file once, then caches it
-        raise PrepareError(
-            f"could not load the tiktoken encoding {TOKENIZER!r} ({type(exc).__name__}: {exc}); "
-            "offline, point TIKTOKEN_CACHE_DIR at a directory that holds its cached BPE file"
-        ) from None
-
-
 def encode_batch(texts):
     """GPT-2 ids of a list of documents, each followed by EOT, as one uint16 array.
 
     encode_ordinary: a document that contains the string "<|endoftext|>" gets it as plain
     text, so the only 50256s in the data are the separators we add.
     """
-    enc = tiktoken.get_encoding(TOKENIZER)  # cached per process after the first call
+    enc = gpt2_encoding()  # tiktoken caches it per process after the first call
     ids = []
     for text in texts:
         ids.extend(enc.encode_ordinary(text))
-        ids.append(EOT)
+        ids.append(BPE_EOT)
     return np.array(ids, dtype=np.uint16)
 
 
@@ -289,36 +271,25 @@ def tokenize_split(paths, out_path, n_docs, pool, ahead, desc):
 
     Returns (number of tokens, sha256 of the file).
     """
-    from utils import atomic_write  # here, not at the top: utils imports torch, and every
-    #                                 spawned tokenizer process imports this module
-    stats = {}
-
-    def write(tmp):
-        h, n_tokens = hashlib.sha256(), 0
-        with open(tmp, "wb") as f, tqdm(total=n_docs, unit="doc", desc=desc) as bar:
+    def arrays():
+        with tqdm(total=n_docs, unit="doc", desc=desc) as bar:
             for n, ids in _encode_in_order(_batches(paths), pool, ahead):
-                data = ids.tobytes()
-                f.write(data)
-                h.update(data)
-                n_tokens += len(ids)
+                yield ids
                 bar.update(n)
-        stats["n_tokens"], stats["sha256"] = n_tokens, h.hexdigest()
 
-    atomic_write(out_path, write)
-    return stats["n_tokens"], stats["sha256"]
+    return write_tokens(out_path, arrays())
 
 
 def _outputs_match(out_dir, train, val, shard_sha):
     """True if meta.json and the bins already hold exactly these shards, tokenised."""
     try:
-        with open(os.path.join(out_dir, "meta.json")) as f:
-            meta = json.load(f)
-        return (meta.get("tokenizer") == TOKENIZER and meta.get("vocab_size") == VOCAB_SIZE
+        meta = read_meta(out_dir)
+        return (meta.get("tokenizer") == BPE_ENCODING and meta.get("vocab_size") == BPE_VOCAB_SIZE
                 and meta.get("train_shards") == train and meta.get("val_shards") == val
                 and meta.get("shard_sha256") == shard_sha
                 and os.path.getsize(os.path.join(out_dir, "train.bin")) == 2 * meta["n_train"]
                 and os.path.getsize(os.path.join(out_dir, "val.bin")) == 2 * meta["n_val"])
-    except (OSError, ValueError, KeyError, TypeError):
+    except (DataError, OSError, KeyError, TypeError):
         return False
 
 
@@ -327,17 +298,15 @@ def shards_from_text(text_path, paths, train, val):
     (tiny Shakespeare: one speech each), every 10th to validation, and deal them round-robin into
     shards with the real C4 names and line format, so checking and tokenising run unchanged.
     Shards already there are kept (a rerun finds everything up to date)."""
-    from utils import atomic_write
-
     try:
         with open(text_path, encoding="utf-8") as f:
             docs = [d.strip("\n") for d in re.split(r"\n\s*\n", f.read()) if d.strip()]
     except (OSError, UnicodeDecodeError) as exc:
-        raise PrepareError(f"cannot read --from_text {text_path}: {exc}") from None
+        raise DataError(f"cannot read --from_text {text_path}: {exc}") from None
     split_docs = {"train": [d for i, d in enumerate(docs) if i % 10 != 9], "val": docs[9::10]}
     for split, names in (("train", train), ("val", val)):
         if len(split_docs[split]) < len(names):
-            raise PrepareError(f"--from_text {text_path} has {len(docs)} paragraphs: too few for {len(names)} {split} shards")
+            raise DataError(f"--from_text {text_path} has {len(docs)} paragraphs: too few for {len(names)} {split} shards")
         for k, name in enumerate(names):
             if os.path.exists(paths[name]):
                 continue
@@ -357,15 +326,13 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
     If meta.json already describes exactly these shards (same sha256) and the bins have the
     sizes it records, nothing is rewritten.
     """
-    from utils import save_json
-
     train, val = shard_names("train", shards), shard_names("validation", val_shards)
     workers = (os.cpu_count() or 1) if workers is None else workers
     if workers < 1:
-        raise PrepareError(f"workers must be at least 1, got {workers}")
+        raise DataError(f"workers must be at least 1, got {workers}")
     if retries < 0:
-        raise PrepareError(f"retries must be at least 0, got {retries}")
-    load_encoding()  # fail now, not after an hour of downloads
+        raise DataError(f"retries must be at least 0, got {retries}")
+    gpt2_encoding()  # fail now, not after an hour of downloads
     base_url = base_url.rstrip("/")
     paths = {name: os.path.join(out_dir, name) for name in train + val}
 
@@ -381,18 +348,14 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
     shard_sha = {name: sha256_of_file(path) for name, path in paths.items()}
     if _outputs_match(out_dir, train, val, shard_sha):
         print(f"{out_dir}: train.bin, val.bin, meta.json are up to date for these shards")
-        with open(os.path.join(out_dir, "meta.json")) as f:
-            return json.load(f)
+        return read_meta(out_dir)
 
     n_docs = {}
     for name, path in tqdm(paths.items(), desc="checking shards", unit="shard"):
         n_docs[name] = count_documents(path)
 
-    # From here on the old outputs are replaced: meta.json goes first, so no meta.json ever
-    # sits next to bins it does not describe.
-    meta_path = os.path.join(out_dir, "meta.json")
-    if os.path.exists(meta_path):
-        os.remove(meta_path)
+    # From here on the old outputs are replaced: write_tokens removes meta.json first, so no
+    # meta.json ever sits next to bins it does not describe.
     ahead = 2 * workers
     # spawn, not fork: forking a process that runs threads (tqdm's monitor, an HTTP client) can
     # deadlock, and spawn behaves the same on Linux, macOS and Windows.
@@ -409,10 +372,10 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
             pool.join()
 
     meta = {
-        "tokenizer": TOKENIZER,
-        "vocab_size": VOCAB_SIZE,
-        "tokenizer_vocab_size": TOKENIZER_VOCAB,
-        "eot_token": EOT,
+        "tokenizer": BPE_ENCODING,
+        "vocab_size": BPE_VOCAB_SIZE,
+        "tokenizer_vocab_size": BPE_TOKENS,
+        "eot_token": BPE_EOT,
         "dtype": "uint16",
         "n_train": counts["train"][0],
         "n_val": counts["val"][0],
@@ -425,7 +388,7 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
         "train_sha256": counts["train"][1],
         "val_sha256": counts["val"][1],
     }
-    save_json(meta, meta_path)  # last: its presence means the bins are done
+    write_meta(meta, out_dir)  # last: its presence means the bins are done
     return meta
 
 
@@ -466,11 +429,11 @@ def main(argv=None):
         meta = prepare(shards=args.shards, val_shards=args.val_shards, out_dir=args.out_dir,
                        base_url=args.base_url, workers=args.workers, retries=args.retries,
                        retry_delay=args.retry_delay, timeout=args.timeout, from_text=args.from_text)
-    except PrepareError as exc:
+    except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
 
-    print(f"vocab size:   {meta['vocab_size']:,} ({TOKENIZER}, {TOKENIZER_VOCAB:,} padded)")
+    print(f"vocab size:   {meta['vocab_size']:,} ({BPE_ENCODING}, {BPE_TOKENS:,} padded)")
     print(f"train tokens: {meta['n_train']:,} ({meta['n_train_docs']:,} documents)")
     print(f"val tokens:   {meta['n_val']:,} ({meta['n_val_docs']:,} documents)")
     print(f"wrote train.bin, val.bin, meta.json to {args.out_dir}")

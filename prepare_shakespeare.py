@@ -15,24 +15,27 @@ Usage::
 Two rules shape the code below:
 
 1. Fail loudly and early. Every problem (bad download, wrong checksum, a file
-   that is not text, ...) becomes one ``PrepareError`` with a message that
+   that is not text, ...) becomes one ``data.DataError`` with a message that
    names the file and says what was expected.
 2. Never leave half-written output. Every file is written to a temporary file
    in the same directory and then moved into place with ``os.replace``, which
-   is atomic on the same filesystem. A crash leaves the old outputs or the new
-   ones, never a truncated mix.
+   is atomic on the same filesystem (``utils.atomic_write``). meta.json goes
+   last (``data.write_tokens``, ``data.write_meta``): a crash leaves a complete
+   dataset or one without meta.json, never bins that meta.json does not describe.
 """
 
 import argparse
 import hashlib
-import json
 import os
 import sys
-import tempfile
 
 import numpy as np
 import requests
 from tqdm import tqdm
+
+from data import BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file, \
+    write_meta, write_tokens
+from utils import atomic_write
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
 DEFAULT_URL = (
@@ -45,8 +48,6 @@ DEFAULT_URL = (
 DEFAULT_SHA256 = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
 TOKENIZERS = ("char", "gpt2")
-BPE_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's BPE ranks (identical to "gpt2"; cached offline here)
-BPE_VOCAB_SIZE = 50304      # its 50257 tokens padded up to a multiple of 64 (GPU-friendly matmul shapes)
 TRAIN_FRACTION = 0.9
 # Ids are stored as uint16. We allow at most 65535 distinct characters, one
 # fewer than uint16 could hold, which keeps the id 65535 free for a later
@@ -54,10 +55,6 @@ TRAIN_FRACTION = 0.9
 MAX_VOCAB = int(np.iinfo(np.uint16).max)  # 65535
 HTTP_TIMEOUT = (10, 60)  # seconds: (connect, read between chunks)
 CHUNK_SIZE = 1 << 16
-
-
-class PrepareError(Exception):
-    """Anything that stops us from producing a correct dataset."""
 
 
 # ---------------------------------------------------------------------------
@@ -74,63 +71,8 @@ def _normalize_sha256(sha256):
         return None
     sha256 = sha256.strip().lower()
     if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
-        raise PrepareError(f"invalid sha256 {sha256!r}: expected 64 hex digits")
+        raise DataError(f"invalid sha256 {sha256!r}: expected 64 hex digits")
     return sha256
-
-
-def sha256_of_file(path):
-    """Hash a file in chunks so big files do not need to fit in memory."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(CHUNK_SIZE), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _new_temp_file(final_path):
-    """Open a temp file next to ``final_path``.
-
-    Same directory means same filesystem, which is what makes the later
-    ``os.replace`` atomic. The leading dot keeps it out of the way.
-    """
-    directory = os.path.dirname(final_path) or "."
-    name = os.path.basename(final_path)
-    return tempfile.NamedTemporaryFile(
-        mode="wb", dir=directory, prefix=f".{name}.", suffix=".tmp", delete=False
-    )
-
-
-def _remove_quietly(path):
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
-
-
-def _write_files_atomically(out_dir, contents):
-    """Write ``{file name: bytes}`` into ``out_dir`` as one all-or-nothing step.
-
-    All temp files are written first and only then renamed, so an error while
-    writing (disk full, permissions, ...) leaves no new output at all. The
-    dict order is the rename order: put ``meta.json`` last, so its presence
-    means the ``.bin`` files next to it are complete.
-    """
-    os.makedirs(out_dir, exist_ok=True)
-    temps = {}  # final path -> temp path, still to be renamed
-    try:
-        for name, data in contents.items():
-            final_path = os.path.join(out_dir, name)
-            with _new_temp_file(final_path) as f:
-                temps[final_path] = f.name
-                f.write(data)
-        for final_path in list(temps):
-            os.replace(temps[final_path], final_path)
-            del temps[final_path]
-    except OSError as exc:
-        raise PrepareError(f"could not write outputs to {out_dir}: {exc}") from exc
-    finally:
-        for temp_path in temps.values():
-            _remove_quietly(temp_path)
 
 
 # ---------------------------------------------------------------------------
@@ -152,9 +94,9 @@ def download(url, dest_path, sha256=None):
             print(f"{dest_path} already downloaded and verified, skipping download")
             return expected
 
-    os.makedirs(os.path.dirname(dest_path) or ".", exist_ok=True)
-    temp_path = None
-    try:
+    digest = {}
+
+    def write(tmp):  # raising here leaves no file: atomic_write renames only on success
         with requests.get(url, stream=True, timeout=HTTP_TIMEOUT) as resp:
             resp.raise_for_status()
             # Content-Length counts bytes on the wire; with gzip it would not
@@ -164,34 +106,30 @@ def download(url, dest_path, sha256=None):
             total = int(length) if length and length.isdigit() and not encoded else None
 
             h = hashlib.sha256()
-            with _new_temp_file(dest_path) as f, tqdm(
+            with open(tmp, "wb") as f, tqdm(
                 total=total, unit="B", unit_scale=True, desc="downloading"
             ) as bar:
-                temp_path = f.name
                 for chunk in resp.iter_content(chunk_size=CHUNK_SIZE):
                     f.write(chunk)
                     h.update(chunk)
                     bar.update(len(chunk))
-        got = h.hexdigest()
-
+        digest["got"] = got = h.hexdigest()
         if expected is not None and got != expected:
-            raise PrepareError(
+            raise DataError(
                 f"checksum mismatch for {url}: expected sha256 {expected}, got {got}"
             )
-        os.replace(temp_path, dest_path)
-        temp_path = None
-        return got
+
+    try:
+        atomic_write(dest_path, write)
     except requests.HTTPError as exc:
         status = exc.response.status_code if exc.response is not None else "?"
         reason = exc.response.reason if exc.response is not None else ""
-        raise PrepareError(f"download of {url} failed: HTTP {status} {reason}".rstrip()) from exc
+        raise DataError(f"download of {url} failed: HTTP {status} {reason}".rstrip()) from exc
     except requests.RequestException as exc:
-        raise PrepareError(f"download of {url} failed: {exc}") from exc
+        raise DataError(f"download of {url} failed: {exc}") from exc
     except OSError as exc:
-        raise PrepareError(f"could not save {url} to {dest_path}: {exc}") from exc
-    finally:
-        if temp_path is not None:
-            _remove_quietly(temp_path)
+        raise DataError(f"could not save {url} to {dest_path}: {exc}") from exc
+    return digest["got"]
 
 
 def read_text(path):
@@ -204,28 +142,28 @@ def read_text(path):
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise PrepareError(f"input file {path} not found: expected a UTF-8 text file") from None
+        raise DataError(f"input file {path} not found: expected a UTF-8 text file") from None
     except IsADirectoryError:
-        raise PrepareError(f"input {path} is a directory: expected a UTF-8 text file") from None
+        raise DataError(f"input {path} is a directory: expected a UTF-8 text file") from None
     except OSError as exc:
-        raise PrepareError(f"could not read input file {path}: {exc}") from exc
+        raise DataError(f"could not read input file {path}: {exc}") from exc
 
     if not data:
-        raise PrepareError(f"input file {path} is empty: expected non-empty UTF-8 text")
+        raise DataError(f"input file {path} is empty: expected non-empty UTF-8 text")
     if b"\x00" in data:
-        raise PrepareError(
+        raise DataError(
             f"input file {path} contains NUL bytes (at byte {data.index(0)}): "
             "expected UTF-8 text, this looks like a binary file"
         )
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise PrepareError(
+        raise DataError(
             f"input file {path} is not valid UTF-8 (bad byte at offset {exc.start}): "
             "expected UTF-8 text"
         ) from None
     if len(text) < 2:
-        raise PrepareError(
+        raise DataError(
             f"input file {path} has {len(text)} character: expected at least 2 "
             "so that both train and val splits are non-empty"
         )
@@ -244,7 +182,7 @@ def build_char_vocab(text, source):
     """
     itos = sorted(set(text))
     if len(itos) > MAX_VOCAB:
-        raise PrepareError(
+        raise DataError(
             f"input {source} has {len(itos)} distinct characters: expected at most "
             f"{MAX_VOCAB} so that ids fit in uint16 (with one id to spare)"
         )
@@ -259,16 +197,6 @@ def encode_char(text, itos):
 
 def default_out_dir(tokenizer):
     return DEFAULT_OUT_DIR if tokenizer == "char" else os.path.join("data", "shakespeare_gpt2")
-
-
-def load_bpe():
-    import tiktoken  # only the BPE path needs it
-
-    try:
-        return tiktoken.get_encoding(BPE_ENCODING)
-    except Exception as exc:  # no network and no cache: say where the cache goes
-        raise PrepareError(f"cannot load tiktoken's {BPE_ENCODING} ranks ({type(exc).__name__}: {exc}); "
-                           "offline, point TIKTOKEN_CACHE_DIR at a cache that holds them") from None
 
 
 def prepare(
@@ -286,7 +214,7 @@ def prepare(
     Returns the meta dict that was written to ``meta.json``.
     """
     if tokenizer not in TOKENIZERS:
-        raise PrepareError(
+        raise DataError(
             f"unknown tokenizer {tokenizer!r}: expected one of {', '.join(TOKENIZERS)}"
         )
     expected = _normalize_sha256(sha256)
@@ -316,12 +244,12 @@ def prepare(
         train_ids, val_ids = ids[:n_train], ids[n_train:]
         vocab = {"tokenizer": "char", "vocab_size": len(itos), "itos": itos}
     else:  # GPT-2 BPE: the same character split, each side encoded on its own
-        encoding = load_bpe()
+        encoding = gpt2_encoding()
         n_chars = int(len(text) * TRAIN_FRACTION)
         train_ids, val_ids = (np.array(encoding.encode_ordinary(part), dtype=np.uint16)
                               for part in (text[:n_chars], text[n_chars:]))
         vocab = {"tokenizer": BPE_ENCODING, "vocab_size": BPE_VOCAB_SIZE,
-                 "tokenizer_vocab_size": encoding.n_vocab, "eot_token": encoding.eot_token}
+                 "tokenizer_vocab_size": BPE_TOKENS, "eot_token": BPE_EOT}
 
     meta = {
         **vocab,
@@ -330,16 +258,9 @@ def prepare(
         "source": source,
         "sha256": digest,
     }
-    meta_bytes = (json.dumps(meta, indent=2, ensure_ascii=False) + "\n").encode("utf-8")
-
-    _write_files_atomically(
-        out_dir,
-        {
-            "train.bin": train_ids.tobytes(),
-            "val.bin": val_ids.tobytes(),
-            "meta.json": meta_bytes,  # last: its presence means the bins are done
-        },
-    )
+    for split, ids in (("train", train_ids), ("val", val_ids)):
+        write_tokens(os.path.join(out_dir, f"{split}.bin"), [ids])
+    write_meta(meta, out_dir)  # last: its presence means the bins are done
     return meta
 
 
@@ -376,7 +297,7 @@ def main(argv=None):
             sha256=args.sha256,
             tokenizer=args.tokenizer,
         )
-    except PrepareError as exc:
+    except DataError as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(1)
 

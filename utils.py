@@ -1,4 +1,7 @@
-"""Small shared pieces: device and precision choice, atomic file writes, peak FLOP/s for MFU."""
+"""Small shared pieces: device and precision choice, atomic file writes, peak FLOP/s for MFU.
+
+torch is imported inside the functions that use it, so the data-preparation scripts (and every
+tokenizer process of prepare_c4.py) write their files with atomic_write without loading torch."""
 
 import contextlib
 import ctypes
@@ -8,8 +11,6 @@ import signal
 import sys
 import tempfile
 import time
-
-import torch
 
 
 def keep_freed_memory():
@@ -32,6 +33,8 @@ def keep_freed_memory():
 def choose_device(device="auto"):
     """'auto' picks cuda > mps > cpu. A device named explicitly must exist here: ValueError with
     what was asked and what there is, instead of a failure deep inside the first tensor op."""
+    import torch
+
     if device != "auto":
         kind, _, index = device.partition(":")
         mps = getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available()
@@ -55,6 +58,8 @@ def choose_dtype(dtype, device):
     """'auto': bf16 autocast on a GPU that supports it, float32 elsewhere. On CPU bf16 is only
     faster where the CPU has bf16 matrix units (torch.backends.cpu.get_cpu_capability()); on an
     AVX2-only CPU a bf16 matmul runs ~100x slower than fp32, so we never pick it by default."""
+    import torch
+
     if dtype != "auto":
         return dtype
     if device.startswith("cuda") and torch.cuda.is_bf16_supported():
@@ -63,6 +68,8 @@ def choose_dtype(dtype, device):
 
 
 def autocast_context(device, dtype):
+    import torch
+
     if dtype == "float32":
         return contextlib.nullcontext()
     device_type = "cuda" if device.startswith("cuda") else device
@@ -127,7 +134,7 @@ def save_json(obj, path):
 
 def save_text(text, path):
     def write(tmp):
-        with open(tmp, "w") as f:
+        with open(tmp, "w", encoding="utf-8") as f:  # the same bytes whatever the locale
             f.write(text)
     atomic_write(path, write)
 
@@ -137,8 +144,12 @@ GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 3
                        "A800": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
 
 
-def measure_matmul_flops(device="cpu", dtype=torch.float32, n=2048, repeats=3):
-    """The machine's practical peak: FLOP/s of the best of `repeats` n x n matmuls."""
+def measure_matmul_flops(device="cpu", dtype=None, n=2048, repeats=3):
+    """The machine's practical peak: FLOP/s of the best of `repeats` n x n matmuls in `dtype`
+    (a torch dtype; float32 if None)."""
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     generator = torch.Generator(device=device).manual_seed(0)  # never touch the global RNG of a run
     a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
@@ -158,6 +169,8 @@ def measure_matmul_flops(device="cpu", dtype=torch.float32, n=2048, repeats=3):
 def peak_flops(device, dtype):
     """Peak FLOP/s used as the MFU denominator: the datasheet value for known GPUs, otherwise a
     measured matmul (CPUs differ too much from machine to machine for a table)."""
+    import torch
+
     if device.startswith("cuda"):
         name = torch.cuda.get_device_name()
         for key, value in GPU_PEAK_BF16_FLOPS.items():

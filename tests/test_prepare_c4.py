@@ -30,6 +30,7 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO_ROOT.parent / "shared" / "d
 import tiktoken  # noqa: E402
 
 import prepare_c4 as pc  # noqa: E402
+from data import BPE_EOT, BPE_TOKENS, DataError  # noqa: E402
 
 try:
     ENC = tiktoken.get_encoding("r50k_base")
@@ -197,6 +198,11 @@ def check_outputs(out_dir, docs_train, docs_val):
 # happy path
 # ---------------------------------------------------------------------------
 
+def test_bpe_constants_are_tiktoken_s():
+    """meta.json records data.BPE_TOKENS and BPE_EOT; they must be what the ranks hold."""
+    assert (ENC.n_vocab, ENC.eot_token) == (BPE_TOKENS, BPE_EOT) == (50257, EOT)
+
+
 def test_two_train_shards_one_val_shard(tmp_path, server, monkeypatch):
     monkeypatch.setattr(pc, "DOCS_PER_BATCH", 5)  # many batches, spread over the 2 workers
     out_dir = tmp_path / "c4"
@@ -324,7 +330,7 @@ def test_giving_up_keeps_part_and_rerun_resumes(tmp_path, server):
     out_dir = tmp_path / "c4"
     url = f"{server.base_url}/en/{name}"
 
-    with pytest.raises(pc.PrepareError) as excinfo:
+    with pytest.raises(DataError) as excinfo:
         pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url,
                    **{**FAST, "retries": 2})
     msg = str(excinfo.value)
@@ -388,7 +394,7 @@ def test_corrupt_new_shard_keeps_previous_outputs(tmp_path, server):
     before = {n: (out_dir / n).read_bytes() for n in ("train.bin", "val.bin", "meta.json")}
 
     (server.root / "en" / train_name(1)).write_bytes(b"\x1f\x8b garbage")
-    with pytest.raises(pc.PrepareError, match=re.escape(train_name(1))):
+    with pytest.raises(DataError, match=re.escape(train_name(1))):
         pc.prepare(shards=2, out_dir=str(out_dir), base_url=server.base_url, **FAST)
     assert {n: (out_dir / n).read_bytes() for n in before} == before
     assert leftovers(out_dir) == []
@@ -470,8 +476,8 @@ def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     enc = tiktoken.get_encoding("r50k_base")
     train = np.fromfile(out / "train.bin", dtype=np.uint16).tolist()
     val = np.fromfile(out / "val.bin", dtype=np.uint16).tolist()
-    assert val == [t for p in paragraphs[9::10] for t in enc.encode_ordinary(p) + [pc.EOT]]
-    assert train == [t for i, p in enumerate(paragraphs) if i % 10 != 9 for t in enc.encode_ordinary(p) + [pc.EOT]]
+    assert val == [t for p in paragraphs[9::10] for t in enc.encode_ordinary(p) + [EOT]]
+    assert train == [t for i, p in enumerate(paragraphs) if i % 10 != 9 for t in enc.encode_ordinary(p) + [EOT]]
     assert meta["source"].startswith("file://") and meta["n_val_docs"] == 40
     with gzip.open(out / train_name(0), "rt") as f:
         assert json.loads(f.readline())["text"] == paragraphs[0]

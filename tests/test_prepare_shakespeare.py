@@ -21,6 +21,7 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 import prepare_shakespeare as ps  # noqa: E402
+from data import DataError, read_meta  # noqa: E402
 
 SHARED_INPUT = Path("/work/shared/data/tinyshakespeare/input.txt")
 SAMPLE_TEXT = (
@@ -152,7 +153,7 @@ def test_too_many_distinct_chars(tmp_path):
     path = tmp_path / "huge_vocab.txt"
     path.write_bytes(distinct_chars(65536).encode("utf-8"))
     out_dir = tmp_path / "out"
-    with pytest.raises(ps.PrepareError, match="65536 distinct characters") as excinfo:
+    with pytest.raises(DataError, match="65536 distinct characters") as excinfo:
         ps.prepare(input_path=str(path), out_dir=str(out_dir))
     assert str(path) in str(excinfo.value) and "65535" in str(excinfo.value)
     assert files_in(out_dir) == []
@@ -176,9 +177,28 @@ def test_failed_rename_leaves_no_files(tmp_path, sample_file, monkeypatch):
 
     monkeypatch.setattr(ps.os, "replace", broken_replace)
     out_dir = tmp_path / "out"
-    with pytest.raises(ps.PrepareError, match="simulated disk failure"):
+    with pytest.raises(DataError, match="simulated disk failure"):
         ps.prepare(input_path=str(sample_file), out_dir=str(out_dir))
     assert files_in(out_dir) == []
+
+
+def test_failed_write_never_leaves_meta_json_beside_other_bins(tmp_path, sample_file, monkeypatch):
+    """train.bin is replaced, val.bin fails: the old meta.json no longer describes both bins, so it is gone."""
+    out_dir = tmp_path / "out"
+    ps.prepare(input_path=str(sample_file), out_dir=str(out_dir))
+    replace = os.replace
+
+    def replace_only_train(src, dst):
+        if dst.endswith("val.bin"):
+            raise OSError("simulated disk failure")
+        replace(src, dst)
+
+    monkeypatch.setattr(ps.os, "replace", replace_only_train)
+    with pytest.raises(DataError, match="simulated disk failure"):
+        ps.prepare(input_path=str(sample_file), out_dir=str(out_dir), tokenizer="char", sha256=None)
+    assert files_in(out_dir) == ["train.bin", "val.bin"]
+    with pytest.raises(DataError, match="missing meta.json"):
+        read_meta(str(out_dir))
 
 
 def test_error_keeps_previous_outputs_intact(tmp_path, sample_file):
@@ -188,14 +208,14 @@ def test_error_keeps_previous_outputs_intact(tmp_path, sample_file):
 
     bad = tmp_path / "bad.bin"
     bad.write_bytes(b"\x00\x01\x02")
-    with pytest.raises(ps.PrepareError):
+    with pytest.raises(DataError):
         ps.prepare(input_path=str(bad), out_dir=str(out_dir))
     assert {name: (out_dir / name).read_bytes() for name in OUTPUT_NAMES} == before
     assert set(files_in(out_dir)) == OUTPUT_NAMES
 
 
 def test_unknown_tokenizer_is_rejected(tmp_path, sample_file):
-    with pytest.raises(ps.PrepareError, match="unknown tokenizer"):
+    with pytest.raises(DataError, match="unknown tokenizer"):
         ps.prepare(input_path=str(sample_file), out_dir=str(tmp_path / "out"), tokenizer="sentencepiece")
 
 
@@ -216,8 +236,24 @@ def test_gpt2_bpe_splits_characters_then_encodes_each_side(tmp_path, sample_file
     assert "itos" not in meta
 
 
+def test_gpt2_without_cached_ranks_is_one_line_that_names_the_cache(tmp_path, sample_file, monkeypatch, capsys):
+    import tiktoken
+
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(tiktoken, "get_encoding", offline)
+    with pytest.raises(SystemExit) as excinfo:
+        ps.main(["--input", str(sample_file), "--out_dir", str(tmp_path / "out"), "--tokenizer", "gpt2"])
+    assert excinfo.value.code == 1
+    err_lines = capsys.readouterr().err.strip().splitlines()
+    assert len(err_lines) == 1 and err_lines[0].startswith("error: ")
+    assert "r50k_base" in err_lines[0] and "no network" in err_lines[0] and "TIKTOKEN_CACHE_DIR" in err_lines[0]
+    assert files_in(tmp_path / "out") == []
+
+
 def test_invalid_sha256_argument(tmp_path, sample_file):
-    with pytest.raises(ps.PrepareError, match="64 hex digits"):
+    with pytest.raises(DataError, match="64 hex digits"):
         ps.prepare(input_path=str(sample_file), out_dir=str(tmp_path / "out"), sha256="abc")
 
 
@@ -285,7 +321,7 @@ def test_download_wrong_sha_leaves_nothing(tmp_path, http_root):
     out_dir = tmp_path / "out"
     url, wrong = f"{base_url}/input.txt", "0" * 64
 
-    with pytest.raises(ps.PrepareError) as excinfo:
+    with pytest.raises(DataError) as excinfo:
         ps.prepare(out_dir=str(out_dir), url=url, sha256=wrong)
     msg = str(excinfo.value)
     assert url in msg and wrong in msg and sha256_hex(payload) in msg
@@ -297,7 +333,7 @@ def test_download_404_leaves_nothing(tmp_path, http_root):
     out_dir = tmp_path / "out"
     url = f"{base_url}/missing.txt"
 
-    with pytest.raises(ps.PrepareError) as excinfo:
+    with pytest.raises(DataError) as excinfo:
         ps.prepare(out_dir=str(out_dir), url=url)
     assert url in str(excinfo.value) and "404" in str(excinfo.value)
     assert files_in(out_dir) == []
