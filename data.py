@@ -122,3 +122,26 @@ def load_tokens(data_dir, split, block_size, vocab_size=None):
         raise DataError(f"{path} holds token id {int(tokens.max())} but meta.json's vocab_size is {vocab_size}: the "
                         f"two do not belong together; prepare the dataset again")
     return tokens
+
+
+def sample_windows(n_tokens, block_size, n, generator, prob_low_resource=0.0):
+    """n random training windows of a split of n_tokens tokens: their start offsets, and whether
+    each is in the simulated low-resource language (independently with probability
+    prob_low_resource: the authors' code decides per window at batch time, Stop Jostling Sec. 4.1)."""
+    import torch  # here, not at the top: the prepare scripts import data.py and need no torch
+    starts = torch.randint(n_tokens - block_size, (n,), generator=generator)
+    is_low = torch.rand(n, generator=generator) < prob_low_resource
+    return starts, is_low
+
+
+def read_windows(data, starts, is_low, block_size, shift, device="cpu"):
+    """The windows of block_size + 1 tokens at starts -> inputs (B, T) and next-token targets (B, T)
+    on the device; a low-resource window has every id shifted by `shift` (the char vocabulary's
+    size: the second language is the first one's copy with its own ids)."""
+    import torch
+    windows = torch.from_numpy(data[(starts.unsqueeze(1) + torch.arange(block_size + 1)).numpy()].astype(np.int64))
+    windows = windows + shift * is_low.unsqueeze(1)
+    x, y = windows[:, :-1], windows[:, 1:]
+    if str(device).startswith("cuda"):  # pinned host memory: the copy overlaps with compute
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)

@@ -35,7 +35,7 @@ import evaluate
 import metrics
 import parallelism
 from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
-from data import DataError, load_tokens, read_meta
+from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import GPT, GPTConfig, build_model
 from optim import AdaGC, configure_optimizers
@@ -198,28 +198,10 @@ torch.manual_seed(seed)
 data_generator = torch.Generator().manual_seed(seed)
 
 
-def sample_windows(data, generator, n, prob_low_resource):
-    """n random windows: their start offsets and whether each is in the low-resource language
-    (independently with probability prob_low_resource; the authors' code decides per window at
-    batch time)."""
-    starts = torch.randint(len(data) - block_size, (n,), generator=generator)
-    is_low = torch.rand(n, generator=generator) < prob_low_resource
-    return starts, is_low
-
-
-def read_windows(data, starts, is_low):
-    """The windows of T+1 tokens -> inputs (B,T), targets (B,T) on the device."""
-    windows = torch.from_numpy(data[(starts.unsqueeze(1) + torch.arange(block_size + 1)).numpy()].astype(np.int64))
-    windows = windows + shift * is_low.unsqueeze(1)
-    x, y = windows[:, :-1], windows[:, 1:]
-    if on_cuda:
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
-
-
 def get_batch(data, generator, prob_low_resource):
-    """batch_size random windows -> inputs (B,T), targets (B,T)."""
-    return read_windows(data, *sample_windows(data, generator, batch_size, prob_low_resource))
+    """batch_size random windows -> inputs (B,T), targets (B,T) on the device (data.py)."""
+    starts, is_low = sample_windows(len(data), block_size, batch_size, generator, prob_low_resource)
+    return read_windows(data, starts, is_low, block_size, shift, device)
 
 
 # model, parallelism and optimizer --------------------------------------------
@@ -506,12 +488,12 @@ while True:
     # of rank r reads rows (k * world_size + r) * batch_size onwards: the union is the same global
     # batch however it is split over processes and micro-steps (one process with batch_size B and
     # 4 micro-steps sees exactly what 2 processes with 2 micro-steps each see).
-    starts, is_low = sample_windows(train_data, data_generator, gradient_accumulation_steps * world_size * batch_size,
-                                    low_resource_prob)
+    starts, is_low = sample_windows(len(train_data), block_size, gradient_accumulation_steps * world_size * batch_size,
+                                    data_generator, low_resource_prob)
     step_parts, step_loss, step_terms = 0, 0.0, {}
     for micro_step in range(gradient_accumulation_steps):
         rows = slice((micro_step * world_size + rank) * batch_size, (micro_step * world_size + rank + 1) * batch_size)
-        x, y = read_windows(train_data, starts[rows], is_low[rows])
+        x, y = read_windows(train_data, starts[rows], is_low[rows], block_size, shift, device)
         # gradients are averaged over the processes only in the step's last backward
         with parallelism.gradient_sync((train_model, train_objective), micro_step == gradient_accumulation_steps - 1):
             with autocast:
