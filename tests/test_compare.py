@@ -221,8 +221,8 @@ def test_efficiency_sums_calls_and_says_when_runs_did_not_count(tiny_grid):
     efficiency sum(FLOPs_i / peak_i) / sum(wall_i) over the calls whose runs counted FLOPs."""
     path = os.path.join(tiny_grid, "tiny", "wall.json")
     common = {"workers": 2, "threads_per_run": 1, "cpu": "Test CPU", "cores": 2, "torch": "x", "peak_dtype": "float32"}
-    with open(path, "w") as f:  # an older, single-call wall.json: no FLOPs
-        json.dump({"wall_s": 1800.0, "runs": 1, **{k: v for k, v in common.items() if k != "peak_dtype"}}, f)
+    with open(path, "w") as f:  # a call made before train.py counted FLOPs: no FLOPs, no peak
+        json.dump({"calls": [{"wall_s": 1800.0, "runs": 1, **{k: v for k, v in common.items() if k != "peak_dtype"}}]}, f)
     table, _ = report.build_table("tiny", tiny_grid)
     assert "1 runs in 0.50 h over 1 `tools.compare tiny` call(s)" in table and "Efficiency: not available" in table
     runner.record_call(path, {**common, "wall_s": 3600.0, "runs": 2, "flops": 2.0e14, "peak_flops": 1.0e11})

@@ -298,7 +298,8 @@ def speed_table(g):
                 with open(os.path.join(out, "run.json")) as f:
                     run = json.load(f)
                 walls.append(run["wall_s"])
-                seconds["runs"] += run["wall_s"]
+                if "reused_from" not in run:  # a run copied from another grid took none of this grid's time
+                    seconds["runs"] += run["wall_s"]
                 if run_speeds and len(run.get("commands", [])) == 1:  # a chained run's log holds its last stage
                     iterations = run_speeds[-1]["iter"] + 1
                     seconds["steps"] += iterations * statistics.median(r["ms_per_iter"] for r in run_speeds) / 1000

@@ -143,8 +143,7 @@ def finished_runs(root, needed):
         if "run.json" in files and all(name in files for name in needed):
             with open(os.path.join(dirpath, "run.json")) as f:
                 record = json.load(f)
-            commands = record.get("commands") or [record["command"]]  # older run.json: one command
-            finished.setdefault(run_identity(commands), dirpath)
+            finished.setdefault(run_identity(record["commands"]), dirpath)
     return finished
 
 
@@ -362,4 +361,4 @@ def grid_calls(path):
         return []
     with open(path) as f:
         data = json.load(f)
-    return data.get("calls", [data])  # an older wall.json held one call
+    return data["calls"]
