@@ -54,9 +54,8 @@ def val_blocks(data_dir, block_size):
     return x, y
 
 
-
-
 def prediction_metrics(logits, targets):
+    """PPL, PPL_best at t_best and the rank metrics of logits (N, V) held in memory (char runs)."""
     ppl_best, t_best = metrics.best_temperature_perplexity(logits, targets)
     return {"ppl": metrics.perplexity(logits, targets), "ppl_best": ppl_best, "t_best": t_best,
             **metrics.rank_metrics(logits, targets)}
@@ -77,11 +76,10 @@ def rare_targets(data_dir, targets):
 
 def tail_sums(logits, targets, mask):
     """Sums over the positions in mask (for the rare-target metrics, chunk by chunk): tokens,
-    top-1 hits, reciprocal ranks and NLL at temperature 1 (ranks as in metrics.rank_metrics)."""
+    top-1 hits, reciprocal ranks (metrics.target_ranks) and NLL at temperature 1."""
     z, t = logits[mask].float(), targets[mask]
-    target_logit = z.gather(1, t.view(-1, 1))
-    rank = 1 + (z > target_logit).sum(dim=1).double()
-    nll = torch.logsumexp(z, dim=1).double() - target_logit.squeeze(1).double()
+    rank = metrics.target_ranks(z, t).double()
+    nll = torch.logsumexp(z, dim=1).double() - z.gather(1, t.view(-1, 1)).squeeze(1).double()
     return torch.stack([torch.tensor(float(len(t)), dtype=torch.float64), (rank == 1).double().sum(),
                         (1.0 / rank).sum(), nll.sum()])
 
@@ -100,60 +98,36 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024, rare=None)
     """prediction_metrics without ever holding all (N, V) logits (a 50304-token vocabulary): the
     logits are recomputed chunk by chunk from the final normed states (N, C). PPL, accuracy,
     Recall@5 and MRR are means over tokens, so chunk means weighted by chunk size give them
-    exactly. PPL_best: with b = 1/T the mean NLL f(b) = mean_t [logsumexp(b z_t) - b z_ty] is
-    convex (f''(b) = mean_t Var_softmax(b z_t)(z_t) >= 0), so Newton's method on b finds its
-    minimum in a handful of passes of the LM head, at a T not rounded to the char experiment's
-    0.01 grid. Steps are limited to a factor of 2 in b and T stays in
-    [0.01, 10]; the result is the best b visited. rare (N,) bool: also the metrics of those
-    positions alone ("rare", tail_metrics), from the first pass."""
+    exactly. PPL_best and t_best come from the same Newton's method on b = 1/T as in memory
+    (metrics.best_inverse_temperature), each of its passes one pass of the LM head over the
+    chunks. The first pass (T = 1) also gives PPL, the rank metrics and, for the positions where
+    rare (N,) bool is True, the rare-target metrics ("rare", tail_metrics), so no pass is added
+    for them. "head_passes": how many times the LM head went over all N states. lm_head must
+    return a new tensor on each call: the passes overwrite it."""
     n = len(targets)
     rare = torch.zeros(n, dtype=torch.bool) if rare is None else rare
     chunks = [(finals[i:i + chunk], targets[i:i + chunk], rare[i:i + chunk]) for i in range(0, n, chunk)]
-    rare_sums = torch.zeros(4, dtype=torch.float64)
+    rank_sums, rare_sums, log_ppl = {}, torch.zeros(4, dtype=torch.float64), None
 
-    def pass_at(b, first=False):
-        """One pass: f(b), f'(b), f''(b) (and on the first pass the rank metrics' sums). With
-        d = z - max(z) <= 0 and e = exp(b d), per token: f = log sum(e) - b d_y,
-        f' = sum(e d)/sum(e) - d_y, f'' = sum(e d^2)/sum(e) - (sum(e d)/sum(e))^2, i.e. the mean
-        and variance of d under softmax(b z). Four passes over each (chunk, V) block of logits
-        after the matmul (max, subtract, exp, multiply) and three row reductions; the per-token
-        results are added up in float64."""
-        f = g = h2 = 0.0
-        sums = {}
+    def means_at(b):
+        nonlocal log_ppl
+        first = log_ppl is None  # the first pass (T = 1): also what needs only the plain logits
+        total = torch.zeros(3, dtype=torch.float64)
         for states, t, r in chunks:
             z = lm_head(states).float()
             if first:
                 for key, value in metrics.rank_metrics(z, t).items():
-                    sums[key] = sums.get(key, 0.0) + value * len(t)
+                    rank_sums[key] = rank_sums.get(key, 0.0) + value * len(t)
                 rare_sums.add_(tail_sums(z, t, r))
-            d = z.sub_(z.max(dim=1, keepdim=True).values)  # in place, <= 0: exp never overflows
-            d_y = d.gather(1, t.view(-1, 1)).squeeze(1).double()
-            e = torch.mul(d, b).exp_()
-            s0 = e.sum(dim=1).double()
-            e.mul_(d)                                                   # e d
-            s1 = e.sum(dim=1).double()
-            s2 = torch.einsum("nv,nv->n", e, d).double()                # sum(e d^2), no temporary
-            mean_d = s1 / s0
-            f += (torch.log(s0) - b * d_y).sum().item()
-            g += (mean_d - d_y).sum().item()
-            h2 += (s2 / s0 - mean_d ** 2).clamp(min=0).sum().item()
-        return f / n, g / n, h2 / n, sums
+            total += metrics.temperature_nll_sums(z, t, b, overwrite=True)  # z is ours to overwrite
+        means = (total / n).tolist()
+        if first:
+            log_ppl = means[0]
+        return means
 
-    b, passes = 1.0, 1
-    f, g, h2, sums = pass_at(b, first=True)
-    log_ppl = f  # f(1): the plain mean NLL
-    best = (f, b)
-    for _ in range(20):
-        step = -g / h2 if h2 > 0 else (1.0 if g < 0 else -0.5) * b
-        new_b = min(max(b + step, b / 2, 0.1), 2 * b, 100.0)
-        if abs(new_b - b) < 1e-7 * b:
-            break
-        b = new_b
-        f, g, h2, _ = pass_at(b)
-        passes += 1
-        best = min(best, (f, b))
-    return {"ppl": math.exp(log_ppl), "ppl_best": math.exp(best[0]), "t_best": 1.0 / best[1],
-            **{k: sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}, "head_passes": passes,
+    log_ppl_best, b_best, passes = metrics.best_inverse_temperature(means_at, b=1.0)
+    return {"ppl": math.exp(log_ppl), "ppl_best": math.exp(log_ppl_best), "t_best": 1.0 / b_best,
+            **{k: rank_sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}, "head_passes": passes,
             "rare": tail_metrics(rare_sums, n)}
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from model import SwiGLU  # NITP's projection head: the same C -> hidden -> C block as a LLaMA MLP
+from model import at_least_fp32  # the repository's one upcast: half precision -> float32, float64 kept
 
 
 def threshold_logits(logits, targets, margin, ignore_index=-1):
@@ -48,8 +49,7 @@ def cross_entropy(logits, targets, ignore_index=-1, margin=None):
     Half-precision (bf16/fp16 autocast) logits are upcast to float32 before the softmax.
     logits (..., V), targets (...).
     """
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()  # upcast half precision; float64 stays float64
+    logits = at_least_fp32(logits)
     if margin is not None:
         logits = threshold_logits(logits, targets, margin, ignore_index)
     return _SoftmaxCrossEntropy.apply(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index)
@@ -95,28 +95,26 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
 # ----------------------------------------------------------------------------------------------
 # Representation-level losses (SimReg, dispersion, NITP, CWT; each docstring cites its paper).
 # Each works on hidden states, not on logits.
-# They share three habits: half precision is upcast to float32 (float64 stays float64) and
-# autocast is switched off inside, so the similarity matmuls really run in that precision; sets
-# that may be empty go through _masked_logsumexp, whose fill is finite, so an empty set gives a
-# very negative number instead of -inf and no NaN ever reaches a gradient; and nothing calls
-# .item() or indexes with a boolean mask, so no loss forces a host-device sync.
+# They share three habits: half precision is upcast to float32 (at_least_fp32; float64 stays
+# float64) and autocast is switched off inside, so the similarity matmuls really run in that
+# precision; masked entries get _mask_out's finite fill (sets that may be empty go through
+# _masked_logsumexp), so an empty set gives a very negative number instead of -inf and no NaN
+# ever reaches a gradient; and nothing calls .item() or indexes with a boolean mask, so no loss
+# forces a host-device sync.
 # ----------------------------------------------------------------------------------------------
 
-def _upcast(x):
-    """float16/bfloat16 -> float32; float32 and float64 are kept as they are."""
-    return x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+def _mask_out(x, keep):
+    """x with the entries where `keep` is False replaced by a finite, very negative number: a
+    quarter of the dtype's minimum, so that the difference of two such results cannot overflow.
+    In a logsumexp or softmax they weigh nothing, yet never make an -inf, and masked_fill passes
+    no gradient to them."""
+    return x.masked_fill(~keep, torch.finfo(x.dtype).min / 4)
 
 
 def _masked_logsumexp(x, keep, dim):
-    """logsumexp over the entries where `keep` is True.
-
-    Dropped entries are filled with a finite, very negative number (a quarter of the dtype's
-    minimum, so that the difference of two such results cannot overflow). An empty set then
-    gives about fill + log(n): effectively -inf, yet finite, and its gradient is exactly zero
-    because masked_fill passes no gradient to the filled entries.
-    """
-    fill = torch.finfo(x.dtype).min / 4
-    return torch.logsumexp(x.masked_fill(~keep, fill), dim=dim)
+    """logsumexp over the entries where `keep` is True (_mask_out). An empty set gives about
+    fill + log(n): effectively -inf, yet finite, and its gradient is exactly zero."""
+    return torch.logsumexp(_mask_out(x, keep), dim=dim)
 
 
 def simreg(h, labels, tau=0.01, chunk_size=None, ignore_index=-1):
@@ -163,7 +161,7 @@ def simreg(h, labels, tau=0.01, chunk_size=None, ignore_index=-1):
             labels = labels.reshape(B * n_chunks, chunk_size)
 
     with torch.autocast(device_type=h.device.type, enabled=False):
-        return _simreg_sequences(_upcast(h), labels, tau, ignore_index)
+        return _simreg_sequences(at_least_fp32(h), labels, tau, ignore_index)
 
 
 def _simreg_sequences(h, labels, tau, ignore_index):
@@ -276,7 +274,7 @@ def dispersion(hidden_states, tau=1.0, variant="angular"):
     if layers[0].size(1) < 2:
         raise ValueError(f"dispersion needs T >= 2 positions (pairs i != j), got T = {layers[0].size(1)}")
     with torch.autocast(device_type=layers[0].device.type, enabled=False):
-        per_layer = [_dispersion_one_layer(_upcast(z), tau, variant) for z in layers]
+        per_layer = [_dispersion_one_layer(at_least_fp32(z), tau, variant) for z in layers]
     return torch.stack(per_layer).mean()
 
 
@@ -298,8 +296,8 @@ def nitp(pred, shallow):
                          f"got {tuple(pred.shape)} and {tuple(shallow.shape)}")
     if pred.size(1) < 2:
         raise ValueError(f"nitp needs T >= 2 positions (position t predicts t+1), got T = {pred.size(1)}")
-    prediction = _upcast(pred[:, :-1])
-    target = _upcast(shallow[:, 1:].detach())
+    prediction = at_least_fp32(pred[:, :-1])
+    target = at_least_fp32(shallow[:, 1:].detach())
     with torch.autocast(device_type=pred.device.type, enabled=False):
         return (1 - F.cosine_similarity(prediction, target, dim=-1)).mean()
 
@@ -327,11 +325,11 @@ def cwt(h, targets, wte, ignore_index=-1):
     position = torch.arange(valid.numel(), device=valid.device)
     diagonal_target = torch.where(valid, position, -100)
     with torch.autocast(device_type=h.device.type, enabled=False):
-        states = _upcast(h.reshape(-1, C))
-        next_embeddings = _upcast(wte[torch.where(valid, flat_targets, 0)])
+        states = at_least_fp32(h.reshape(-1, C))
+        next_embeddings = at_least_fp32(wte[torch.where(valid, flat_targets, 0)])
         logits = states @ next_embeddings.t()                                # (B*T, B*T)
         # ignored positions leave the denominator (columns) and the average (rows)
-        logits = logits.masked_fill(~valid.unsqueeze(0), torch.finfo(logits.dtype).min / 4)
+        logits = _mask_out(logits, valid.unsqueeze(0))
         total = F.cross_entropy(logits, diagonal_target, ignore_index=-100, reduction="sum")
     return total / valid.sum().clamp_min(1)
 

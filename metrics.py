@@ -7,9 +7,12 @@ formula in its docstring (and checked against a slow Python loop in
 tests/test_metrics.py).
 
 Contents
+    target_ranks                  the rank of each target among the logits
     rank_metrics                  accuracy, recall@5 and mean reciprocal rank
     perplexity                    exp(mean negative log-likelihood)
     best_temperature_perplexity   perplexity after the best single temperature
+    temperature_nll_sums,         its pieces, shared with evaluate.py's streamed
+    best_inverse_temperature        evaluation: per-block sums and Newton on 1/T
     isotropy                      I(W) of Mu & Viswanath (2018), both signs of each eigenvector
     isotropy_authors              I(W) as the Stop Jostling paper computed it (for comparisons with it)
     translation_metrics           twin / 12-case neighbour counts of an embedding
@@ -26,18 +29,28 @@ import string
 import torch
 import torch.nn.functional as F
 
+from model import at_least_fp32
+
 # -----------------------------------------------------------------------------
 # next-token prediction quality
 
 
+def target_ranks(logits, targets):
+    """
+    rank_t = 1 + #{v : logits[t, v] > logits[t, targets_t]}     (N,) long
+
+    logits (N, V), targets (N,) long. Only STRICTLY larger logits push the
+    target down, so a tie with another token counts in the target's favour
+    (rank 1 if it ties for the maximum). Every rank-based score in this
+    repository (rank_metrics, evaluate.tail_sums) starts from this function.
+    """
+    target_logit = logits.gather(1, targets.view(-1, 1))          # (N, 1)
+    return 1 + (logits > target_logit).sum(dim=1)
+
+
 def rank_metrics(logits, targets):
     """
-    Rank-based scores of next-token predictions.
-
-    logits (N, V) float, targets (N,) long.
-        rank_t = 1 + #{v : logits[t, v] > logits[t, targets_t]}
-    Only STRICTLY larger logits push the target down, so a tie with another
-    token counts in the target's favour (rank 1 if it ties for the maximum).
+    Rank-based scores of next-token predictions, from rank_t = target_ranks:
         accuracy    = mean_t [rank_t == 1]
         recall_at_5 = mean_t [rank_t <= 5]
         mrr         = mean_t 1 / rank_t        (mean reciprocal rank)
@@ -46,9 +59,7 @@ def rank_metrics(logits, targets):
     nothing) - a useful second opinion when a loss changes the logit scale.
     Returns python floats.
     """
-    target_logit = logits.gather(1, targets.view(-1, 1))          # (N, 1)
-    rank = 1 + (logits > target_logit).sum(dim=1)                  # (N,)
-    rank = rank.double()
+    rank = target_ranks(logits, targets).double()
     return {
         "accuracy": (rank == 1).double().mean().item(),
         "recall_at_5": (rank <= 5).double().mean().item(),
@@ -69,13 +80,73 @@ def perplexity(logits, targets):
     return math.exp(nll.item())
 
 
-def default_temperatures():
-    """T in {0.01, 0.02, ..., 2.00}: 200 values, rounded so they print cleanly."""
-    return [round(k * 0.01, 2) for k in range(1, 201)]
+T_MIN, T_MAX = 0.01, 10.0  # the temperatures best_inverse_temperature may return
 
 
 @torch.no_grad()
-def best_temperature_perplexity(logits, targets, temperatures=None, max_block_elems=2**22, points_per_pass=8):
+def temperature_nll_sums(logits, targets, b, overwrite=False):
+    """
+    For a block of logits (n, V) and b = 1/T: the sums over its rows of
+        f_t   = logsumexp_v(b z_tv) - b z_ty          (NLL of softmax(z_t / T))
+        f'_t  = E[d_t] - d_ty                         (its derivative in b)
+        f''_t = Var[d_t] = E[d_t^2] - E[d_t]^2        (its second derivative)
+    with d_t = z_t - max_v z_tv <= 0 and E, Var under softmax(b z_t).
+    Subtracting the row max changes none of these (the max's terms cancel)
+    and makes exp(b d) <= 1 with a largest term of 1, so no b overflows or
+    underflows the row sum. f'' >= 0: f is convex in b, which is what makes
+    Newton's method safe (best_inverse_temperature).
+
+    Exponentials and row sums in the logits' precision (at least float32),
+    per-row results added up in float64. overwrite=True lets the function
+    use the logits' memory for d (the caller's block is then lost): the
+    streamed evaluation saves one (n, V) buffer that way.
+    Returns a float64 tensor (3,): [sum f_t, sum f'_t, sum f''_t].
+    """
+    z = at_least_fp32(logits)
+    row_max = z.amax(dim=1, keepdim=True)
+    d = z.sub_(row_max) if overwrite or z is not logits else z - row_max
+    d_y = d.gather(1, targets.view(-1, 1)).squeeze(1).double()
+    e = torch.mul(d, b).exp_()                                     # exp(b d), in (0, 1]
+    s0 = e.sum(dim=1).double()
+    e.mul_(d)                                                      # e d
+    s1 = e.sum(dim=1).double()
+    s2 = torch.einsum("nv,nv->n", e, d).double()                   # sum(e d^2), no temporary
+    mean_d = s1 / s0
+    return torch.stack([(s0.log() - b * d_y).sum(), (mean_d - d_y).sum(),
+                        (s2 / s0 - mean_d ** 2).clamp(min=0).sum()])
+
+
+def best_inverse_temperature(means_at, b=1.0, max_steps=20):
+    """
+    Newton's method for b* = argmin_b f(b), f(b) = mean_t NLL_t(T = 1/b).
+
+    means_at(b) -> (f, f', f'') at b, the means over all tokens (one pass over
+    the logits: temperature_nll_sums added up over blocks, divided by N).
+    f is convex in b (f'' is a mean of variances), so the minimum is unique
+    and Newton's step -f'/f'' heads for it; the safeguards keep a step from
+    overshooting where f is far from quadratic: a step changes b by at most
+    a factor 2, b stays in [1/T_MAX, 1/T_MIN] (T in [0.01, 10]), and the
+    answer is the best b visited. Stops when a step changes b by less than
+    1e-7 relative, or after max_steps steps; a minimum beyond the range ends
+    at its edge. The first pass is at b (default 1: T = 1, plain perplexity).
+    Returns (f at the best b, the best b, number of passes over the logits).
+    """
+    f, g, h = means_at(b)
+    best, passes = (f, b), 1
+    for _ in range(max_steps):
+        step = -g / h if h > 0 else (1.0 if g < 0 else -0.5) * b   # f'' = 0: all rows flat
+        new_b = min(max(b + step, b / 2, 1 / T_MAX), 2 * b, 1 / T_MIN)
+        if abs(new_b - b) < 1e-7 * b:
+            break
+        b = new_b
+        f, g, h = means_at(b)
+        passes += 1
+        best = min(best, (f, b))
+    return best[0], best[1], passes
+
+
+@torch.no_grad()
+def best_temperature_perplexity(logits, targets, max_block_elems=2**22):
     """
     Perplexity after the best single temperature:
         PPL_best = min_T exp( mean_t NLL_t(T) ),
@@ -85,63 +156,24 @@ def best_temperature_perplexity(logits, targets, temperatures=None, max_block_el
     rescaling by 1/T removes that calibration error, so PPL_best compares the
     information in the logits rather than their temperature.
 
-    The grid need not be scored everywhere: with b = 1/T the mean NLL is convex
-    in b (its second derivative is a variance), so along a sorted grid of T it
-    falls, then rises (unimodal). Each pass scores up to `points_per_pass`
-    not-yet-scored temperatures spread over the bracket that must hold the
-    minimum, then shrinks the bracket to the best point's scored neighbours;
-    it stops when every temperature in the bracket is scored. The answer is
-    the grid's own minimum (tested against scoring all of it) from ~30 of the
-    200 temperatures, in 3-4 passes over the logits.
-
-    Implementation: subtract the row max m_t first (d = z - m <= 0); since
-    z_y - m = d_y the m/T terms cancel and NLL_t(T) = logsumexp(d_t/T) - d_ty/T.
-    The sum over v of exp(d/T) is >= 1 (the max entry gives exp(0)) and never
-    overflows, even for T = 0.01. Work is done on (T, n, V) blocks, chunked
-    over N so that a block holds at most `max_block_elems` float32 numbers
-    (2**22 -> 16 MB, one buffer reused; cache-sized blocks are also the
-    fastest); per-token terms are summed over N in float64.
-    Returns (ppl_best, t_best) as python floats; on ties the smallest T wins.
+    t_best is the exact minimiser (Newton on b = 1/T, best_inverse_temperature,
+    the same code as evaluate.streamed_prediction_metrics), within T in
+    [0.01, 10]. Archived char runs were scored on the grid T in {0.01, ...,
+    2.00}: inside that range both agree within the grid step (tests/test_metrics.py);
+    a grid value of 2.00 was the grid's edge, not a minimum.
+    Each pass goes over the logits in blocks of at most `max_block_elems`
+    numbers, so memory stays bounded whatever N is.
+    Returns (ppl_best, t_best) as python floats.
     """
-    if temperatures is None:
-        temperatures = default_temperatures()
-    temps = torch.as_tensor(temperatures, dtype=torch.float64, device=logits.device).flatten().sort().values
-    z = logits.float()
-    N, V = z.shape
-    d = z - z.max(dim=1, keepdim=True).values                      # (N, V), <= 0
-    d_target_sum = d.gather(1, targets.view(-1, 1)).double().sum()  # sum_t d_ty
+    N, V = logits.shape
+    rows = max(1, max_block_elems // V)
 
-    def mean_nll(indices):
-        """mean_t NLL_t(T) for the temperatures temps[indices], in one pass over d."""
-        t = temps[indices]
-        inv_t32 = (1.0 / t).float().view(-1, 1, 1)                 # (k, 1, 1)
-        lse_sum = torch.zeros_like(t)                              # sum_t logsumexp(d_t/T)
-        chunk = max(1, max_block_elems // (len(indices) * V))
-        buf = z.new_empty(len(indices), min(chunk, N), V)          # reused block
-        for start in range(0, N, chunk):
-            rows = d[start:start + chunk]
-            block = buf[:, :rows.shape[0]]                         # (k, n, V)
-            torch.mul(rows.unsqueeze(0), inv_t32, out=block)
-            # exp(-80) ~ 2e-35 is invisible next to the max term exp(0) = 1 in
-            # float32, and clamping avoids exp's slow path for huge negative inputs
-            block.clamp_(min=-80.0).exp_()
-            lse_sum += block.sum(dim=2).log_().double().sum(dim=1)
-        return ((lse_sum - d_target_sum / t) / N).tolist()
+    def means_at(b):
+        total = sum(temperature_nll_sums(logits[i:i + rows], targets[i:i + rows], b) for i in range(0, N, rows))
+        return (total / N).tolist()
 
-    scored = {}                                                    # grid index -> mean NLL
-    lo, hi = 0, temps.numel() - 1
-    while True:
-        todo = [i for i in range(lo, hi + 1) if i not in scored]
-        if not todo:
-            break
-        if len(todo) > points_per_pass:                            # spread over the bracket
-            todo = sorted({todo[round(k * (len(todo) - 1) / (points_per_pass - 1))] for k in range(points_per_pass)})
-        scored.update(zip(todo, mean_nll(todo)))
-        inside = sorted(i for i in scored if lo <= i <= hi)
-        k = inside.index(min(inside, key=lambda i: (scored[i], i)))
-        lo, hi = inside[max(k - 1, 0)], inside[min(k + 1, len(inside) - 1)]
-    best = min(scored, key=lambda i: (scored[i], i))
-    return math.exp(scored[best]), float(temps[best].item())
+    f, b, _ = best_inverse_temperature(means_at)
+    return math.exp(f), 1.0 / b
 
 
 # -----------------------------------------------------------------------------

@@ -127,7 +127,8 @@ class Block(nn.Module):
 # LLaMA / Mixtral --------------------------------------------------------------
 
 def at_least_fp32(x):
-    """x in float32 if it is in a lower precision (bf16 under autocast), else as it is (float64 tests)."""
+    """x in float32 if it is in a lower precision (bf16 under autocast), else as it is (float64 tests).
+    The one upcast helper of the repository: losses.py and metrics.py use it too."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
