@@ -191,7 +191,7 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
                 **({"rare": rare_scores} if rare_scores else {})}
     shift = len(itos)
     result = {"geometry": {}, "flops": 2 * forward_flops}  # scored twice: HR and LR
-    for lang, offset in (("hr", 0), ("lr", shift)):
+    for lang, offset in (("high", 0), ("low", shift)):
         logits, result["geometry"][lang] = forward_val(model, x + offset, y + offset, device)
         rows = W[offset:offset + shift]
         result[lang] = {**prediction_metrics(logits, (y + offset).reshape(-1)),
@@ -243,7 +243,7 @@ def marginalization_report(parts, train_data, shift, itos):
 
 
 def format_metrics(result):
-    langs = [k for k in ("hr", "lr", "val") if k in result]
+    langs = [k for k in ("high", "low", "val") if k in result]
     keys = [k for k in ("ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy", "isotropy_authors")
             if k in result[langs[0]]]
     lines = ["metric       " + "".join(f"{lang:>10}" for lang in langs)]

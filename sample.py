@@ -24,8 +24,8 @@ def sample_bpe(model, meta, args, device):
     never occur in the data; should the model sample one anyway, it prints as nothing."""
     import tiktoken
     enc = tiktoken.get_encoding(meta["tokenizer"])
-    if args.lang == "lr":
-        sys.exit("error: --lang lr needs a checkpoint trained with low_resource=True")
+    if args.lang == "low":
+        sys.exit("error: --lang low needs a checkpoint trained with low_resource=True")
     start = args.start if args.start != "\n" else "<|endoftext|>"
     prompt = torch.tensor([enc.encode(start, allowed_special={"<|endoftext|>"})], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -39,7 +39,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint")
     parser.add_argument("--start", default="\n", help="prompt text")
-    parser.add_argument("--lang", choices=("hr", "lr"), default="hr", help="language of the prompt")
+    parser.add_argument("--lang", choices=("high", "low"), default="high", help="language of the prompt: the high-resource one or its low-resource copy")
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=300)
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -62,9 +62,9 @@ def main(argv=None):
     if missing:
         sys.exit(f"error: --start contains characters not in the vocabulary of {args.checkpoint}: {missing}")
     shift = len(itos) if checkpoint["config"]["low_resource"] else 0
-    if args.lang == "lr" and not shift:
-        sys.exit("error: --lang lr needs a checkpoint trained with low_resource=True")
-    offset = shift if args.lang == "lr" else 0
+    if args.lang == "low" and not shift:
+        sys.exit("error: --lang low needs a checkpoint trained with low_resource=True")
+    offset = shift if args.lang == "low" else 0
     prompt = torch.tensor([[stoi[ch] + offset for ch in args.start]], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
     for _ in range(args.num_samples):

@@ -313,9 +313,9 @@ def estimate_val_loss():
     The RNG is forked so that evaluation never changes the training run's random stream."""
     model.eval()
     generator = torch.Generator().manual_seed(0)
-    languages = (("hr", 0), ("lr", shift)) if low_resource else (("hr", 0),)
+    languages = (("high", 0), ("low", shift)) if low_resource else (("high", 0),)
     aux = [name for name, weight in objective.weights.items() if weight and name != "ce"]
-    per_window = {"hr": [], "lr": []}
+    per_window = {"high": [], "low": []}
     masks, term_sums = [], dict.fromkeys(aux, 0.0)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_cuda else []):
         for _ in range(eval_iters):
@@ -330,24 +330,24 @@ def estimate_val_loss():
                 nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y + offset, reduction="none")
                 per_window[lang].append(nll.mean(dim=1).cpu())
             if aux:
-                logits, hidden = passes["hr"]
+                logits, hidden = passes["high"]
                 if low_resource:
                     pick = is_low.to(device).view(-1, 1, 1)
-                    logits = torch.where(pick, passes["lr"][0], logits)
-                    hidden = [torch.where(pick, lr_h, hr_h) for lr_h, hr_h in zip(passes["lr"][1], hidden)]
+                    logits = torch.where(pick, passes["low"][0], logits)
+                    hidden = [torch.where(pick, low_h, high_h) for low_h, high_h in zip(passes["low"][1], hidden)]
                 with autocast:
                     _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1), model.input_embedding())
                 for name in aux:
                     term_sums[name] += terms[name].item() / eval_iters
     model.train()
-    hr = torch.cat(per_window["hr"])
-    out = {"val_hr": hr.mean().item()}
+    high = torch.cat(per_window["high"])
+    out = {"val_high": high.mean().item()}
     if low_resource:
-        lr_ = torch.cat(per_window["lr"])
-        out["val_lr"] = lr_.mean().item()
-        out["val"] = torch.where(torch.cat(masks), lr_, hr).mean().item()
+        low = torch.cat(per_window["low"])
+        out["val_low"] = low.mean().item()
+        out["val"] = torch.where(torch.cat(masks), low, high).mean().item()
     else:
-        out["val"] = out["val_hr"]
+        out["val"] = out["val_high"]
     out.update({f"val_{name}": value for name, value in term_sums.items()})
     if not objective.needs_logits:
         out["val_ce"] = out["val"]

@@ -13,7 +13,7 @@ from tools import claims, stats  # noqa: E402
 
 
 def run(acc, ppl, directory=""):
-    return {"dir": directory, "metrics": {"hr": {"accuracy": acc, "ppl": ppl}}}
+    return {"dir": directory, "metrics": {"high": {"accuracy": acc, "ppl": ppl}}}
 
 
 def test_steps_to_reach_interpolates_between_evaluations():
@@ -47,7 +47,7 @@ def test_claims_table_verdicts_follow_the_rule(monkeypatch):
             "good": {s: run(a + d, p) for s, a, p, d in zip(seeds, base_acc, base_ppl, [0.05, 0.06, 0.055, 0.05])},
             "noisy": {s: run(a + d, p) for s, a, p, d in zip(seeds, base_acc, base_ppl, [0.02, -0.03, 0.01, -0.01])},
             "worse": {s: run(a, p + d) for s, a, p, d in zip(seeds, base_acc, base_ppl, [0.5, 0.6, 0.55, 0.5])}}
-    accuracy, ppl = claims._metric("hr", "accuracy"), claims._metric("hr", "ppl")
+    accuracy, ppl = claims._metric("high", "accuracy"), claims._metric("high", "ppl")
     monkeypatch.setitem(claims.CLAIMS, "toy", [
         claims.claim("P", "good", "acc", accuracy, +1, ".30 → .35", 0.05),
         claims.claim("P", "noisy", "acc", accuracy, +1, ".30 → .35", 0.05),
@@ -85,6 +85,6 @@ def test_isotropy_authors_of_reads_the_archived_embedding(tmp_path):
     wte = torch.randn(130, 8, generator=g) * 0.3 + 0.1
     np.savez(tmp_path / "embedding.npz", wte=wte.numpy(), itos=np.array(list("abcdefghijklm" * 5)))
     r = {"dir": str(tmp_path)}
-    assert claims.isotropy_authors_of("hr")(r) == pytest.approx(metrics.isotropy_authors(wte[:65]))
-    assert claims.isotropy_authors_of("lr")(r) == pytest.approx(metrics.isotropy_authors(wte[65:]))
-    assert math.isfinite(claims.isotropy_authors_of("lr")(r))
+    assert claims.isotropy_authors_of("high")(r) == pytest.approx(metrics.isotropy_authors(wte[:65]))
+    assert claims.isotropy_authors_of("low")(r) == pytest.approx(metrics.isotropy_authors(wte[65:]))
+    assert math.isfinite(claims.isotropy_authors_of("low")(r))

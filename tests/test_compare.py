@@ -17,7 +17,7 @@ from tools import grids, report, runner  # noqa: E402
 def fake_metrics(acc_lr, ppl_hr):
     lang = {"ppl": ppl_hr, "ppl_best": ppl_hr - 0.5, "t_best": 0.9, "accuracy": 0.5, "recall_at_5": 0.8,
             "mrr": 0.6, "isotropy": 0.9}
-    return {"hr": lang, "lr": {**lang, "accuracy": acc_lr}, "isotropy_all": 0.7,
+    return {"high": lang, "low": {**lang, "accuracy": acc_lr}, "isotropy_all": 0.7,
             "translations": {"twin_top3_fraction": 0.1, "cases_12": 2, "cases_letters": 30, "cases_letters_total": 312}}
 
 

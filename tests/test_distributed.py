@@ -70,7 +70,7 @@ def assert_same_run(a, b):
         assert losses_a[it] == pytest.approx(losses_b[it], rel=1e-6), it
     terms = [k for k in read_log(a)[-2] if k in ("ce", "simreg", "nitp", "cwt", "moe_aux")]
     for ra, rb in zip(read_log(a), read_log(b)):  # every logged term and every evaluation
-        for key in terms + [f"val_{t}" for t in terms] + ["val", "val_hr", "val_lr"]:
+        for key in terms + [f"val_{t}" for t in terms] + ["val", "val_high", "val_low"]:
             if key in ra:
                 assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-12), key
     wa, wb = final_weights(a), final_weights(b)

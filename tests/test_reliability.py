@@ -42,7 +42,7 @@ def snapshot(*directories):
 
 def trajectory(out_dir):
     """What must not depend on interruptions: every logged training loss and every evaluation."""
-    return [{k: v for k, v in r.items() if k in ("iter", "loss", "val", "val_hr", "val_lr")} for r in read_log(out_dir)]
+    return [{k: v for k, v in r.items() if k in ("iter", "loss", "val", "val_high", "val_low")} for r in read_log(out_dir)]
 
 
 def final_weights(out_dir):
@@ -336,7 +336,7 @@ def test_checkpoints_work_from_any_directory_and_evaluate_keeps_what_a_run_wrote
                       "--overwrite", cwd=elsewhere)
     assert result.returncode == 0, result.stderr[-2000:]
     old, new = json.loads(metrics_before), json.loads((out / "metrics.json").read_bytes())
-    assert new["flops"] == old["flops"] and new["hr"] == old["hr"]
+    assert new["flops"] == old["flops"] and new["high"] == old["high"]
     result = subprocess.run(command(str(out), os.path.abspath(data_dir), "--max_iters=6", "--eval_interval=2",
                                     "--lr_decay_iters=4", "--init_from=resume", "--final_eval=False"),
                             cwd=REPO, env=ENV, capture_output=True, text=True)

@@ -3,6 +3,7 @@ determinism, exact resume, the Stop Jostling options, evaluate.py on a saved che
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -42,24 +43,24 @@ def baseline_run(tmp_path_factory, data_dir):
 
 def test_run_writes_log_checkpoints_and_metrics(baseline_run):
     out, result = baseline_run
-    assert "params:" in result.stdout and "lr" in result.stdout
+    assert "params:" in result.stdout and re.search(r"^metric +high +low$", result.stdout, re.M)  # both languages scored
     assert sorted(f for f in os.listdir(out)) == ["best.json", "best.pt", "ckpt.json", "ckpt.pt", "ckpt_prev.json",
                                                   "ckpt_prev.pt", "log.jsonl", "metrics.json"]
     log = read_log(out)
     assert sorted(train_losses(out)) == list(range(20))
     evals = [r for r in log if "val" in r]
     assert [r["iter"] for r in evals] == [0, 10, 20]
-    assert all({"val", "val_hr", "val_lr"} <= set(r) for r in evals)
+    assert all({"val", "val_high", "val_low"} <= set(r) for r in evals)
     assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] < 5 for r in log if "loss" in r)
     assert train_losses(out)[19] < train_losses(out)[0]  # it learns something
     with open(os.path.join(out, "metrics.json")) as f:
         metrics = json.load(f)
-    for lang in ("hr", "lr"):
+    for lang in ("high", "low"):
         assert set(metrics[lang]) == {"ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy", "isotropy_authors"}
         assert metrics[lang]["ppl_best"] <= metrics[lang]["ppl"]
         assert 0 <= metrics[lang]["accuracy"] <= metrics[lang]["recall_at_5"] <= 1
     assert 0 < metrics["isotropy_all"] <= 1
-    for lang in ("hr", "lr"):
+    for lang in ("high", "low"):
         g = metrics["geometry"][lang]
         assert len(g["mu"]) == 2 and len(g["cosine_histograms"]) == 2  # embedding output + 1 block
         assert all(-1 <= m <= 1 for m in g["mu"]) and -1 <= g["final_cosine"] <= 1
@@ -189,10 +190,10 @@ def assert_close(a, b, path=""):
 def test_sample_generates_from_the_prompt(baseline_run):
     out, _ = baseline_run
     args = [sys.executable, "sample.py", os.path.join(out, "best.pt"), "--start=And the", "--max_new_tokens=30"]
-    result = subprocess.run(args + ["--lang=lr"], cwd=REPO, capture_output=True, text=True)
+    result = subprocess.run(args + ["--lang=low"], cwd=REPO, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("And the") and "generated characters are LR" in result.stdout
-    again = subprocess.run(args + ["--lang=lr"], cwd=REPO, capture_output=True, text=True)
+    again = subprocess.run(args + ["--lang=low"], cwd=REPO, capture_output=True, text=True)
     assert again.stdout == result.stdout  # seeded
     bad = subprocess.run(args[:3] + ["--start=#"], cwd=REPO, capture_output=True, text=True)
     assert bad.returncode != 0 and "not in the vocabulary" in bad.stderr
@@ -265,7 +266,7 @@ def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_d
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: training diverged at step ") and "non-finite" in message
     terms = message.split("non-finite ")[1].split(" (")[0].split(", ")  # the terms it names
-    assert terms and set(terms) <= {"loss", "ce", "val", "val_hr", "val_lr", "weights"}, terms
+    assert terms and set(terms) <= {"loss", "ce", "val", "val_high", "val_low", "weights"}, terms
     assert f"{out / 'ckpt.pt'} (step 0)" in message and "--init_from=resume" in message
     assert not (out / "metrics.json").exists()
     step = int(message.split("at step ")[1].split(":")[0])

@@ -24,7 +24,7 @@ from tools import stats
 
 
 def _metric(*path):
-    """A quantity read from a run's metrics.json, e.g. _metric("lr", "accuracy")."""
+    """A quantity read from a run's metrics.json, e.g. _metric("low", "accuracy")."""
     def value(run):
         node = run["metrics"]
         for key in path:
@@ -39,7 +39,7 @@ def isotropy_authors_of(lang):
     def value(run):
         with np.load(os.path.join(run["dir"], "embedding.npz")) as data:
             W, shift = torch.from_numpy(data["wte"]), len(data["itos"])
-        return metrics.isotropy_authors(W[:shift] if lang == "hr" else W[shift:2 * shift])
+        return metrics.isotropy_authors(W[:shift] if lang == "high" else W[shift:2 * shift])
     return value
 
 
@@ -98,10 +98,10 @@ _SJ_BASE = (10.63, .315, .417)
 def _jostling_claims():
     out = []
     for method, (ppl_best, acc, iw) in _SJ_RUNS.items():
-        out += [claim(SJ, method, "LR PPL_best", _metric("lr", "ppl_best"), -1, f"{_SJ_BASE[0]} → {ppl_best}",
+        out += [claim(SJ, method, "LR PPL_best", _metric("low", "ppl_best"), -1, f"{_SJ_BASE[0]} → {ppl_best}",
                       ppl_best - _SJ_BASE[0], digits=2),
-                claim(SJ, method, "LR accuracy", _metric("lr", "accuracy"), +1, f"{_SJ_BASE[1]} → {acc}", acc - _SJ_BASE[1]),
-                claim(SJ, method, "LR I(W), authors' way", isotropy_authors_of("lr"), +1, f"{_SJ_BASE[2]} → {iw}",
+                claim(SJ, method, "LR accuracy", _metric("low", "accuracy"), +1, f"{_SJ_BASE[1]} → {acc}", acc - _SJ_BASE[1]),
+                claim(SJ, method, "LR I(W), authors' way", isotropy_authors_of("low"), +1, f"{_SJ_BASE[2]} → {iw}",
                       iw - _SJ_BASE[2])]
     out += [claim(SJ, "margin 2", "LR Ratio of Average (%)", _marginalization("mean_ratio_of_average"), +1,
                   "+12 % (margin not stated)", 12.0, kind="relative", digits=1),
@@ -109,32 +109,32 @@ def _jostling_claims():
                   "+45 % (margin not stated)", 45.0, kind="relative", digits=1),
             claim(SJ, "margin 0.6 + SE", "12 cases (A/a, HR/LR) in top-3", _metric("translations", "cases_12"), +1,
                   "0 → 10 of 12", 10.0, digits=1),
-            claim(SJ, "margin 0.6 + SE", "LR accuracy, SE's own effect", _metric("lr", "accuracy"), +1,
+            claim(SJ, "margin 0.6 + SE", "LR accuracy, SE's own effect", _metric("low", "accuracy"), +1,
                   "SE is needed for .487", None, baseline="margin 0.6"),
-            claim(SJ, "margin 0.6 + SE, rows not decayed", "LR accuracy, rows not decayed", _metric("lr", "accuracy"),
+            claim(SJ, "margin 0.6 + SE, rows not decayed", "LR accuracy, rows not decayed", _metric("low", "accuracy"),
                   +1, "SE run: .487 (rows 1-D, Listing 2)", None, baseline="margin 0.6 + SE")]
     return out
 
 
 def _lm_claims(lang, chained_ok=True):
     """The claims of SimReg, dispersion, NITP and CWT on a grid whose main language is `lang`
-    ("hr" on the char grid, "val" on the BPE grid). Their papers measured bigger models and
+    ("high" on the char grid, "val" on the BPE grid). Their papers measured bigger models and
     downstream benchmarks: the toy's PPL on the whole val split stands in for "a better LM"."""
     # char grid: PPL ~5, paired differences in PPL; BPE grid: PPL ~300 and heavy-tailed across seeds,
     # so relative changes per seed (%)
-    ppl, name = _metric(lang, "ppl"), ("HR PPL" if lang == "hr" else "PPL (%)")
-    kind, digits = ("difference", 2) if lang == "hr" else ("relative", 1)
+    ppl, name = _metric(lang, "ppl"), ("HR PPL" if lang == "high" else "PPL (%)")
+    kind, digits = ("difference", 2) if lang == "high" else ("relative", 1)
     out = [claim(SR, "SimReg", name, ppl, -1, "350M: PPL 15.06 → 14.25", kind=kind, digits=digits),
            claim(SR, "SimReg", "steps saved to reach CE's final val loss (%)", None, +1,
                  "≈ 33 % (1.3B), > 37 % (3B, 7B)", kind="speed-up", digits=1),
            claim(SR, "SimReg chunk 32", name, ppl, -1, "chunk-wise keeps SimReg's gain", kind=kind, digits=digits),
            claim(DI, "dispersion", name, ppl, -1, "10-task avg 34.95 → 35.61 (GPT-2)", kind=kind, digits=digits),
-           claim(DI, "dispersion", ("HR " if lang == "hr" else "") + "μ(last block), condensation",
+           claim(DI, "dispersion", ("HR " if lang == "high" else "") + "μ(last block), condensation",
                  lambda run: run["metrics"]["geometry"][lang]["mu"][-1], -1, "less condensed (Fig. 2)")]
     for variant, gain in (("decorrelation", "+1.06"), ("l2_repel", "gains in some settings"), ("orthogonalization", "+1.07")):
         out.append(claim(DI, f"dispersion {variant}", name, ppl, -1, f"10-task avg {gain} (GPT-2)", kind=kind, digits=digits))
     out += [claim(NI, "NITP", name, ppl, -1, "MMLU-Pro +5.7 % (9B MoE)", kind=kind, digits=digits),
-            claim(CW, "CWT + FT", ("HR " if lang == "hr" else "") + "accuracy", _metric(lang, "accuracy"), +1,
+            claim(CW, "CWT + FT", ("HR " if lang == "high" else "") + "accuracy", _metric(lang, "accuracy"), +1,
                   "LAMBADA acc 19.5 → 22.2"),
             claim(CW, "CWT + FT", name, ppl, -1, "LAMBADA PPL 170 → 154", kind=kind, digits=digits)]
     return out
@@ -142,9 +142,9 @@ def _lm_claims(lang, chained_ok=True):
 
 CLAIMS = {
     "jostling": _jostling_claims(),
-    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", _metric("lr", "accuracy"), +1, ".315 → .487", .487 - .315),
-               claim(SJ, "margin 0.6 + SE", "LR PPL_best", _metric("lr", "ppl_best"), -1, "10.63 → 6.17", 6.17 - 10.63,
-                     digits=2)] + _lm_claims("hr"),
+    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", _metric("low", "accuracy"), +1, ".315 → .487", .487 - .315),
+               claim(SJ, "margin 0.6 + SE", "LR PPL_best", _metric("low", "ppl_best"), -1, "10.63 → 6.17", 6.17 - 10.63,
+                     digits=2)] + _lm_claims("high"),
     "bpe": [claim(SJ, "margin 0.6 + SE", "rare-target MRR", _metric("rare", "mrr"), +1, "char toy: LR MRR .480 → .628"),
             claim(SJ, "margin 0.6 + SE", "rare-target PPL (%)", _metric("rare", "ppl"), -1,
                   "char toy: LR PPL_best 10.63 → 6.17", kind="relative", digits=1)] + _lm_claims("val"),

@@ -20,6 +20,9 @@ from tools import claims, figures, stats
 from tools.grids import GRIDS, METRICS, PAPER, PAPER_SE_LR_ACCURACY, SEEDS, TRANSITION_LR_ACCURACY, run_dir, runs_of
 from tools.runner import grid_calls
 
+# the char grids score two languages; their tables use the paper's names
+LANGUAGE_NAMES = {"high": "HR", "low": "LR"}
+
 
 def mean_std(values):
     t = torch.tensor(values, dtype=torch.float64)
@@ -48,9 +51,9 @@ def load_runs(grid, root):
 def paired_columns(results):
     """(title, language, metric) of the paired-difference table and the forest plot."""
     runs = [r for per_seed in results.values() for r in per_seed.values()]
-    if any("lr" in r for r in runs):
-        return [("LR acc", "lr", "accuracy"), ("LR MRR", "lr", "mrr"), ("LR PPL_best", "lr", "ppl_best"),
-                ("HR acc", "hr", "accuracy"), ("HR PPL_best", "hr", "ppl_best"), ("LR I(W)", "lr", "isotropy")]
+    if any("low" in r for r in runs):
+        return [("LR acc", "low", "accuracy"), ("LR MRR", "low", "mrr"), ("LR PPL_best", "low", "ppl_best"),
+                ("HR acc", "high", "accuracy"), ("HR PPL_best", "high", "ppl_best"), ("LR I(W)", "low", "isotropy")]
     columns = [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
                ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
     if runs and all("rare" in r for r in runs):
@@ -66,8 +69,8 @@ class Grid:
         self.name, self.root, self.methods = grid, root, GRIDS[grid]
         self.results, self.runs = load_runs(grid, root)
         self.baseline = next(iter(self.methods))
-        self.low_resource = any("lr" in r for per_seed in self.results.values() for r in per_seed.values())
-        self.langs = ("hr", "lr") if self.low_resource else ("val",)
+        self.low_resource = any("low" in r for per_seed in self.results.values() for r in per_seed.values())
+        self.langs = ("high", "low") if self.low_resource else ("val",)
 
     def shared_with_baseline(self, method):
         return sorted(set(self.results.get(method, {})) & set(self.results.get(self.baseline, {})))
@@ -107,7 +110,7 @@ def metric_tables(g):
                   "I(W) computed as the paper computed its I(W) column (the general eigensolver's eigenvectors with the "
                   "signs it returns), so the paper's value sits in that column only.", ""]
     for lang in g.langs:
-        lines += [f"## {lang.upper()} validation" if g.low_resource else "## Validation", "",
+        lines += [f"## {LANGUAGE_NAMES[lang]} validation" if g.low_resource else "## Validation", "",
                   "| method | seeds | " + " | ".join(header) + " |", "|---" * (len(header) + 2) + "|"]
         for method in g.methods:
             method_runs = g.results.get(method, {})
@@ -119,7 +122,7 @@ def metric_tables(g):
                 lines.append(f"| {method} | {len(method_runs)} | " + " | ".join(cells) + " |")
             paper = PAPER.get(g.name, {}).get(method)
             if paper:
-                values = [f"*{v[0 if lang == 'hr' else 1]}*" for v in paper]
+                values = [f"*{v[0 if lang == 'high' else 1]}*" for v in paper]
                 if with_authors:
                     values = values[:-1] + ["—", values[-1]]
                 lines.append(f"| *paper: {method}* | 1 | " + " | ".join(values) + " |")
@@ -200,7 +203,7 @@ def transition_table(g):
     for method in g.methods:
         method_runs = g.results.get(method, {})
         if method_runs:
-            acc = sorted(r["lr"]["accuracy"] for r in method_runs.values())
+            acc = sorted(r["low"]["accuracy"] for r in method_runs.values())
             twins = sorted(r["translations"]["twin_top3_fraction"] for r in method_runs.values())
             lines.append(f"| {method} | {len(acc)} | {' '.join(f'{a:.3f}' for a in acc)} | "
                          f"{sum(a >= TRANSITION_LR_ACCURACY for a in acc)} of {len(acc)} | "
@@ -409,7 +412,7 @@ def make_figures(grid, root, out_dir):
     def per_seed(get):
         return {m: [get(r) for r in results[m].values()] for m in methods}
     if low_resource:
-        strips = {"LR accuracy": per_seed(lambda r: r["lr"]["accuracy"]),
+        strips = {"LR accuracy": per_seed(lambda r: r["low"]["accuracy"]),
                   "twin in top-3 (fraction of 130 rows)": per_seed(lambda r: r["translations"]["twin_top3_fraction"])}
         references = {"LR accuracy": ("paper, margin 0.6 + SE (1 run)", PAPER_SE_LR_ACCURACY)}
     else:
@@ -442,8 +445,8 @@ def make_figures(grid, root, out_dir):
         for method in trio:
             for seed, run in runs[method].items():
                 with open(os.path.join(run["dir"], "log.jsonl")) as f:
-                    evals = [r for r in map(json.loads, f) if "val_lr" in r]
-                curves.setdefault(method, {})[seed] = ([r["iter"] for r in evals], [r["val_lr"] for r in evals])
+                    evals = [r for r in map(json.loads, f) if "val_low" in r]
+                curves.setdefault(method, {})[seed] = ([r["iter"] for r in evals], [r["val_low"] for r in evals])
         add("LR val loss (20 batches, never thresholded) of every seed", figures.seed_curves(
             curves, os.path.join(base, f"{grid}_lr_val_per_seed.png"), "LR val loss (nats)", colours))
 
@@ -451,8 +454,8 @@ def make_figures(grid, root, out_dir):
     for method in methods:
         geometries = [r["geometry"] for r in results[method].values() if r.get("geometry")]
         if geometries:
-            split = "HR val" if "hr" in geometries[0] else "val"  # the char grids: the HR language
-            histograms[method] = np.mean([np.asarray(g.get("hr", g.get("val"))["cosine_histograms"])
+            split = "HR val" if "high" in geometries[0] else "val"  # the char grids: the HR language
+            histograms[method] = np.mean([np.asarray(g.get("high", g.get("val"))["cosine_histograms"])
                                           for g in geometries], axis=0)
     if histograms:
         add(f"Condensation: pairwise-cosine histogram per depth ({split}, mean over seeds)",
