@@ -83,3 +83,20 @@ def test_paired_then_holm_then_verdict_on_a_small_grid():
     adjusted = stats.holm([clear["p"], noisy["p"], worse["p"]])
     assert [stats.verdict(r["mean"], p, +1) for r, p in zip((clear, noisy, worse), adjusted)] == \
         [stats.REPRODUCES, stats.NOT_SHOWN, stats.CONTRADICTED]
+
+
+def test_clopper_pearson_against_its_closed_forms_and_known_values():
+    """k = 0: the upper end solves (1 - p)^n = alpha / 2, i.e. 1 - (alpha/2)^(1/n); k = n mirrors
+    it. k = 2 of 10: 0.0252 and 0.5561 (the exact interval as tabulated, e.g. by R's binom.test)."""
+    low, high = stats.clopper_pearson(0, 10)
+    assert low == 0.0 and high == pytest.approx(1 - 0.025 ** (1 / 10), abs=1e-9)
+    low, high = stats.clopper_pearson(10, 10)
+    assert high == 1.0 and low == pytest.approx(0.025 ** (1 / 10), abs=1e-9)
+    low, high = stats.clopper_pearson(2, 10)
+    assert low == pytest.approx(0.02521, abs=5e-5) and high == pytest.approx(0.55610, abs=5e-5)
+    # the defining tail probabilities, summed term by term: P(X >= 2 | p = low) = P(X <= 2 | p = high) = 0.025
+    binom = lambda k, n, p: math.comb(n, k) * p ** k * (1 - p) ** (n - k)  # noqa: E731
+    assert sum(binom(j, 10, low) for j in range(2, 11)) == pytest.approx(0.025, abs=1e-9)
+    assert sum(binom(j, 10, high) for j in range(0, 3)) == pytest.approx(0.025, abs=1e-9)
+    with pytest.raises(ValueError):
+        stats.clopper_pearson(3, 2)

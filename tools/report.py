@@ -197,18 +197,45 @@ def transition_table(g):
     lines = ["", "## Per seed: LR accuracy and the Stop Jostling transition", "",
              f"A seed \"makes the transition\" when its LR accuracy reaches {TRANSITION_LR_ACCURACY} (about halfway "
              f"from the ≈ .37 of thresholded runs to the authors' {PAPER_SE_LR_ACCURACY}). Values sorted, best "
-             "checkpoint (best mixed val loss).", "",
-             "| method | seeds | LR accuracy per seed | seeds at or above the threshold | twin in top-3 per seed |",
-             "|---|---|---|---|---|"]
+             "checkpoint (best mixed val loss). The rate's interval is the exact (Clopper-Pearson) 95 % interval of "
+             f"k in n seeds. When: the first evaluation at which the seed's LR val loss is {DEPARTURE_NATS} nats below "
+             "that of every seed of the method that does not make it.", "",
+             "| method | seeds | LR accuracy per seed | seeds at or above the threshold | rate [95 % CI] | "
+             "seeds that make it (when) | twin in top-3 per seed |",
+             "|---|---|---|---|---|---|---|"]
     for method in g.methods:
         method_runs = g.results.get(method, {})
         if method_runs:
             acc = sorted(r["low"]["accuracy"] for r in method_runs.values())
             twins = sorted(r["translations"]["twin_top3_fraction"] for r in method_runs.values())
+            made = sorted(seed for seed, r in method_runs.items() if r["low"]["accuracy"] >= TRANSITION_LR_ACCURACY)
+            low, high = stats.clopper_pearson(len(made), len(acc))
+            when = departures(g, method, made)
             lines.append(f"| {method} | {len(acc)} | {' '.join(f'{a:.3f}' for a in acc)} | "
-                         f"{sum(a >= TRANSITION_LR_ACCURACY for a in acc)} of {len(acc)} | "
+                         f"{len(made)} of {len(acc)} | {len(made) / len(acc):.2f} [{low:.2f}, {high:.2f}] | "
+                         f"{', '.join(f'{s} (step {when[s]})' for s in made) or '—'} | "
                          f"{' '.join(f'{t:.3f}' for t in twins)} |")
     return lines
+
+
+DEPARTURE_NATS = 0.1
+
+
+def departures(g, method, made):
+    """{seed: the first evaluation step at which its LR val loss is DEPARTURE_NATS below the LR val
+    loss of every seed of the method that does not make the transition (None if never, or if
+    every seed makes it)} for the seeds in made."""
+    curves = {}
+    for seed, run in g.runs[method].items():
+        with open(os.path.join(run["dir"], "log.jsonl")) as f:
+            curves[seed] = {r["iter"]: r["val_low"] for r in map(json.loads, f) if "val_low" in r}
+    others = [curves[s] for s in curves if s not in made]
+    when = {}
+    for seed in made:
+        steps = [step for step in sorted(curves[seed]) if others and all(step in c for c in others)
+                 and curves[seed][step] <= min(c[step] for c in others) - DEPARTURE_NATS]
+        when[seed] = steps[0] if steps else None
+    return when
 
 
 def embedding_geometry_table(g):

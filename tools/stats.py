@@ -104,6 +104,30 @@ def paired(differences, confidence=0.95):
     return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "p": p, "up": up, "down": down}
 
 
+def beta_quantile(q, a, b):
+    """The x with I_x(a, b) = q (bisection on incomplete_beta, to ~1e-12)."""
+    low, high = 0.0, 1.0
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        low, high = (mid, high) if incomplete_beta(a, b, mid) < q else (low, mid)
+        if high - low < 1e-12:
+            break
+    return 0.5 * (low + high)
+
+
+def clopper_pearson(k, n, confidence=0.95):
+    """Exact (Clopper-Pearson) confidence interval of a rate seen k times in n trials, e.g. how
+    often a seed makes a transition: the (1 - confidence) / 2 and (1 + confidence) / 2 quantiles
+    of Beta(k, n - k + 1) and Beta(k + 1, n - k), with 0 and 1 at the edges. It never undercovers,
+    which matters at k = 0 or k = n with 10 seeds, where a normal approximation gives nonsense."""
+    if not 0 <= k <= n or n == 0:
+        raise ValueError(f"clopper_pearson: need 0 <= k <= n and n > 0, got k={k}, n={n}")
+    alpha = 1.0 - confidence
+    low = 0.0 if k == 0 else beta_quantile(alpha / 2, k, n - k + 1)
+    high = 1.0 if k == n else beta_quantile(1 - alpha / 2, k + 1, n - k)
+    return low, high
+
+
 def holm(p_values):
     """Holm-adjusted p-values, in the input's order (None stays None and is not counted)."""
     indexed = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
