@@ -316,3 +316,23 @@ def test_every_grid_command_is_a_valid_config(monkeypatch):
     cmd = runner.planned_commands(bpe["CE"][0], 1337, [])[0]
     result = subprocess.run(cmd + ["--dry_run=True", "--vocab_size=50304"], capture_output=True, text=True)
     assert result.returncode == 0 and "params: 7242880" in result.stdout, result.stderr[-500:]
+
+
+def test_transition_rate_and_departure_step(tmp_path, monkeypatch):
+    """The per-seed table: k of n seeds at or above the LR accuracy threshold, the exact interval,
+    and for each such seed the first evaluation at which its LR val loss is 0.1 nats below every
+    other seed's (here: seed 1339 is 0.05 below at step 250, 0.15 below at 500)."""
+    monkeypatch.setitem(grids.GRIDS, "jump", {"CE": ("config/lowres_ce.py", 3), "margin 0.6": ("config/lowres_margin_0.6.py", 3)})
+    low_curves = {1337: [3.0, 2.5, 2.4], 1338: [3.0, 2.6, 2.5], 1339: [3.0, 2.45, 2.25]}
+    for method in ("CE", "margin 0.6"):
+        for seed, curve in low_curves.items():
+            out = grids.run_dir(str(tmp_path), "jump", method, seed)
+            os.makedirs(out)
+            jumps = method == "margin 0.6" and seed == 1339
+            with open(os.path.join(out, "metrics.json"), "w") as f:
+                json.dump(fake_metrics(0.49 if jumps else 0.37, 5.0), f)
+            with open(os.path.join(out, "log.jsonl"), "w") as f:
+                f.writelines(json.dumps({"iter": 250 * k, "val": v, "val_low": v}) + "\n" for k, v in enumerate(curve))
+    table, _ = report.build_table("jump", str(tmp_path))
+    assert "| CE | 3 | 0.370 0.370 0.370 | 0 of 3 | 0.00 [0.00, 0.71] | — |" in table
+    assert "| margin 0.6 | 3 | 0.370 0.370 0.490 | 1 of 3 | 0.33 [0.01, 0.91] | 1339 (step 500) |" in table
