@@ -28,7 +28,7 @@ import torch
 
 import checkpoint as checkpoints
 import metrics
-from data import DataError, load_tokens
+from data import DataError, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
 from utils import choose_device, keep_freed_memory, save_json
@@ -200,6 +200,65 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     E = model.input_embedding().detach().float().cpu()
     result["translations"] = metrics.translation_metrics(E, itos, shift)
     return result
+
+
+@torch.no_grad()
+def validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift, low_resource_prob,
+                      device, autocast):
+    """train.py's evaluation during training. Cross-entropy (never thresholded) on the same eval_iters validation batches every time
+    (a fixed generator), in both languages. 'val' is the loss on the mixed batches, each window
+    in the low-resource language with probability low_resource_prob, as in training; it is
+    assembled from the per-window HR and LR losses, so it costs no extra forward pass. The other
+    active loss terms are evaluated on the same mixed batches ('val_<term>'), their states
+    picked per window from the HR and LR passes (windows do not attend to each other). A run
+    without CE (headless) keeps the checkpoint with the best weighted sum of its terms instead.
+    The RNG is forked so that evaluation never changes the training run's random stream.
+    shift > 0: the low-resource language's id offset (0: one language). Returns {"val", "val_high",
+    "val_low" (two languages), "val_<term>" (each other active term; "val_ce" when headless)}."""
+    low_resource, on_cuda = shift > 0, str(device).startswith("cuda")
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    languages = (("high", 0), ("low", shift)) if low_resource else (("high", 0),)
+    aux = [name for name, weight in objective.weights.items() if weight and name != "ce"]
+    per_window = {"high": [], "low": []}
+    masks, term_sums = [], dict.fromkeys(aux, 0.0)
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_cuda else []):
+        for _ in range(eval_iters):
+            x, y = read_windows(val_data, *sample_windows(len(val_data), block_size, batch_size, generator), block_size,
+                                shift, device)
+            is_low = torch.rand(batch_size, generator=generator) < low_resource_prob
+            masks.append(is_low)
+            passes = {}
+            for lang, offset in languages:
+                with autocast:
+                    passes[lang] = model(x + offset, return_hidden_states=bool(aux))
+                logits = passes[lang][0] if aux else passes[lang]
+                nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y + offset, reduction="none")
+                per_window[lang].append(nll.mean(dim=1).cpu())
+            if aux:
+                logits, hidden = passes["high"]
+                if low_resource:
+                    pick = is_low.to(device).view(-1, 1, 1)
+                    logits = torch.where(pick, passes["low"][0], logits)
+                    hidden = [torch.where(pick, low_h, high_h) for low_h, high_h in zip(passes["low"][1], hidden)]
+                with autocast:
+                    _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1), model.input_embedding())
+                for name in aux:
+                    term_sums[name] += terms[name].item() / eval_iters
+    model.train()
+    high = torch.cat(per_window["high"])
+    out = {"val_high": high.mean().item()}
+    if low_resource:
+        low = torch.cat(per_window["low"])
+        out["val_low"] = low.mean().item()
+        out["val"] = torch.where(torch.cat(masks), low, high).mean().item()
+    else:
+        out["val"] = out["val_high"]
+    out.update({f"val_{name}": value for name, value in term_sums.items()})
+    if not objective.needs_logits:
+        out["val_ce"] = out["val"]
+        out["val"] = sum(objective.weights[name] * value for name, value in term_sums.items())
+    return out
 
 
 def with_run_flops(result, run_flops):

@@ -198,12 +198,6 @@ torch.manual_seed(seed)
 data_generator = torch.Generator().manual_seed(seed)
 
 
-def get_batch(data, generator, prob_low_resource):
-    """batch_size random windows -> inputs (B,T), targets (B,T) on the device (data.py)."""
-    starts, is_low = sample_windows(len(data), block_size, batch_size, generator, prob_low_resource)
-    return read_windows(data, starts, is_low, block_size, shift, device)
-
-
 # model, parallelism and optimizer --------------------------------------------
 model_config = make_model_config(vocab_size)
 model = build_model(model_config, device)
@@ -299,60 +293,6 @@ def get_lr(it):
         return min_lr
     ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
-
-
-@torch.no_grad()
-def estimate_val_loss():
-    """Cross-entropy (never thresholded) on the same eval_iters validation batches every time
-    (a fixed generator), in both languages. 'val' is the loss on the mixed batches, each window
-    in the low-resource language with probability low_resource_prob, as in training; it is
-    assembled from the per-window HR and LR losses, so it costs no extra forward pass. The other
-    active loss terms are evaluated on the same mixed batches ('val_<term>'), their states
-    picked per window from the HR and LR passes (windows do not attend to each other). A run
-    without CE (headless) keeps the checkpoint with the best weighted sum of its terms instead.
-    The RNG is forked so that evaluation never changes the training run's random stream."""
-    model.eval()
-    generator = torch.Generator().manual_seed(0)
-    languages = (("high", 0), ("low", shift)) if low_resource else (("high", 0),)
-    aux = [name for name, weight in objective.weights.items() if weight and name != "ce"]
-    per_window = {"high": [], "low": []}
-    masks, term_sums = [], dict.fromkeys(aux, 0.0)
-    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_cuda else []):
-        for _ in range(eval_iters):
-            x, y = get_batch(val_data, generator, prob_low_resource=0.0)
-            is_low = torch.rand(batch_size, generator=generator) < low_resource_prob
-            masks.append(is_low)
-            passes = {}
-            for lang, offset in languages:
-                with autocast:
-                    passes[lang] = model(x + offset, return_hidden_states=bool(aux))
-                logits = passes[lang][0] if aux else passes[lang]
-                nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y + offset, reduction="none")
-                per_window[lang].append(nll.mean(dim=1).cpu())
-            if aux:
-                logits, hidden = passes["high"]
-                if low_resource:
-                    pick = is_low.to(device).view(-1, 1, 1)
-                    logits = torch.where(pick, passes["low"][0], logits)
-                    hidden = [torch.where(pick, low_h, high_h) for low_h, high_h in zip(passes["low"][1], hidden)]
-                with autocast:
-                    _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1), model.input_embedding())
-                for name in aux:
-                    term_sums[name] += terms[name].item() / eval_iters
-    model.train()
-    high = torch.cat(per_window["high"])
-    out = {"val_high": high.mean().item()}
-    if low_resource:
-        low = torch.cat(per_window["low"])
-        out["val_low"] = low.mean().item()
-        out["val"] = torch.where(torch.cat(masks), low, high).mean().item()
-    else:
-        out["val"] = out["val_high"]
-    out.update({f"val_{name}": value for name, value in term_sums.items()})
-    if not objective.needs_logits:
-        out["val_ce"] = out["val"]
-        out["val"] = sum(objective.weights[name] * value for name, value in term_sums.items())
-    return out
 
 
 def run_state(full):
@@ -452,7 +392,9 @@ while True:
             group["lr"] = lr
 
     if iter_num % eval_interval == 0 or iter_num == max_iters:
-        last_eval = estimate_val_loss()  # the same batches on every rank: the same result everywhere
+        # the same batches on every rank: the same result everywhere
+        last_eval = evaluate.validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift,
+                                               low_resource_prob, device, autocast)
         flops_done["eval"] += flops_per_eval * world_size  # every rank evaluates the same batches
         log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
