@@ -3,7 +3,8 @@ What does each loss cost? Times real training steps (forward, backward, AdamW) w
 switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
-    python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax
+    python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory
+    python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
   350m    the SimReg paper's 350M width cut to fit here: d = 1024, 16 heads, T = 2048, batch 1,
@@ -19,6 +20,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
           toy) comes to the machine's arithmetic limit: model FLOPs per second (train.py's 6N +
           attention) / the 2048^2 fp32 matmul peak on all cores, for one process on all cores
           and for one 1-thread process per core running side by side (how tools/compare.py runs a grid)
+  gpu_memory  tools/memory.py's table for the paper configs (c4_tiny and baseline_*) on 8 GPUs
   softmax the cross-entropy alone on the BPE toy's logits (1024 x 50304), forward + backward on
           1 thread: losses.cross_entropy vs F.cross_entropy, alternating so both see the same load
 
@@ -40,7 +42,7 @@ import torch.nn.functional as F
 from losses import Objective, cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
-from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops
+from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops, save_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
@@ -86,12 +88,29 @@ LOSSES = {  # name -> Objective kwargs on top of CE
 }
 
 
-def table(title, header, rows):
-    print(f"\n### {title}\n")
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+REPORT = []  # the Markdown of every section run, for --out
+
+
+def emit(text=""):
+    """Print a line of the report and keep it for --out."""
+    print(text, flush=True)
+    REPORT.append(text)
+
+
+def table(title, header, rows, intro=None):
+    emit(f"\n### {title}\n")
+    if intro:
+        emit(intro + "\n")
+    emit("| " + " | ".join(header) + " |")
+    emit("|" + "---|" * len(header))
     for row in rows:
-        print("| " + " | ".join(str(c) for c in row) + " |")
+        emit("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def goal(what, value, limit, unit="", higher_is_better=False):
+    """One of the cost goals this repository sets for the losses, judged on the number just measured."""
+    met = value >= limit if higher_is_better else value <= limit
+    emit(f"- {what} {'≥' if higher_is_better else '≤'} {limit}{unit}: {value:.2f}{unit}, {'met' if met else 'NOT met'}")
 
 
 def toy(args, device, dtype):
@@ -102,7 +121,10 @@ def toy(args, device, dtype):
     times = {name: step_time(config, kw, 12, args.steps * 4, args.warmup, device, dtype) for name, kw in losses.items()}
     base = times["CE"]
     table("toy model (4 x 128, T 64, batch 12, V 130)", ["objective", "ms / step", "ratio to CE", "extra"],
-          [(n, f"{1000 * t:.1f}", f"{t / base:.3f}", f"{100 * (t / base - 1):+.1f} %") for n, t in times.items()])
+          [(n, f"{1000 * t:.1f}", f"{t / base:.3f}", f"{100 * (t / base - 1):+.1f} %") for n, t in times.items()],
+          intro="Whole training steps (forward, backward, AdamW) with each loss on. At this size every term is "
+                "relatively dear because the model is so small; CWT's in-batch similarity matrix (768 x 768) is "
+                "bigger than the 130-way head it replaces.")
 
 
 def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
@@ -156,7 +178,7 @@ def paper_350m(args, device, dtype):
     # CE step FLOPs at 2 blocks (6 N per token + attention), for NITP's FLOP prediction at the CE step's rate
     ce_flops = 6 * (2 * 12 * C * C + V * C) * T + 2 * 12 * C * T * T
     rate = ce_flops / steps["CE", 2]
-    rows = [("CE", f"{steps['CE', 2]:.2f}", "", f"{full:.1f}", "", "")]
+    rows, share = [("CE", f"{steps['CE', 2]:.2f}", "", f"{full:.1f}", "", "")], {}
     for name, kw in losses.items():
         extra = loss_time({k: v for k, v in kw.items()}, L, C, T, V, args.steps * 4, device, dtype)
         print(f"  {name}: the term alone {extra:.3f} s", file=sys.stderr)
@@ -165,10 +187,21 @@ def paper_350m(args, device, dtype):
             # SwiGLU head C -> 4C -> C: 3 matrices of 4 C^2, 24 C^2 FLOPs per token forward, x3 with backward
             predicted = 3 * 24 * C * C * T / rate
             note = f"FLOP prediction {predicted:.2f} s at the CE step's {rate / 1e9:.0f} GFLOP/s: measured / predicted = {extra / predicted:.2f}"
+            share["NITP / its FLOP prediction"] = extra / predicted
+        share[name] = 100 * extra / full
         rows.append((name, f"{steps[name, 2]:.2f}", f"{extra:.3f}", f"{full + extra:.1f}", f"{100 * extra / full:.2f} %", note))
     table(f"350M width (d 1024, T 2048, batch 1, V 50304): CE step at 1 and 2 blocks extrapolated to 24 "
           f"(per block {per_block:.2f} s); each term timed alone at 24 blocks",
-          ["objective", "s / step at 2 blocks", "the term alone, s", "s / step at 24 blocks", "extra at 24 blocks", "note"], rows)
+          ["objective", "s / step at 2 blocks", "the term alone, s", "s / step at 24 blocks", "extra at 24 blocks", "note"], rows,
+          intro="The 2-block column is whole steps with each loss on; differences there are within the steps' own "
+                "jitter, which is why each term is also timed alone. 24-block step = 1-block step + 23 x per-block "
+                "time; extra = the term alone / that step.")
+    emit("\nGoals at 350M width:\n")
+    goal("SimReg, share of a full-depth step", share["CE + SimReg"], 1.0, " %")
+    goal("SimReg chunk 1024, share", share["CE + SimReg chunk"], 0.6, " %")
+    goal("dispersion over all layers with 256 positions each, share", share["CE + dispersion (all layers, 256 positions)"],
+         1.0, " %")
+    goal("NITP, measured / FLOP prediction", share["NITP / its FLOP prediction"], 1.5, "x")
 
 
 def cwt_vs_ce(args, device, dtype):
@@ -177,6 +210,8 @@ def cwt_vs_ce(args, device, dtype):
     cwt = step_time(config, {"ce": 0.0, "cwt": 1.0}, 12, args.steps * 2, args.warmup, device, dtype)
     table("CWT vs CE at V = 50304 (4 x 128, T 64, batch 12)", ["objective", "ms / step", "speed-up vs CE"],
           [("CE", f"{1000 * ce:.1f}", "1.00x"), ("CWT (headless)", f"{1000 * cwt:.1f}", f"{ce / cwt:.2f}x")])
+    emit()
+    goal("CWT step, speed-up over CE at V = 50304", ce / cwt, 2.0, "x", higher_is_better=True)
 
 
 def _status_kib(field):
@@ -280,8 +315,39 @@ def softmax_cross_entropy(args, device, dtype):
            for name, t in times.items()])
 
 
+PAPER_CONFIGS = ["config/c4_tiny.py", "config/baseline_350m.py", "config/baseline_1b3.py", "config/baseline_3b.py",
+                 "config/baseline_7b.py", "config/baseline_moe_8x1b.py"]
+
+
+def gpu_memory(args, device, dtype):
+    """tools/memory.py's table for the paper configs on 8 GPUs, and what it means for the biggest."""
+    from tools import memory as gpu
+    emit("\n### GPU memory of the paper configs (tools/memory.py, 8 GPUs)\n")
+    for line in gpu.table_lines([os.path.join(REPO, p) for p in PAPER_CONFIGS], gpus=8):
+        emit(line)
+    config, _ = gpu.read_config(os.path.join(REPO, "config/baseline_7b.py"))
+    with torch.device("meta"):
+        n = GPT(config).num_params()
+    emit(f"\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter, sharded by FSDP: on one GPU "
+         f"the 7B model's states alone are {16 * n / gpu.GiB:.0f} GiB. With several micro-steps per step FSDP2 also "
+         f"keeps the gradients unsharded between them (4 bytes per parameter, {4 * n / gpu.GiB:.0f} GiB at 7B). "
+         "Activations are per micro-batch, measured in fp32 (bf16 autocast stores most at half size).")
+
+
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
-            "softmax": softmax_cross_entropy}
+            "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory}
+
+
+def write_report(path, argv):
+    """results/bench.md: every table of this call under a header that says how and where it was made."""
+    from tools.runner import cpu_name
+    header = ["# What each loss costs, and what each paper config needs", "",
+              f"Generated by `python -m tools.bench {' '.join(argv)}` on {cpu_name()} ({os.cpu_count()} cores), "
+              f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}. Step times are medians of timed steps "
+              "after untimed warm-up steps, as ratios to the CE step measured in the same process; the goals are "
+              "judged on the numbers measured in this call. Rerun it on an otherwise idle machine to regenerate "
+              "this file."]
+    save_text("\n".join(header + REPORT) + "\n", path)
 
 
 def main():
@@ -290,6 +356,7 @@ def main():
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--out", default=None, help="also write the report there (e.g. results/bench.md)")
     parser.add_argument("--memory_child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--efficiency_child", choices=sorted(EFFICIENCY_SETTINGS), default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -305,6 +372,9 @@ def main():
     print(f"device {device}, {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.section or list(SECTIONS):
         SECTIONS[name](args, device, dtype)
+    if args.out:
+        write_report(args.out, sys.argv[1:])
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

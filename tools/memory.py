@@ -82,6 +82,20 @@ def estimate(config, batch_size, seq_len, gpus, measure_len=64):
             "block": block / GiB}
 
 
+def table_lines(paths, gpus, seq_len=0, batch_size=0):
+    """The Markdown table of estimate() for each config file (tools/bench.py puts it in results/bench.md)."""
+    lines = [f"GiB per GPU, FSDP over {gpus} GPU(s); activations of one micro-batch, fp32 upper bound", "",
+             "| config | params | micro-batch x T | weights + grads + AdamW (sharded) | activations | "
+             "with activation checkpointing | one block |", "|---|---|---|---|---|---|---|"]
+    for path in paths:
+        config, config_batch = read_config(path)
+        batch, T = batch_size or config_batch, seq_len or config.block_size
+        e = estimate(config, batch, T, gpus)
+        lines.append(f"| {os.path.basename(path)} | {e['params'] / 1e9:.2f}B | {batch} x {T} | "
+                     f"{e['weights'] + e['grads'] + e['adam']:.1f} | {e['act']:.1f} | {e['act_ckpt']:.1f} | {e['block']:.2f} |")
+    return lines
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", nargs="+")
@@ -90,20 +104,10 @@ def main():
     parser.add_argument("--batch_size", type=int, default=0, help="micro-batch; 0 = the config's")
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
-    print(f"GiB per GPU, FSDP over {args.gpus} GPU(s); activations of one micro-batch, fp32 upper bound\n")
-    print("| config | params | micro-batch x T | weights + grads + AdamW (sharded) | activations | "
-          "with activation checkpointing | one block |")
-    print("|---|---|---|---|---|---|---|")
-    for path in args.configs:
-        if not os.path.exists(path):
-            sys.exit(f"error: no config file {path}")
-        config, batch_size = read_config(path)
-        batch_size = args.batch_size or batch_size
-        T = args.seq_len or config.block_size
-        e = estimate(config, batch_size, T, args.gpus)
-        print(f"| {os.path.basename(path)} | {e['params'] / 1e9:.2f}B | {batch_size} x {T} | "
-              f"{e['weights'] + e['grads'] + e['adam']:.1f} | {e['act']:.1f} | {e['act_ckpt']:.1f} | {e['block']:.2f} |",
-              flush=True)
+    missing = [path for path in args.configs if not os.path.exists(path)]
+    if missing:
+        sys.exit(f"error: no config file {missing[0]}")
+    print("\n".join(table_lines(args.configs, args.gpus, args.seq_len, args.batch_size)))
 
 
 if __name__ == "__main__":
