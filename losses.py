@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from model import SwiGLU  # NITP's projection head: the same C -> hidden -> C block as a LLaMA MLP
-from model import at_least_fp32  # the repository's one upcast: half precision -> float32, float64 kept
+# NITP's projection head is the same C -> hidden -> C block as a LLaMA MLP; at_least_fp32 is the
+# repository's one upcast (half precision -> float32, float64 kept)
+from model import SwiGLU, at_least_fp32
 
 
 def threshold_logits(logits, targets, margin, ignore_index=-1):
