@@ -423,7 +423,8 @@ while True:
                   f"in {ckpt_path}. Resume with:\n  {launcher} train.py {shlex.join(resume_args)} --init_from=resume",
                   flush=True)
         if parallel != "none":
-            torch.distributed.destroy_process_group()
+            del train_model, train_objective, model, objective, checkpointed, optimizers, clipper
+            parallelism.shutdown()
         sys.exit(128 + (stop.signum or 15))
 
     # The step's whole global batch is drawn at once, identically on every rank, and micro-step k
@@ -494,9 +495,9 @@ while True:
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2f}")
         t_window, window_iters = time.perf_counter(), 0
 bar.close()
-if parallel != "none":
-    parallelism.barrier()
-    torch.distributed.destroy_process_group()
+if parallel != "none":  # nothing below needs the live model: the final evaluation reads best.pt
+    del train_model, train_objective, model, objective, checkpointed, optimizers, clipper
+    parallelism.shutdown()
 
 if log_marginalization and grad_parts:  # (parallel='none' only: one process)
     parts = torch.stack(grad_parts)  # (steps, 3, V)

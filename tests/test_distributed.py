@@ -28,7 +28,8 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_
 GPT2 = ["--cwt_weight=0.5", "--grad_clip_mode=adagc", "--adagc_warmup=3"]  # AdaGC: both phases in 6 steps
 # LLaMA blocks with a mixture of experts, untied; clipping low enough that clip_grad_norm_ acts
 LLAMA = ["--arch=llama", "--tie_weights=False", "--n_expert=4", "--top_k=2", "--ffn_hidden=32", "--grad_clip=0.1"]
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+# faulthandler: a rank that aborts in C++ (SIGABRT) prints its Python stack into the failure
+ENV = dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1")
 
 
 def launch(out_dir, data_dir, *args, processes=1):
