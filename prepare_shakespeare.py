@@ -199,6 +199,26 @@ def default_out_dir(tokenizer):
     return DEFAULT_OUT_DIR if tokenizer == "char" else os.path.join("data", "shakespeare_gpt2")
 
 
+def prepare_missing(data_dir, source=""):
+    """What train.py calls before reading data_dir: if data_dir is one of this script's default
+    folders and holds no dataset yet, prepare it (so the quick start is one command) and return
+    True; otherwise leave it alone and return False. `source` is a URL or a local file ('' = the
+    public tiny Shakespeare, sha256-checked); a failed download says how to use a local copy."""
+    tokenizer = next((t for t in TOKENIZERS if os.path.normpath(data_dir) == default_out_dir(t)), None)
+    if tokenizer is None or os.path.exists(os.path.join(data_dir, "meta.json")):
+        return False
+    is_url = not source or source.startswith(("http://", "https://"))
+    print(f"{data_dir} holds no dataset yet: preparing tiny Shakespeare ({tokenizer}) from {source or DEFAULT_URL}")
+    try:
+        prepare(input_path=None if is_url else source, out_dir=data_dir, url=source or DEFAULT_URL,
+                tokenizer=tokenizer)
+    except DataError as exc:
+        if not is_url:
+            raise
+        raise DataError(f"{exc} (offline? give a local copy of the text: --data_source=/path/to/input.txt)") from exc
+    return True
+
+
 def prepare(
     input_path=None,
     out_dir=None,

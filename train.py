@@ -34,6 +34,7 @@ import checkpoint
 import evaluate
 import metrics
 import parallelism
+import prepare_shakespeare
 from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
@@ -48,6 +49,7 @@ from utils import (StopRequest, autocast_context, choose_device, choose_dtype, k
 # I/O
 out_dir = "out/lowres_baseline"
 data_dir = "data/shakespeare_char"   # holds train.bin, val.bin, meta.json (prepare_shakespeare.py)
+data_source = ""                     # if data_dir is tiny Shakespeare's and empty: prepare it from this URL / file
 init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint path to start from
 overwrite = False                    # a fresh run may replace a run already in out_dir (else it refuses)
 head_from_embedding = False          # with a checkpoint path: the (untied) LM head starts as a copy of wte
@@ -171,6 +173,8 @@ except ValueError as e:
 
 # data: every file is checked before out_dir is touched -------------------------
 try:
+    if world_size == 1:  # (under torchrun every process would write it: prepare_shakespeare.py first)
+        prepare_shakespeare.prepare_missing(data_dir, data_source)
     meta = read_meta(data_dir)
     base_vocab = meta["vocab_size"]
     dataset_vocab = 2 * base_vocab if low_resource else base_vocab

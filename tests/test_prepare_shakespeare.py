@@ -405,3 +405,48 @@ def test_cli_subprocess(tmp_path, sample_file):
     assert train_text + val_text == SAMPLE_TEXT
     assert f"vocab size:   {meta['vocab_size']}" in result.stdout
     assert set(files_in(out_dir)) == OUTPUT_NAMES
+
+
+# ---------------------------------------------------------------------------
+# train.py prepares tiny Shakespeare itself when its default data_dir is empty
+# ---------------------------------------------------------------------------
+
+TINY_RUN = ["--n_layer=1", "--n_head=1", "--n_embd=8", "--block_size=16", "--batch_size=2", "--max_iters=2",
+            "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=2", "--final_eval=False",
+            "--num_threads=1"]
+
+
+def train_in(cwd, *args):
+    """train.py run from `cwd`, so its default data_dir (data/shakespeare_char) is cwd's."""
+    return subprocess.run([sys.executable, str(REPO_ROOT / "train.py"), str(REPO_ROOT / "config/lowres_baseline.py"),
+                           "--out_dir=out", *TINY_RUN, *args], cwd=cwd, capture_output=True, text=True)
+
+
+@pytest.mark.skipif(not SHARED_INPUT.exists(), reason="needs the real tiny Shakespeare (its sha256 is checked)")
+def test_train_prepares_missing_data_from_the_url(tmp_path, http_root):
+    root, base_url = http_root
+    (root / "input.txt").write_bytes(SHARED_INPUT.read_bytes())
+    result = train_in(tmp_path, f"--data_source={base_url}/input.txt")
+    assert result.returncode == 0, result.stderr[-2000:]
+    meta = read_meta(str(tmp_path / "data" / "shakespeare_char"))
+    assert meta["sha256"] == ps.DEFAULT_SHA256 and meta["n_train"] + meta["n_val"] == 1_115_394
+    assert (tmp_path / "out" / "log.jsonl").exists()
+    again = train_in(tmp_path, "--out_dir=out2", "--data_source=http://127.0.0.1:9/never-asked")
+    assert again.returncode == 0 and "preparing" not in again.stdout  # prepared once, then only read
+
+
+def test_train_refuses_a_download_with_the_wrong_checksum(tmp_path, http_root):
+    root, base_url = http_root
+    (root / "input.txt").write_bytes(SAMPLE_TEXT.encode("utf-8"))
+    result = train_in(tmp_path, f"--data_source={base_url}/input.txt")
+    assert result.returncode == 1
+    error = result.stderr.strip().splitlines()[-1]
+    assert "checksum mismatch" in error and "--data_source=/path/to/input.txt" in error
+    assert files_in(tmp_path / "data" / "shakespeare_char") == [] and not (tmp_path / "out").exists()
+
+
+def test_train_prepares_from_a_local_copy(tmp_path, sample_file):
+    result = train_in(tmp_path, f"--data_source={sample_file}", "--low_resource=False")
+    assert result.returncode == 0, result.stderr[-2000:]
+    _, _, _, train_text, val_text = decode_outputs(tmp_path / "data" / "shakespeare_char")
+    assert train_text + val_text == SAMPLE_TEXT and "note:" in result.stdout
