@@ -363,6 +363,15 @@ class Objective(nn.Module):
       nitp_hidden          head width; 0 = 4C
     """
 
+    SETTINGS = ("margin", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau", "dispersion_variant",
+                "dispersion_layers", "dispersion_positions", "nitp_layer", "nitp_prenorm", "nitp_hidden")
+
+    @classmethod
+    def from_config(cls, config):
+        """The objective train.py's keys describe: `<loss>_weight` for each loss, SETTINGS by name."""
+        weights = {name: config[f"{name}_weight"] for name in ("ce", "simreg", "dispersion", "nitp", "cwt")}
+        return cls(config["n_layer"], config["n_embd"], **weights, **{key: config[key] for key in cls.SETTINGS})
+
     def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
                  simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
                  dispersion_layers="all", dispersion_positions=0, nitp=0.0, nitp_layer=0, nitp_prenorm=False,

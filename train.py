@@ -34,11 +34,12 @@ import checkpoint
 import evaluate
 import metrics
 import parallelism
+import plan
 import prepare_shakespeare
-from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
+from configurator import TRAIN_RULES, ConfigError, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
-from model import GPT, GPTConfig, build_model
+from model import GPTConfig, build_model
 from optim import AdaGC, configure_optimizers
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
                    save_json)
@@ -120,7 +121,7 @@ log_marginalization = False          # record Stop Jostling's per-row gradient p
 # system
 parallel = "none"                    # none | ddp | fsdp (FSDP2): under torchrun --nproc_per_node=N (parallelism.py)
 activation_checkpointing = False     # recompute each block's activations in backward: memory for ~1/3 more compute
-dry_run = False                      # build the model on the meta device, print its parameter count, exit
+dry_run = False                      # print the run's plan (size, FLOPs, memory, data, time: plan.py) and exit
 device = "auto"                      # auto = cuda > mps > cpu
 dtype = "auto"                       # auto = bfloat16 autocast on GPU, float32 on CPU
 num_threads = 0                      # CPU threads for torch; 0 = torch's default
@@ -135,6 +136,14 @@ stop = StopRequest()  # from here on Ctrl-C / kill / SIGUSR1 end the run at the 
 # -----------------------------------------------------------------------------
 
 world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; a plain `python train.py` is one process
+if dry_run:  # the plan of this run (plan.py) on these processes: nothing allocated, no data read, out_dir untouched
+    try:
+        plan_text = plan.format_plan(plan.make_plan(config, world_size))
+    except ConfigError as e:
+        exit_config_error(e)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(plan_text)
+    sys.exit(0)
 problem = check_train_config(config, world_size)  # keys that must agree with each other
 if problem:
     exit_config_error(problem)
@@ -151,19 +160,6 @@ def make_model_config(vocab):
         exit_config_error(e)
 
 
-if dry_run:  # the model's size without data, weights or memory: every tensor lives on the meta device
-    if not vocab_size and not os.path.exists(os.path.join(data_dir, "meta.json")):
-        exit_config_error(f"dry_run needs key 'vocab_size' or a dataset in data_dir '{data_dir}'")
-    try:
-        dry_vocab = vocab_size or read_meta(data_dir)["vocab_size"]
-    except DataError as e:
-        sys.exit(f"error: {e}")
-    with torch.device("meta"):
-        dry_model = GPT(make_model_config(dry_vocab))
-    print(f"params: {dry_model.num_params()}")
-    if n_expert > 1:
-        print(f"active_params: {dry_model.num_params(active=True)}")
-    sys.exit(0)
 if num_threads > 0:
     torch.set_num_threads(num_threads)
 try:
@@ -206,12 +202,7 @@ data_generator = torch.Generator().manual_seed(seed)
 model_config = make_model_config(vocab_size)
 model = build_model(model_config, device)
 try:
-    objective = Objective(n_layer, n_embd, ce=ce_weight, margin=margin, simreg=simreg_weight, simreg_tau=simreg_tau,
-                          simreg_chunk_size=simreg_chunk_size, simreg_layer=simreg_layer,
-                          dispersion=dispersion_weight, dispersion_tau=dispersion_tau,
-                          dispersion_variant=dispersion_variant, dispersion_layers=dispersion_layers,
-                          dispersion_positions=dispersion_positions, nitp=nitp_weight, nitp_layer=nitp_layer,
-                          nitp_prenorm=nitp_prenorm, nitp_hidden=nitp_hidden, cwt=cwt_weight).to(device)
+    objective = Objective.from_config(config).to(device)
 except ValueError as e:
     exit_config_error(e)
 objective.init_weights()  # trainable parts of the losses (NITP's head), if any
@@ -362,16 +353,9 @@ def log(record):
 
 # training loop ---------------------------------------------------------------
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size * world_size  # over all processes
-# model FLOPs (6N + attention), plus the objective's trainable head (NITP) and CWT's in-batch
-# logits, which stand in for the LM head (each token against the N = batch_size x block_size
-# embeddings of a micro-batch: 6 N C); the other losses' similarity products are not counted
-objective_matmul_params = sum(p.numel() for p in objective.parameters() if p.dim() >= 2)
-cwt_flops_per_token = 6 * batch_size * block_size * n_embd if cwt_weight > 0 else 0
-flops_per_iter = (model.flops_per_token(with_head=objective.needs_logits) + 6 * objective_matmul_params
-                  + cwt_flops_per_token) * tokens_per_iter
-# every evaluation: eval_iters batches, each scored in every language, with the LM head
-languages_evaluated = 2 if low_resource else 1
-flops_per_eval = eval_iters * languages_evaluated * batch_size * block_size * model.flops_per_token(backward=False)
+# the FLOPs train.py counts for MFU and the grids' cost (plan.py: 6N + attention + the objective's own)
+flops_per_iter = plan.training_flops_per_token(model, objective, batch_size * block_size, cwt_weight > 0) * tokens_per_iter
+flops_per_eval = plan.evaluation_flops(model, config)
 flops_done = {"train": 0, "eval": 0}  # what this run has executed (the grids' efficiency, tools/report.py)
 if init_from == "resume":
     flops_done = resumed.get("flops_done", flops_done)  # checkpoints from before the count: from 0

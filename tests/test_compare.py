@@ -315,7 +315,7 @@ def test_every_grid_command_is_a_valid_config(monkeypatch):
         ("data/shakespeare_gpt2", 3.54, 32, False)
     cmd = runner.planned_commands(bpe["CE"][0], 1337, [])[0]
     result = subprocess.run(cmd + ["--dry_run=True", "--vocab_size=50304"], capture_output=True, text=True)
-    assert result.returncode == 0 and "params: 7242880" in result.stdout, result.stderr[-500:]
+    assert result.returncode == 0 and "params: 7,242,880" in result.stdout, result.stderr[-500:]
 
 
 def test_transition_rate_and_departure_step(tmp_path, monkeypatch):

@@ -39,6 +39,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+import plan
 from losses import Objective, cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
@@ -325,13 +326,13 @@ def gpu_memory(args, device, dtype):
     emit("\n### GPU memory of the paper configs (tools/memory.py, 8 GPUs)\n")
     for line in gpu.table_lines([os.path.join(REPO, p) for p in PAPER_CONFIGS], gpus=8):
         emit(line)
-    config, _ = gpu.read_config(os.path.join(REPO, "config/baseline_7b.py"))
-    with torch.device("meta"):
-        n = GPT(config).num_params()
-    emit(f"\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter, sharded by FSDP: on one GPU "
-         f"the 7B model's states alone are {16 * n / gpu.GiB:.0f} GiB. With several micro-steps per step FSDP2 also "
-         f"keeps the gradients unsharded between them (4 bytes per parameter, {4 * n / gpu.GiB:.0f} GiB at 7B). "
-         "Activations are per micro-batch, measured in fp32 (bf16 autocast stores most at half size).")
+    config = gpu.read_config(os.path.join(REPO, "config/baseline_7b.py"))
+    n = plan.make_plan(config, 8, measure=False)["params"]
+    emit(f"\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter: on one GPU the 7B model's "
+         f"states alone are {16 * n / plan.GiB:.0f} GiB. With several micro-steps per step FSDP2 also keeps the "
+         f"gradients unsharded between them (4 bytes per parameter, {4 * n / plan.GiB:.0f} GiB at 7B), counted in the "
+         "table. Activations are per micro-batch, measured in fp32 (bf16 autocast stores most at half size). "
+         "`python train.py CONFIG --dry_run=True` prints the whole plan of a run (plan.py).")
 
 
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,

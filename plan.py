@@ -1,0 +1,236 @@
+"""
+The plan of a run, before it starts: what train.py would do with a config on a number of
+processes, and whether it fits and how long it takes.
+
+    python train.py config/baseline_7b.py --dry_run=True       # the plan for the processes as launched
+    python plan.py config/baseline_7b.py --processes 64 --gpu H100 --mfu 0.4 [--key=value ...]
+
+Nothing is allocated for the run: the model and the objective are built on the meta device, so
+a 7B plan takes seconds. The plan holds
+
+    size      parameters (total; active per token for a mixture of experts), the objective's own
+    batch     tokens per optimizer step and per run, micro-steps per process (global_batch_size)
+    compute   FLOPs per step and per run (the ones train.py counts for MFU: 6 per matmul weight
+              and token plus attention; evaluations added), and the time at a stated MFU
+    memory    per GPU for DDP and for FSDP, with and without activation checkpointing
+    data      the tokens the run reads against the tokens prepared in data_dir (C4: shards), with
+              a warning when it would pass over its data more than once
+
+Memory: fp32 weights, gradients and AdamW's two moments are 16 bytes per parameter, all on every
+GPU with DDP (plus DDP's gradient buckets, another 4 bytes) and 1/N of them with FSDP (plus the
+largest unit FSDP gathers whole while it runs, and the unsharded gradient that FSDP keeps
+between micro-steps when there are several: 4 bytes per parameter). Activations
+are measured, not guessed: the model at its real width with 1 and 2 blocks runs one forward pass
+on the CPU at a short sequence, and a hook adds up what autograd saves (tools/memory.py). They
+are float32 figures, an upper bound for bf16 autocast.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+
+from configurator import ConfigError, check_train_config, parse_config, train_defaults
+from data import DataError, read_meta
+from losses import Objective
+from model import GPT, GPTConfig
+from utils import GPU_PEAK_BF16_FLOPS
+
+GiB = 2 ** 30
+C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
+
+
+def run_vocab(config):
+    """The vocabulary a run builds its model with: vocab_size if set, else the dataset's, doubled
+    by the simulated low-resource language (train.py does the same)."""
+    if config["vocab_size"]:
+        return config["vocab_size"]
+    try:
+        base = read_meta(config["data_dir"])["vocab_size"]
+    except DataError as e:
+        raise ConfigError(f"a plan needs key 'vocab_size' or a dataset in data_dir ({e})") from None
+    return 2 * base if config["low_resource"] else base
+
+
+def meta_model(config, vocab):
+    """(model, objective) of the config on the meta device: shapes, no memory."""
+    fields = {k: config[k] for k in GPTConfig.__dataclass_fields__ if k in config}
+    with torch.device("meta"):
+        return GPT(GPTConfig(**{**fields, "vocab_size": vocab})), Objective.from_config(config)
+
+
+def training_flops_per_token(model, objective, micro_batch_tokens, cwt):
+    """FLOPs of one training token: the model's 6N + attention (model.flops_per_token), plus the
+    objective's trainable head (NITP: 6 per weight) and CWT's in-batch logits, which stand in for
+    the LM head (each token against the micro-batch's embeddings: 6 x tokens x C). The other
+    losses' similarity products are not counted. train.py uses this for its MFU."""
+    head = sum(p.numel() for p in objective.parameters() if p.dim() >= 2)
+    contrastive = 6 * micro_batch_tokens * model.config.n_embd if cwt else 0
+    return model.flops_per_token(with_head=objective.needs_logits) + 6 * head + contrastive
+
+
+def evaluation_flops(model, config):
+    """FLOPs of one evaluation: eval_iters batches, each scored in every language, LM head on."""
+    languages = 2 if config["low_resource"] else 1
+    tokens = config["eval_iters"] * languages * config["batch_size"] * config["block_size"]
+    return tokens * model.flops_per_token(backward=False)
+
+
+def saved_activation_bytes(config, n_layer, batch_size, seq_len):
+    """Bytes autograd keeps for backward after one forward + cross-entropy of a GPTConfig cut to
+    n_layer blocks, on the CPU in fp32 (views of one tensor counted once, weights not at all)."""
+    cfg = GPTConfig(**{**config.__dict__, "n_layer": n_layer, "block_size": seq_len})
+    with torch.device("meta"):
+        model = GPT(cfg)
+    model.to_empty(device="cpu")  # sizes are all we need: leave the memory uninitialised...
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(0.02)  # ...but finite: sizes do not depend on the values (a router sends each token to top_k experts)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen, total = set(), 0
+
+    def pack(t):
+        nonlocal total
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+        return t
+
+    x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten())
+    del loss, logits
+    return total
+
+
+def activation_gib(config, batch_size, seq_len, measure_len=64):
+    """GiB of activations of one micro-batch: act (all stored), act_ckpt (activation
+    checkpointing: each block's input kept, one block recomputed at a time) and one block.
+    Measured with 1 and 2 blocks at measure_len: the difference is one block, the rest is
+    embedding, head and loss; with SDPA nothing grows with T^2, so both scale linearly to seq_len."""
+    one = saved_activation_bytes(config, 1, batch_size, measure_len)
+    two = saved_activation_bytes(config, 2, batch_size, measure_len)
+    scale = seq_len / measure_len
+    block, rest = (two - one) * scale, (2 * one - two) * scale
+    block_input = batch_size * seq_len * config.n_embd * 4
+    return {"act": (rest + config.n_layer * block) / GiB,
+            "act_ckpt": (rest + config.n_layer * block_input + block) / GiB, "block": block / GiB}
+
+
+def memory(model, config, processes, micro_steps, measure=True):
+    """GiB per GPU: {ddp, fsdp} x {plain, checkpointed}, and the parts they are made of.
+    DDP (one process: the same without buckets) holds everything on every GPU. FSDP holds 1/N of
+    the states, plus the largest unit it gathers whole while that unit runs, plus, with several
+    micro-steps, the whole fp32 gradient between them (gradient sync is off until the last)."""
+    n = model.num_params()
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
+    root = n - sum(blocks)  # embedding, head, final norm: FSDP's root unit
+    param_bytes = 4 if config["dtype"] == "float32" else 2  # what FSDP gathers (its mixed-precision policy)
+    parts = {"ddp": (16 + (4 if processes > 1 else 0)) * n / GiB,
+             "fsdp": (16 * n / processes + max(max(blocks), root) * (param_bytes + 4)
+                      + (4 * n if micro_steps > 1 else 0)) / GiB}
+    parts.update(activation_gib(model.config, config["batch_size"], config["block_size"]) if measure
+                 else {"act": float("nan"), "act_ckpt": float("nan"), "block": float("nan")})
+    table = {mode: {"plain": parts[mode] + parts["act"], "checkpointed": parts[mode] + parts["act_ckpt"]}
+             for mode in ("ddp", "fsdp")}
+    return table, parts
+
+
+def data_needed(config, tokens_per_run):
+    """What the run reads against what data_dir holds: dict with passes (None if not prepared)."""
+    out = {"data_dir": config["data_dir"], "tokens": tokens_per_run}
+    try:
+        meta = read_meta(config["data_dir"])
+    except DataError:
+        meta = None
+    c4 = os.path.basename(os.path.normpath(config["data_dir"])).startswith("c4")
+    if meta is not None:
+        out["prepared"] = meta.get("n_train", 0)
+        out["passes"] = tokens_per_run / out["prepared"] if out["prepared"] else float("inf")
+        if meta.get("train_shards"):
+            per_shard = out["prepared"] / len(meta["train_shards"])
+            out["shards"], out["shards_needed"] = len(meta["train_shards"]), math.ceil(tokens_per_run / per_shard)
+    else:
+        out["prepared"], out["passes"] = None, None
+        if c4:
+            out["shards_needed"] = math.ceil(tokens_per_run / C4_TOKENS_PER_SHARD)
+    return out
+
+
+def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True):
+    """The plan of `config` (a dict of train.py's keys) on `processes` processes, as a dict."""
+    problem = check_train_config({**config, "init_from": "scratch"}, processes)  # a plan needs no checkpoint
+    if problem:
+        raise ConfigError(problem)
+    if gpu not in GPU_PEAK_BF16_FLOPS:
+        raise ConfigError(f"unknown gpu {gpu!r}: expected one of {', '.join(GPU_PEAK_BF16_FLOPS)}")
+    model, objective = meta_model(config, run_vocab(config))
+    B, T = config["batch_size"], config["block_size"]
+    micro_steps = (config["global_batch_size"] // (B * processes) if config["global_batch_size"]
+                   else config["gradient_accumulation_steps"])
+    tokens_per_step = micro_steps * B * T * processes
+    flops_per_step = training_flops_per_token(model, objective, B * T, config["cwt_weight"] > 0) * tokens_per_step
+    evaluations = config["max_iters"] // config["eval_interval"] + 1  # at step 0 and every eval_interval
+    # every rank evaluates the same batches
+    flops_per_run = flops_per_step * config["max_iters"] + evaluations * evaluation_flops(model, config) * processes
+    per_gpu, parts = memory(model, config, processes, micro_steps, measure)
+    return {"params": model.num_params(), "active_params": model.num_params(active=True),
+            "objective_params": sum(p.numel() for p in objective.parameters()),
+            "processes": processes, "micro_batch": B, "seq_len": T, "micro_steps": micro_steps,
+            "tokens_per_step": tokens_per_step, "tokens_per_run": tokens_per_step * config["max_iters"],
+            "steps": config["max_iters"], "flops_per_step": flops_per_step, "flops_per_run": flops_per_run,
+            "gpu": gpu, "mfu": mfu, "hours": flops_per_run / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes) / 3600,
+            "memory": per_gpu, "memory_parts": parts, "parallel": config["parallel"],
+            "activation_checkpointing": config["activation_checkpointing"],
+            "data": data_needed(config, tokens_per_step * config["max_iters"])}
+
+
+def format_plan(p):
+    """The plan as the lines train.py --dry_run prints."""
+    active = f" ({p['active_params']:,} active per token)" if p["active_params"] != p["params"] else ""
+    lines = [f"params: {p['params']:,}{active}" + (f" + objective {p['objective_params']:,}" if p["objective_params"] else ""),
+             f"batch: {p['processes']} process(es) x {p['micro_steps']} micro-step(s) x {p['micro_batch']} x "
+             f"{p['seq_len']} = {p['tokens_per_step']:,} tokens/step; {p['steps']:,} steps = "
+             f"{p['tokens_per_run']:,} tokens",
+             f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run (evaluations "
+             f"included) = {p['hours']:,.1f} h on {p['processes']} x {p['gpu']} at MFU {p['mfu']:.0%}",
+             "memory per GPU (GiB; activations fp32, an upper bound under bf16):"]
+    chosen = p["parallel"] if p["parallel"] != "none" else "ddp"
+    for mode in ("ddp", "fsdp"):
+        m = p["memory"][mode]
+        mark = lambda ckpt: " <- this config" if mode == chosen and ckpt == p["activation_checkpointing"] else ""  # noqa: E731
+        lines.append(f"  {mode}: {m['plain']:.1f}{mark(False)}, with activation checkpointing {m['checkpointed']:.1f}"
+                     f"{mark(True)}")
+    d = p["data"]
+    if d["prepared"] is None:
+        need = f" (about {d['shards_needed']} C4 shards: python prepare_c4.py --shards {d['shards_needed']})" \
+            if "shards_needed" in d else ""
+        lines.append(f"data: {d['tokens']:,} tokens needed; nothing prepared in {d['data_dir']}{need}")
+    else:
+        shards = f" from {d['shards']} shard(s); {d['shards_needed']} needed for one pass" if "shards" in d else ""
+        lines.append(f"data: {d['tokens']:,} tokens needed, {d['prepared']:,} prepared in {d['data_dir']}{shards} "
+                     f"-> {d['passes']:.2f} passes")
+        if d["passes"] > 1:
+            lines.append(f"warning: the run passes over its data {d['passes']:.1f} times")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    parser.add_argument("--processes", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    parser.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPU_PEAK_BF16_FLOPS)} (bf16 datasheet peak)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="the model FLOPs utilisation assumed for the time")
+    args, config_args = parser.parse_known_args(argv)
+    try:
+        config = parse_config(config_args, train_defaults())
+        print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu)))
+    except ConfigError as e:
+        sys.exit(f"error: {e}")
+
+
+if __name__ == "__main__":
+    main()

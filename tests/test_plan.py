@@ -1,0 +1,121 @@
+"""plan.py (train.py --dry_run): every figure of a run's plan against its closed form, computed
+here from the config's numbers alone: parameters of a GPT-2 / LLaMA / Mixtral stack, tokens and
+micro-steps of a step, FLOPs (6 per matmul weight and token + 12 L C T), bytes of the states
+under DDP and FSDP, passes over the data, and hours at a given MFU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import plan  # noqa: E402
+from configurator import ConfigError, parse_config, train_defaults  # noqa: E402
+from utils import GPU_PEAK_BF16_FLOPS  # noqa: E402
+
+GiB = 2 ** 30
+
+
+def config_of(*args):
+    return parse_config([os.path.join(REPO, a) if a.endswith(".py") else a for a in args], train_defaults())
+
+
+def gpt2_params(V, T, L, C, bias=False):
+    """Tied GPT-2: token + position tables; per block 2 layer norms, qkv, attention projection and
+    the 4C MLP; the final layer norm. With bias, every linear and layer norm has one."""
+    b = 1 if bias else 0
+    block = 2 * (1 + b) * C + (3 * C * C + 3 * C * b) + (C * C + C * b) + (4 * C * C + 4 * C * b) + (4 * C * C + C * b)
+    return V * C + T * C + L * block + (1 + b) * C
+
+
+def llama_params(V, L, C, H, experts=1):
+    """Untied LLaMA without biases: embedding and head, per block 2 RMSNorms, wqkv + wo, SwiGLU
+    (gate, up, down) per expert and a router when there are experts; the final RMSNorm."""
+    mlp = 3 * C * H * experts + (C * experts if experts > 1 else 0)
+    return 2 * V * C + L * (2 * C + 4 * C * C + mlp) + C
+
+
+def test_lowres_plan_counts_the_low_resource_vocabulary(data_dir):
+    meta = json.load(open(os.path.join(data_dir, "meta.json")))
+    config = config_of("config/lowres_baseline.py", f"--data_dir={data_dir}")
+    p = plan.make_plan(config, measure=False)
+    V = 2 * meta["vocab_size"]  # the low-resource language doubles the table
+    assert p["params"] == gpt2_params(V, 64, 4, 128)
+    assert p["tokens_per_step"] == 12 * 64 and p["micro_steps"] == 1 and p["tokens_per_run"] == 8000 * 12 * 64
+    matmul = p["params"] - 64 * 128  # the position table is a lookup; the tied head is a matmul
+    per_token = 6 * matmul + 12 * 4 * 128 * 64
+    assert p["flops_per_step"] == per_token * 12 * 64
+    evaluations = 8000 // 250 + 1
+    eval_flops = evaluations * 20 * 2 * 12 * 64 * (per_token // 3)
+    assert p["flops_per_run"] == p["flops_per_step"] * 8000 + eval_flops
+    assert p["data"]["passes"] == pytest.approx(8000 * 12 * 64 / meta["n_train"])
+
+
+def test_the_real_lowres_run_has_the_planned_size():
+    """The issue's figure: a real run of the character experiment has 812,416 parameters."""
+    config = config_of("config/lowres_baseline.py", "--vocab_size=130")
+    assert plan.make_plan(config, measure=False)["params"] == gpt2_params(130, 64, 4, 128) == 812_416
+
+
+@pytest.mark.parametrize("processes", [8, 64])
+def test_7b_plan_on_many_gpus(processes):
+    config = config_of("config/baseline_7b.py")
+    p = plan.make_plan(config, processes, gpu="A100", mfu=0.5, measure=False)
+    V, L, C, H, T = 50304, 32, 4096, 11008, 2048
+    N = llama_params(V, L, C, H)
+    assert p["params"] == p["active_params"] == N
+    assert p["micro_steps"] == 2048 // processes and p["tokens_per_step"] == 2048 * T
+    per_token = 6 * (N - V * C) + 12 * L * C * T  # the input embedding is a lookup
+    assert p["flops_per_step"] == per_token * 2048 * T
+    assert p["hours"] == pytest.approx(p["flops_per_run"] / (0.5 * GPU_PEAK_BF16_FLOPS["A100"] * processes) / 3600)
+    block = 2 * C + 4 * C * C + 3 * C * H
+    root = N - L * block
+    parts = p["memory_parts"]
+    assert parts["ddp"] * GiB == pytest.approx(20 * N)
+    assert parts["fsdp"] * GiB == pytest.approx(16 * N / processes + max(block, root) * 6 + 4 * N)
+    # 52B tokens: about 350 C4 shards of ~150M tokens, and nothing prepared yet
+    assert p["data"]["shards_needed"] == -(-12500 * 2048 * T // int(plan.C4_TOKENS_PER_SHARD))
+    assert "prepare_c4.py --shards 350" in plan.format_plan(p)
+
+
+def test_mixtral_plan_counts_active_parameters():
+    config = config_of("config/baseline_moe_8x1b.py")
+    p = plan.make_plan(config, 8, measure=False)
+    V, L, C, H, E, k = 50304, config["n_layer"], config["n_embd"], config["ffn_hidden"], config["n_expert"], config["top_k"]
+    assert p["params"] == llama_params(V, L, C, H, experts=E)
+    assert p["active_params"] == p["params"] - L * (E - k) * 3 * C * H
+
+
+def test_plan_warns_when_the_data_is_read_more_than_once(tmp_path, data_dir):
+    config = config_of("config/lowres_baseline.py", f"--data_dir={data_dir}")
+    text = plan.format_plan(plan.make_plan(config, measure=False))
+    assert "warning: the run passes over its data" in text
+    short = plan.make_plan({**config, "max_iters": 1}, measure=False)
+    assert short["data"]["passes"] < 1 and "warning" not in plan.format_plan(short)
+
+
+def test_plan_memory_activations_are_measured():
+    config = config_of("config/c4_tiny.py")
+    p = plan.make_plan(config, 1)
+    parts = p["memory_parts"]
+    assert 0 < parts["act_ckpt"] < parts["act"]
+    assert p["memory"]["ddp"]["plain"] == pytest.approx(16 * p["params"] / GiB + parts["act"])
+
+
+def test_plan_refuses_what_the_run_would_refuse():
+    config = config_of("config/baseline_7b.py")
+    with pytest.raises(ConfigError, match="global_batch_size"):
+        plan.make_plan(config, 3, measure=False)
+    with pytest.raises(ConfigError, match="unknown gpu"):
+        plan.make_plan(config, 8, gpu="Z80", measure=False)
+
+
+@pytest.mark.parametrize("name", ["lowres_cwt_ft.py", "lowres_margin_0.6_se.py", "baseline_350m.py"])
+def test_train_dry_run_prints_the_plan(name):
+    """--dry_run needs no data, weights or checkpoint to start from (the CWT fine-tune names one)."""
+    result = subprocess.run([sys.executable, "train.py", f"config/{name}", "--dry_run=True", "--vocab_size=130"],
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("params: ") and "FLOPs/step" in result.stdout and "fsdp:" in result.stdout
