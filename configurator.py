@@ -159,7 +159,8 @@ TRAIN_RULES = {
     "lr_schedule": _choice("cosine", "constant"),
     "grad_clip_mode": _choice("norm", "adagc"),
     "parallel": _choice("none", "ddp", "fsdp"),
-    "dtype": _choice("auto", "float32", "bfloat16", "float16"),
+    "compile": _choice("auto", "True", "False"),
+    "dtype": _choice("auto", "float32", "bfloat16"),  # no float16: it would need loss scaling (GradScaler)
 }
 
 

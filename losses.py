@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn import functional as F
 
 # NITP's projection head is the same C -> hidden -> C block as a LLaMA MLP; at_least_fp32 is the
-# repository's one upcast (half precision -> float32, float64 kept)
-from model import SwiGLU, at_least_fp32
+# repository's one upcast (half precision -> float32, float64 kept), full_fp32 its no-autocast, no-TF32 region
+from model import SwiGLU, at_least_fp32, full_fp32
 
 
 def threshold_logits(logits, targets, margin, ignore_index=-1):
@@ -53,7 +53,10 @@ def cross_entropy(logits, targets, ignore_index=-1, margin=None):
     logits = at_least_fp32(logits)
     if margin is not None:
         logits = threshold_logits(logits, targets, margin, ignore_index)
-    return _SoftmaxCrossEntropy.apply(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index)
+    logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
+    if logits.is_cuda:  # F.cross_entropy's fused kernels: _SoftmaxCrossEntropy has been measured on CPUs only
+        return F.cross_entropy(logits, targets, ignore_index=ignore_index)
+    return _SoftmaxCrossEntropy.apply(logits, targets, ignore_index)
 
 
 class _SoftmaxCrossEntropy(torch.autograd.Function):
@@ -97,8 +100,8 @@ class _SoftmaxCrossEntropy(torch.autograd.Function):
 # Representation-level losses (SimReg, dispersion, NITP, CWT; each docstring cites its paper).
 # Each works on hidden states, not on logits.
 # They share three habits: half precision is upcast to float32 (at_least_fp32; float64 stays
-# float64) and autocast is switched off inside, so the similarity matmuls really run in that
-# precision; masked entries get _mask_out's finite fill (sets that may be empty go through
+# float64) and autocast and TF32 are switched off inside (full_fp32), so the similarity matmuls
+# really run in that precision; masked entries get _mask_out's finite fill (sets that may be empty go through
 # _masked_logsumexp), so an empty set gives a very negative number instead of -inf and no NaN
 # ever reaches a gradient; and nothing calls .item() or indexes with a boolean mask, so no loss
 # forces a host-device sync.
@@ -161,7 +164,7 @@ def simreg(h, labels, tau=0.01, chunk_size=None, ignore_index=-1):
             h = h.reshape(B * n_chunks, chunk_size, C)
             labels = labels.reshape(B * n_chunks, chunk_size)
 
-    with torch.autocast(device_type=h.device.type, enabled=False):
+    with full_fp32(h.device.type):
         return _simreg_sequences(at_least_fp32(h), labels, tau, ignore_index)
 
 
@@ -274,7 +277,7 @@ def dispersion(hidden_states, tau=1.0, variant="angular"):
         raise ValueError("dispersion needs at least one layer of hidden states")
     if layers[0].size(1) < 2:
         raise ValueError(f"dispersion needs T >= 2 positions (pairs i != j), got T = {layers[0].size(1)}")
-    with torch.autocast(device_type=layers[0].device.type, enabled=False):
+    with full_fp32(layers[0].device.type):
         per_layer = [_dispersion_one_layer(at_least_fp32(z), tau, variant) for z in layers]
     return torch.stack(per_layer).mean()
 
@@ -299,7 +302,7 @@ def nitp(pred, shallow):
         raise ValueError(f"nitp needs T >= 2 positions (position t predicts t+1), got T = {pred.size(1)}")
     prediction = at_least_fp32(pred[:, :-1])
     target = at_least_fp32(shallow[:, 1:].detach())
-    with torch.autocast(device_type=pred.device.type, enabled=False):
+    with full_fp32(pred.device.type):
         return (1 - F.cosine_similarity(prediction, target, dim=-1)).mean()
 
 
@@ -325,7 +328,7 @@ def cwt(h, targets, wte, ignore_index=-1):
     valid = flat_targets != ignore_index
     position = torch.arange(valid.numel(), device=valid.device)
     diagonal_target = torch.where(valid, position, -100)
-    with torch.autocast(device_type=h.device.type, enabled=False):
+    with full_fp32(h.device.type):
         states = at_least_fp32(h.reshape(-1, C))
         next_embeddings = at_least_fp32(wte[torch.where(valid, flat_targets, 0)])
         logits = states @ next_embeddings.t()                                # (B*T, B*T)

@@ -20,6 +20,7 @@ weighted losses (see losses.py). Parallelism, optimizers and the
 Stop Jostling "separated embeddings" (an optimizer-side property, see optim.py) live outside.
 """
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -130,6 +131,21 @@ def at_least_fp32(x):
     """x in float32 if it is in a lower precision (bf16 under autocast), else as it is (float64 tests).
     The one upcast helper of the repository: losses.py and metrics.py use it too."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+@contextlib.contextmanager
+def full_fp32(device_type):
+    """Autocast off and float32 matmuls in full float32 inside: the losses that need it (SimReg's
+    similarities over tau = 0.01 reach +-100) stay exact where train.py lets the rest of a CUDA
+    step use TF32 (a 10-bit mantissa, ~1e-3 relative error). The backward of those matmuls runs
+    later, outside, at the step's precision."""
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("highest")
+    try:
+        with torch.autocast(device_type=device_type, enabled=False):
+            yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
 
 
 class RMSNorm(nn.Module):

@@ -54,6 +54,15 @@ def apply_activation_checkpointing(model):
         model.h[i] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
 
 
+def compile_blocks(model, backend="inductor"):
+    """torch.compile every block in place (nn.Module.compile: the state-dict keys stay the same):
+    the block's matmuls, norms and pointwise ops are fused into fewer kernels. Block by block,
+    not the whole model, so that activation checkpointing (applied before) and FSDP (after) keep
+    working per block, and a compiled block is reused by all the identical ones."""
+    for block in model.h:
+        block.compile(backend=backend)
+
+
 def parallelize(model, objective, parallel, device, param_dtype=None, unused_parameters=False):
     """Apply `parallel` ('none' | 'ddp' | 'fsdp') to the model and to the objective if it has
     parameters (NITP's head). Returns (train_model, train_objective): the callables the training

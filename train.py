@@ -121,9 +121,10 @@ log_marginalization = False          # record Stop Jostling's per-row gradient p
 # system
 parallel = "none"                    # none | ddp | fsdp (FSDP2): under torchrun --nproc_per_node=N (parallelism.py)
 activation_checkpointing = False     # recompute each block's activations in backward: memory for ~1/3 more compute
+compile = "auto"                     # torch.compile each block: auto = on CUDA only (True / False to choose)
 dry_run = False                      # print the run's plan (size, FLOPs, memory, data, time: plan.py) and exit
 device = "auto"                      # auto = cuda > mps > cpu
-dtype = "auto"                       # auto = bfloat16 autocast on GPU, float32 on CPU
+dtype = "auto"                       # auto = bfloat16 autocast on a GPU that has it, else float32 (TF32 on CUDA)
 num_threads = 0                      # CPU threads for torch; 0 = torch's default
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
@@ -190,6 +191,8 @@ if parallel != "none":
         torch.cuda.set_device(device)
 master = rank == 0  # the one process that prints and writes files
 on_cuda = device.startswith("cuda")
+if on_cuda:  # float32 matmuls (dtype=float32, or what autocast leaves in fp32) in TF32 on Ampere and later GPUs;
+    torch.set_float32_matmul_precision("high")  # the losses that need full fp32 keep it (model.full_fp32)
 dtype = choose_dtype(dtype, device)
 autocast = autocast_context(device, dtype)
 # the same seed on every rank: the model starts identical everywhere (FSDP2 shards each rank's
@@ -222,6 +225,8 @@ if init_from not in ("scratch", "resume"):  # another run's weights (fresh optim
 # forward through; `model` and `objective` stay the modules themselves for everything else.
 if activation_checkpointing:
     parallelism.apply_activation_checkpointing(model)
+if compile == "True" or (compile == "auto" and on_cuda):
+    parallelism.compile_blocks(model)
 train_model, train_objective = parallelism.parallelize(
     model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # parameters without a gradient on some rank: experts that got no token; a headless run's untied LM head

@@ -1,0 +1,59 @@
+"""The GPU speed paths, tested on the CPU: torch.compile of every block (parallelism.compile_blocks,
+train.py's `compile` key) computes what the eager blocks compute, and the losses' full-fp32 region
+(model.full_fp32) switches TF32 off for its matmuls and restores the step's setting after."""
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+import losses
+import parallelism
+from model import GPT, GPTConfig
+
+
+def test_compiled_blocks_match_eager():
+    """With the aot_eager backend (forward and backward traced into graphs, run by eager kernels):
+    the mechanics in seconds; inductor's generated kernels take minutes of C++ compilation here,
+    and are exercised by `--compile=True` runs (docs/performance.md)."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16, arch="llama", tie_weights=False)
+    eager, compiled = GPT(config), GPT(config)
+    compiled.load_state_dict(eager.state_dict())
+    parallelism.compile_blocks(compiled, backend="aot_eager")
+    assert list(compiled.state_dict()) == list(eager.state_dict())  # checkpoints are unchanged
+    x = torch.randint(0, 50, (3, 16))
+    for model in (eager, compiled):
+        loss = losses.cross_entropy(model(x), x)
+        loss.backward()
+        model.loss = loss.detach()
+    torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class MatmulPrecision(TorchFunctionMode):
+    """Records torch's float32 matmul precision at every matmul-like call."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in (torch.matmul, torch.Tensor.matmul, torch.bmm, torch.einsum, torch.Tensor.__matmul__,
+                    torch.nn.functional.linear):
+            self.seen.append(torch.get_float32_matmul_precision())
+        return func(*args, **(kwargs or {}))
+
+
+def test_losses_keep_full_fp32_when_the_step_uses_tf32():
+    h = torch.randn(2, 8, 16)
+    labels = torch.randint(0, 5, (2, 8))
+    saved = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision("high")  # what train.py sets on CUDA
+    try:
+        with MatmulPrecision() as mode:
+            losses.simreg(h, labels, tau=0.01)
+            losses.cwt(h, labels, torch.randn(5, 16))
+        assert mode.seen and set(mode.seen) == {"highest"}
+        assert torch.get_float32_matmul_precision() == "high"  # restored
+    finally:
+        torch.set_float32_matmul_precision(saved)
