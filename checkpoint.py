@@ -25,11 +25,12 @@ import zipfile
 import torch
 
 import parallelism
+import tracking
 from utils import atomic_write, save_json, save_text
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
-             "metrics.json", "marginalization.json")
+             "metrics.json", "marginalization.json", tracking.ID_FILE)
 DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders: the latest, the previous, and the one being written
 
 

@@ -12,6 +12,7 @@ config builds on another with `include = "base.py"` (config/lowres_margin_2.py d
 
 import ast
 import difflib
+import importlib
 import math
 import os
 import sys
@@ -152,7 +153,7 @@ TRAIN_RULES = {
     "embedding_weight_decay": ("a finite number (< 0: weight_decay)", _number),
     "margin": ("None or a finite number > 0", lambda v: v is None or (_number(v) and v > 0)),
     "simreg_layer": ("-1 or a block index >= 0", lambda v: v >= -1),
-    **dict.fromkeys(("out_dir", "data_dir", "init_from"), NON_EMPTY),
+    **dict.fromkeys(("out_dir", "data_dir", "init_from", "wandb_project"), NON_EMPTY),
     "arch": _choice("gpt2", "llama"),
     "dispersion_variant": _choice("angular", "decorrelation", "l2_repel", "orthogonalization"),
     "dispersion_layers": _choice("all", "last"),
@@ -162,6 +163,15 @@ TRAIN_RULES = {
     "compile": _choice("auto", "True", "False"),
     "dtype": _choice("auto", "float32", "bfloat16"),  # no float16: it would need loss scaling (GradScaler)
 }
+
+
+def _importable(module):
+    """Whether an optional extra imports here (tried only when a key asks for it)."""
+    try:
+        importlib.import_module(module)
+        return True
+    except ImportError:
+        return False
 
 
 def check_train_config(config, world_size):
@@ -191,6 +201,8 @@ def check_train_config(config, world_size):
         (c["global_batch_size"] % (c["batch_size"] * world_size) if c["global_batch_size"] else False,
          f"key 'global_batch_size' ({c['global_batch_size']}) must be a multiple of batch_size ({c['batch_size']}) x "
          f"processes ({world_size})"),
+        (c["wandb_log"] and not _importable("wandb"),
+         "wandb_log=True needs `pip install wandb` (an optional extra; WANDB_MODE=offline needs no account)"),
     ):
         if problem:
             return message

@@ -13,6 +13,7 @@ char vocabulary size). The run writes to out_dir:
     ckpt.pt/.json  the latest state (resume from it with --init_from=resume), ckpt_prev.pt the one before
     best.pt/.json  the weights with the best validation loss (what the final metrics evaluate)
     metrics.json   metrics of best.pt (evaluate.py), and marginalization.json if asked
+    wandb_id.txt   with wandb_log=True: the Weights & Biases run that log.jsonl is copied to (tracking.py)
 Under torchrun only rank 0 writes them; with parallel='fsdp' the latest state is sharded
 (ckpt_dcp/, ckpt.pt then holds the step, RNG states and where the shards are). checkpoint.py
 writes and reads them. Ctrl-C, `kill` or a scheduler's SIGUSR1 finishes the step, saves ckpt.pt
@@ -36,6 +37,7 @@ import metrics
 import parallelism
 import plan
 import prepare_shakespeare
+import tracking
 from configurator import TRAIN_RULES, ConfigError, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
@@ -126,6 +128,10 @@ dry_run = False                      # print the run's plan (size, FLOPs, memory
 device = "auto"                      # auto = cuda > mps > cpu
 dtype = "auto"                       # auto = bfloat16 autocast on a GPU that has it, else float32 (TF32 on CUDA)
 num_threads = 0                      # CPU threads for torch; 0 = torch's default
+# tracking (optional, `pip install wandb`; docs/tracking.md)
+wandb_log = False                    # also send log.jsonl's records and the config to Weights & Biases
+wandb_project = "repr-losses"
+wandb_run_name = ""                  # "" = out_dir
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
@@ -280,6 +286,8 @@ if init_from == "resume":
     grad_parts = resumed.get("grad_parts", [])
     if master:
         print(f"resumed from {resumed_path} at iter {iter_num}")
+# Weights & Biases gets a copy of every log record (log below); a resume continues the same W&B run
+wandb_run = tracking.start_wandb(config, out_dir, resuming=init_from == "resume") if wandb_log and master else None
 
 
 def get_lr(it):
@@ -354,6 +362,8 @@ def log(record):
         bar.close()
         sys.exit(f"error: could not append to {log_path}: {e.strerror}; resume with --init_from=resume once "
                  f"there is space")
+    if wandb_run is not None:
+        wandb_run.log(record, step=record["iter"])
 
 
 # training loop ---------------------------------------------------------------
@@ -510,3 +520,5 @@ if final_eval and master:  # one process: best.pt holds the whole weights in any
     metrics = evaluate.with_run_flops(metrics, flops_done)
     save_json(metrics, os.path.join(out_dir, "metrics.json"))
     print(evaluate.format_metrics(metrics))
+if wandb_run is not None:
+    wandb_run.finish()

@@ -1,0 +1,111 @@
+"""
+One run's log.jsonl as one figure, to look at a run while it trains or after:
+
+    python -m tools.plot_run out/lowres_baseline                # writes out/lowres_baseline/log.png
+    python -m tools.plot_run out/lowres_baseline --out run.png
+
+Panels over iterations: the loss (training 'loss' and the validation losses that are not a term's:
+'val', 'val_high', 'val_low'), one panel per loss term the records hold (the training value and
+its 'val_<term>' evaluation, if any), and the learning rate. Every line is labelled with its
+log.jsonl key. matplotlib is an optional extra, as for tools/figures.py, whose helpers draw it.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+from tools.figures import _grid_of_axes, _pyplot, _save
+
+# what a training record holds besides its loss terms (train.py's log); speed is not drawn
+NOT_TERMS = ("iter", "loss", "lr", "ms_per_iter", "tokens_per_s", "mfu")
+
+
+class LogError(Exception):
+    pass
+
+
+def read_log(path):
+    """log.jsonl's records. A torn last line (a run killed mid-write, or one writing right now) is
+    left out, as train.py's resume does; a missing or empty log or a damaged line is a LogError."""
+    try:
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        raise LogError(f"cannot read {path}: {e.strerror} (is {os.path.dirname(path) or '.'} a train.py out_dir?)") \
+            from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise LogError(f"line {number} of {path} is not JSON: the log is damaged") from None
+        if not isinstance(record, dict) or not isinstance(record.get("iter"), int):
+            raise LogError(f"line {number} of {path} is not a train.py record (an object with an integer 'iter')")
+        records.append(record)
+    if not records:
+        raise LogError(f"{path} holds no records yet (a run logs its first evaluation at step 0)")
+    return records
+
+
+def panels(records):
+    """{panel title: [log key, ...]}: which keys are drawn together, in drawing order."""
+    keys = list(dict.fromkeys(key for record in records for key in record))
+    terms = [key for key in keys if key not in NOT_TERMS and not key.startswith("val")]
+    loss = [key for key in keys if key == "loss"] + [key for key in keys if key.startswith("val") and key[4:] not in terms]
+    grouped = {"loss": loss, **{term: [term] + [k for k in keys if k == f"val_{term}"] for term in terms},
+               "learning rate": [key for key in keys if key == "lr"]}
+    return {title: names for title, names in grouped.items() if names}
+
+
+def curve(records, key):
+    """(iterations, values) of one key, in log order."""
+    points = [(record["iter"], record[key]) for record in records if key in record]
+    return [i for i, _ in points], [v for _, v in points]
+
+
+def draw(records, title=""):
+    """The figure (matplotlib's Figure, for a caller to look into or save); None without matplotlib."""
+    plt = _pyplot()
+    if plt is None:
+        return None
+    grouped = panels(records)
+    fig, axes = _grid_of_axes(plt, len(grouped), 3.8, 2.6, ncols=3)
+    for ax, (panel, keys) in zip(axes, grouped.items()):
+        for key in keys:
+            iters, values = curve(records, key)
+            sparse = key.startswith("val")  # one point per evaluation: marked
+            ax.plot(iters, values, label=key, lw=1.0, marker="o" if sparse else None, ms=3)
+        ax.set_title(panel, fontsize=9)
+        ax.set_xlabel("iteration", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+        if len(keys) > 1:
+            ax.legend(fontsize=7)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    parser.add_argument("out_dir", help="a train.py out_dir (its log.jsonl is read)")
+    parser.add_argument("--out", help="the PNG to write (default: OUT_DIR/log.png)")
+    args = parser.parse_args(argv)
+    plt = _pyplot()
+    if plt is None:
+        sys.exit("error: tools.plot_run needs matplotlib (pip install matplotlib)")
+    try:
+        records = read_log(os.path.join(args.out_dir, "log.jsonl"))
+    except LogError as e:
+        sys.exit(f"error: {e}")
+    path = args.out or os.path.join(args.out_dir, "log.png")
+    _save(draw(records, title=os.path.normpath(args.out_dir)), plt, path)
+    print(f"wrote {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()
