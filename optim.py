@@ -13,6 +13,8 @@ moments and its own step count -- so each row behaves exactly as if it were a se
 parameter stepped only when it had a gradient.
 """
 
+import math
+
 import torch
 
 
@@ -61,6 +63,19 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
                 state["exp_avg"] = torch.where(active, exp_avg, state["exp_avg"])
                 state["exp_avg_sq"] = torch.where(active, exp_avg_sq, state["exp_avg_sq"])
                 state["step"] = step
+
+
+def learning_rate_at(step, learning_rate, warmup_iters, schedule, decay_iters, min_lr):
+    """Linear warm-up to learning_rate over warmup_iters steps, then cosine decay to min_lr at
+    decay_iters and min_lr after (schedule 'cosine'), or learning_rate from then on ('constant')."""
+    if step < warmup_iters:
+        return learning_rate * (step + 1) / (warmup_iters + 1)
+    if schedule == "constant":
+        return learning_rate
+    if step > decay_iters:
+        return min_lr
+    ratio = (step - warmup_iters) / (decay_iters - warmup_iters)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
 def configure_optimizers(model, learning_rate, weight_decay, betas, separate_embeddings=False,

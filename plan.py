@@ -54,11 +54,15 @@ def run_vocab(config):
     return 2 * base if config["low_resource"] else base
 
 
+def model_config(config, vocab):
+    """The GPTConfig that train.py's keys describe, with the run's vocabulary (ValueError if bad)."""
+    return GPTConfig(**{**{k: config[k] for k in GPTConfig.__dataclass_fields__ if k in config}, "vocab_size": vocab})
+
+
 def meta_model(config, vocab):
     """(model, objective) of the config on the meta device: shapes, no memory."""
-    fields = {k: config[k] for k in GPTConfig.__dataclass_fields__ if k in config}
     with torch.device("meta"):
-        return GPT(GPTConfig(**{**fields, "vocab_size": vocab})), Objective.from_config(config)
+        return GPT(model_config(config, vocab)), Objective.from_config(config)
 
 
 def training_flops_per_token(model, objective, micro_batch_tokens, cwt):

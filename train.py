@@ -41,8 +41,8 @@ import tracking
 from configurator import TRAIN_RULES, ConfigError, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
-from model import GPTConfig, build_model
-from optim import AdaGC, configure_optimizers
+from model import build_model
+from optim import AdaGC, configure_optimizers, learning_rate_at
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
                    save_json)
 
@@ -157,16 +157,6 @@ if problem:
 if global_batch_size:  # the config names the batch the recipe needs; micro-steps follow from the hardware
     gradient_accumulation_steps = global_batch_size // (batch_size * world_size)
 
-def make_model_config(vocab):
-    try:
-        return GPTConfig(vocab_size=vocab, block_size=block_size, n_layer=n_layer, n_head=n_head, n_embd=n_embd,
-                         dropout=dropout, bias=bias, tie_weights=tie_weights,
-                         arch=arch, ffn_hidden=ffn_hidden, n_expert=n_expert, top_k=top_k, rope_theta=rope_theta,
-                         init_std=init_std)
-    except ValueError as e:
-        exit_config_error(e)
-
-
 if num_threads > 0:
     torch.set_num_threads(num_threads)
 try:
@@ -208,7 +198,10 @@ data_generator = torch.Generator().manual_seed(seed)
 
 
 # model, parallelism and optimizer --------------------------------------------
-model_config = make_model_config(vocab_size)
+try:
+    model_config = plan.model_config(config, vocab_size)
+except ValueError as e:
+    exit_config_error(e)
 model = build_model(model_config, device)
 try:
     objective = Objective.from_config(config).to(device)
@@ -288,19 +281,6 @@ if init_from == "resume":
         print(f"resumed from {resumed_path} at iter {iter_num}")
 # Weights & Biases gets a copy of every log record (log below); a resume continues the same W&B run
 wandb_run = tracking.start_wandb(config, out_dir, resuming=init_from == "resume") if wandb_log and master else None
-
-
-def get_lr(it):
-    """Linear warm-up to learning_rate, then cosine decay to min_lr at lr_decay_iters
-    (or, with lr_schedule='constant', learning_rate from then on)."""
-    if it < warmup_iters:
-        return learning_rate * (it + 1) / (warmup_iters + 1)
-    if lr_schedule == "constant":
-        return learning_rate
-    if it > lr_decay_iters:
-        return min_lr
-    ratio = (it - warmup_iters) / (lr_decay_iters - warmup_iters)
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
 
 def run_state(full):
@@ -389,7 +369,7 @@ bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstr
            disable=not master)
 t_window, window_iters = time.perf_counter(), 0
 while True:
-    lr = get_lr(iter_num)
+    lr = learning_rate_at(iter_num, learning_rate, warmup_iters, lr_schedule, lr_decay_iters, min_lr)
     for opt in optimizers:
         for group in opt.param_groups:
             group["lr"] = lr

@@ -1,6 +1,7 @@
 """Separated embeddings: a row with no gradient this step is not touched by the optimizer."""
 
 
+import pytest
 import torch
 
 from losses import cross_entropy  # noqa: E402
@@ -129,3 +130,12 @@ def test_embedding_weight_decay_applies_to_the_embedding_only():
     assert rowwise.param_groups[0]["weight_decay"] == 0.0
     (same,) = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.99), embedding_weight_decay=0.1)
     assert len(same.param_groups) == 2  # equal to weight_decay: no group of its own
+
+
+def test_learning_rate_schedule_closed_forms():
+    from optim import learning_rate_at
+    lr = lambda step, schedule="cosine": learning_rate_at(step, 1e-3, 100, schedule, 1100, 1e-4)  # noqa: E731
+    assert lr(0) == pytest.approx(1e-3 / 101) and lr(99) == pytest.approx(1e-3 * 100 / 101)  # linear warm-up
+    assert lr(100) == pytest.approx(1e-3) and lr(1100) == pytest.approx(1e-4) and lr(5000) == 1e-4
+    assert lr(600) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))  # halfway down the cosine: the midpoint
+    assert lr(600, "constant") == lr(5000, "constant") == 1e-3
