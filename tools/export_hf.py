@@ -259,10 +259,13 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
     weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}  # own storage: safetensors refuses shared
 
     parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.export-{os.getpid()}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    try:
+        os.makedirs(parent, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    except OSError as e:
+        raise ExportError(f"could not write {out_dir}: {e}") from None
     try:
         meta, source = dataset_meta(ckpt, path, data_dir) if tokenizer else (None, "--no_tokenizer")
         tok = make_tokenizer(meta, config)
@@ -281,8 +284,10 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
         os.chmod(os.path.join(tmp, "model.safetensors"), 0o666 & ~umask)  # readable like the other files
         diff = check_logits(model, tmp) if check else None
         move_into_place(tmp, out_dir)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, OSError):  # a full disk, no permission: nothing of the export is left
+            raise ExportError(f"could not write {out_dir}: {e}") from None
         raise
     return {"class": cfg.architectures[0], "tokenizer": tokenizer_note, "max_abs_logit_diff": diff,
             "params": model.num_params()}
