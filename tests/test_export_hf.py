@@ -154,16 +154,17 @@ def run_python(code, *args):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
 
 
-def test_command_line_checks_and_notes_a_missing_tokenizer(tmp_path, meta):
-    """The CLI as documented: no meta in the checkpoint and no data_dir -> exported with a note;
-    the load-back check runs and prints its difference."""
+def test_command_line_checks_and_notes_a_missing_tokenizer(tmp_path, meta, capsys):
+    """The command line's main(): no meta in the checkpoint and no data_dir -> exported with a
+    note; the load-back check runs and prints its difference; an error is one line and exit 1."""
     write_checkpoint(tmp_path / "best.pt", char_config(meta, arch="llama", n_expert=2, top_k=1, ffn_hidden=16))
-    result = subprocess.run([sys.executable, "-m", "tools.export_hf", str(tmp_path / "best.pt"), str(tmp_path / "hf")],
-                            cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "MixtralForCausalLM" in result.stdout and "note: no tokenizer: no meta.json at '/nonexistent'" in result.stdout
-    assert "checked: transformers loads it" in result.stdout
+    export_hf.main([str(tmp_path / "best.pt"), str(tmp_path / "hf")])
+    printed = capsys.readouterr().out
+    assert "MixtralForCausalLM" in printed and "note: no tokenizer: no meta.json at '/nonexistent'" in printed
+    assert "checked: transformers loads it" in printed
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
+    with pytest.raises(SystemExit, match="^error: .* is not empty; pass --overwrite"):
+        export_hf.main([str(tmp_path / "best.pt"), str(tmp_path / "hf")])
 
 
 def test_without_transformers_the_repo_runs_and_the_tool_says_what_to_install(tmp_path):
@@ -196,6 +197,17 @@ def our_lastword_metrics(model, items, stoi):
     return {"acc": sum(hits) / len(hits), "perplexity": math.exp(-sum(lls) / len(lls))}
 
 
+def test_lastword_items():
+    """The target is the line's last word with its space and without the punctuation after it;
+    the context is everything before it, cut at a line start when it would exceed context_chars."""
+    text = "ROMEO:\nBut soft, what light through yonder window breaks?\nIt is the east, and Juliet is the sun.\nAy.\n"
+    assert lm_eval_task.make_items(text, context_chars=60) == [
+        {"context": "ROMEO:\nBut soft, what light through yonder window", "target": " breaks"},
+        {"context": "It is the east, and Juliet is the", "target": " sun"}]
+    assert lm_eval_task.make_items(text, limit=1, context_chars=60, min_words=9) == [
+        {"context": "It is the east, and Juliet is the", "target": " sun"}]
+
+
 @pytest.fixture(scope="module")
 def lastword_data(tmp_path_factory):
     """A text whose line-final words a tiny model can learn: 60 % of the lines are one of four
@@ -211,8 +223,8 @@ def lastword_data(tmp_path_factory):
 
 
 def test_lm_eval_on_an_exported_model_matches_our_loop(tmp_path, lastword_data):
-    lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install 'lm_eval[hf]'")
-    pytest.importorskip("accelerate", reason="lm_eval's hf model needs accelerate: pip install 'lm_eval[hf]'")
+    lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install lm_eval")
+    pytest.importorskip("accelerate", reason="lm_eval's hf model needs accelerate: pip install accelerate")
     from lm_eval.tasks import TaskManager
 
     # a model that has learnt something: 200 steps of train.py
