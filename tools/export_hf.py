@@ -25,6 +25,7 @@ transformers and safetensors are optional dependencies, needed only here.
 
 import argparse
 import importlib
+import json
 import os
 import shutil
 import sys
@@ -221,6 +222,19 @@ def check_logits(model, directory, seed=0):
     return diff
 
 
+def edit_json(path, **values):
+    """Set keys of a JSON file the installed transformers wrote, for readers of other versions:
+    transformers 5 names the generic fast tokenizer class TokenizersBackend (4.x knows it as
+    PreTrainedTokenizerFast, which 5 still reads) and keeps rope_theta only inside rope_parameters
+    (4.x reads the top-level key, 5 accepts it)."""
+    with open(path, encoding="utf-8") as f:
+        content = json.load(f)
+    content.update(values)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(content, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
 def prepare_out_dir(out_dir, overwrite):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ExportError(f"{out_dir} exists and is not a directory")
@@ -271,6 +285,7 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
         tok = make_tokenizer(meta, config)
         if tok is not None:
             tok.save_pretrained(tmp)
+            edit_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast")
             tokenizer_note = f"{hf_tokenizer.tokenizer_kind(meta)} tokenizer from {source}"
         elif meta is not None:
             tokenizer_note = f"no tokenizer: unknown tokenizer {meta.get('tokenizer')!r} in {source}"
@@ -278,6 +293,8 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
             tokenizer_note = f"no tokenizer: {source}"
         cfg = hf_config(config, hf_tokenizer.special_ids(tok))
         cfg.save_pretrained(tmp)
+        if config.arch == "llama":
+            edit_json(os.path.join(tmp, "config.json"), rope_theta=config.rope_theta)
         save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         umask = os.umask(0)
         os.umask(umask)
