@@ -31,7 +31,7 @@ import metrics
 from data import DataError, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
-from utils import choose_device, keep_freed_memory, save_json
+from utils import choose_device, keep_freed_memory, save_json, widest_float
 
 
 def load_model(path, device="cpu"):
@@ -77,10 +77,10 @@ def rare_targets(data_dir, targets):
 def tail_sums(logits, targets, mask):
     """Sums over the positions in mask (for the rare-target metrics, chunk by chunk): tokens,
     top-1 hits, reciprocal ranks (metrics.target_ranks) and NLL at temperature 1."""
-    z, t = logits[mask].float(), targets[mask]
-    rank = metrics.target_ranks(z, t).double()
-    nll = torch.logsumexp(z, dim=1).double() - z.gather(1, t.view(-1, 1)).squeeze(1).double()
-    return torch.stack([torch.tensor(float(len(t)), dtype=torch.float64), (rank == 1).double().sum(),
+    z, t, wide = logits[mask].float(), targets[mask], widest_float(logits.device)
+    rank = metrics.target_ranks(z, t).to(wide)
+    nll = torch.logsumexp(z, dim=1).to(wide) - z.gather(1, t.view(-1, 1)).squeeze(1).to(wide)
+    return torch.stack([torch.tensor(float(len(t)), dtype=wide, device=z.device), (rank == 1).to(wide).sum(),
                         (1.0 / rank).sum(), nll.sum()])
 
 
@@ -107,12 +107,12 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024, rare=None)
     n = len(targets)
     rare = torch.zeros(n, dtype=torch.bool) if rare is None else rare
     chunks = [(finals[i:i + chunk], targets[i:i + chunk], rare[i:i + chunk]) for i in range(0, n, chunk)]
-    rank_sums, rare_sums, log_ppl = {}, torch.zeros(4, dtype=torch.float64), None
+    rank_sums, rare_sums, log_ppl = {}, torch.zeros(4, dtype=widest_float("cpu")), None  # sums on the CPU, in its widest float
 
     def means_at(b):
         nonlocal log_ppl
         first = log_ppl is None  # the first pass (T = 1): also what needs only the plain logits
-        total = torch.zeros(3, dtype=torch.float64)
+        total = torch.zeros(3, dtype=widest_float("cpu"))
         for states, t, r in chunks:
             z = lm_head(states).float()
             if first:
@@ -145,7 +145,7 @@ def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
       simreg_final  SimReg (tau = 0.01) of the final normed states: ~1e-2 on a CE-only model per
                     the SimReg paper, far lower when trained with it"""
     L = model.config.n_layer
-    mu, hists = torch.zeros(L + 2, dtype=torch.float64), torch.zeros(L + 2, 40, dtype=torch.float64)
+    mu, hists = [0.0] * (L + 2), [[0.0] * 40 for _ in range(L + 2)]  # Python floats: no float64 tensor
     simreg_sum, all_logits = 0.0, []
     for i in range(0, len(x), batch_size):
         xb, yb = x[i:i + batch_size].to(device), y[i:i + batch_size].to(device)
@@ -155,14 +155,14 @@ def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
         for depth, z in enumerate(hidden[:L + 1] + [hidden[-1]]):
             m, h = metrics.pairwise_cosine_stats(z.float())
             mu[depth] += weight * m
-            hists[depth] += weight * torch.tensor(h, dtype=torch.float64)
+            hists[depth] = [a + weight * b for a, b in zip(hists[depth], h)]
         simreg_sum += weight * simreg(hidden[-1].float(), yb).item()
     depths = list(range(1, L + 1))
     logits = torch.cat(all_logits).flatten(0, 1)
     rho, tau = metrics.spearman(mu[1:L + 1], depths), metrics.kendall(mu[1:L + 1], depths)
-    return logits, {"mu": mu[:L + 1].tolist(),  # undefined correlations (one block) are written as null
-            "spearman_rho": None if math.isnan(rho) else rho, "kendall_tau": None if math.isnan(tau) else tau, "final_cosine": mu[L + 1].item(),
-            "simreg_final": simreg_sum, "cosine_histograms": hists[:L + 1].tolist()}
+    return logits, {"mu": mu[:L + 1],  # undefined correlations (one block) are written as null
+            "spearman_rho": None if math.isnan(rho) else rho, "kendall_tau": None if math.isnan(tau) else tau, "final_cosine": mu[L + 1],
+            "simreg_final": simreg_sum, "cosine_histograms": hists[:L + 1]}
 
 
 @torch.no_grad()

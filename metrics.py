@@ -4,7 +4,9 @@ Evaluation metrics for representation-level language-model losses.
 Every function here is a pure function of tensors: no model, no file I/O.
 They are kept small and vectorised so that each one can be read next to the
 formula in its docstring (and checked against a slow Python loop in
-tests/test_metrics.py).
+tests/test_metrics.py). "float64" below means: on the input's device, or in float32 where
+that device has no float64 (Apple MPS: utils.widest_float; tests/test_float32_stats.py bounds the
+difference) -- except for the embedding matrix's geometry, always computed on the CPU.
 
 Contents
     target_ranks                  the rank of each target among the logits
@@ -30,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from model import at_least_fp32
+from utils import widest_float
 
 # -----------------------------------------------------------------------------
 # next-token prediction quality
@@ -59,10 +62,10 @@ def rank_metrics(logits, targets):
     nothing) - a useful second opinion when a loss changes the logit scale.
     Returns python floats.
     """
-    rank = target_ranks(logits, targets).double()
+    rank = target_ranks(logits, targets).to(widest_float(logits.device))
     return {
-        "accuracy": (rank == 1).double().mean().item(),
-        "recall_at_5": (rank <= 5).double().mean().item(),
+        "accuracy": (rank == 1).to(rank.dtype).mean().item(),
+        "recall_at_5": (rank <= 5).to(rank.dtype).mean().item(),
         "mrr": (1.0 / rank).mean().item(),
     }
 
@@ -75,7 +78,7 @@ def perplexity(logits, targets):
     of tokens the model is "choosing between" at each step. Computed in
     float64 so that the mean over many tokens does not lose digits.
     """
-    logp = F.log_softmax(logits.double(), dim=-1)
+    logp = F.log_softmax(logits.to(widest_float(logits.device)), dim=-1)
     nll = -logp.gather(1, targets.view(-1, 1)).mean()
     return math.exp(nll.item())
 
@@ -102,15 +105,16 @@ def temperature_nll_sums(logits, targets, b, overwrite=False):
     streamed evaluation saves one (n, V) buffer that way.
     Returns a float64 tensor (3,): [sum f_t, sum f'_t, sum f''_t].
     """
+    wide = widest_float(logits.device)
     z = at_least_fp32(logits)
     row_max = z.amax(dim=1, keepdim=True)
     d = z.sub_(row_max) if overwrite or z is not logits else z - row_max
-    d_y = d.gather(1, targets.view(-1, 1)).squeeze(1).double()
+    d_y = d.gather(1, targets.view(-1, 1)).squeeze(1).to(wide)
     e = torch.mul(d, b).exp_()                                     # exp(b d), in (0, 1]
-    s0 = e.sum(dim=1).double()
+    s0 = e.sum(dim=1).to(wide)
     e.mul_(d)                                                      # e d
-    s1 = e.sum(dim=1).double()
-    s2 = torch.einsum("nv,nv->n", e, d).double()                   # sum(e d^2), no temporary
+    s1 = e.sum(dim=1).to(wide)
+    s2 = torch.einsum("nv,nv->n", e, d).to(wide)                    # sum(e d^2), no temporary
     mean_d = s1 / s0
     return torch.stack([(s0.log() - b * d_y).sum(), (mean_d - d_y).sum(),
                         (s2 / s0 - mean_d ** 2).clamp(min=0).sum()])
@@ -180,6 +184,11 @@ def best_temperature_perplexity(logits, targets, max_block_elems=2**22):
 # geometry of the embedding matrix
 
 
+def _on_host(x):
+    """x on the CPU in float64, wherever it is: LAPACK's eigh and eig are there, and MPS has no float64."""
+    return x.detach().to("cpu", widest_float("cpu"))
+
+
 def isotropy(W):
     """
     Isotropy I(W) of Mu & Viswanath (2018), "All-but-the-top".
@@ -195,7 +204,7 @@ def isotropy(W):
     Computed in float64 via log Z(a) = logsumexp_w(w^T a), so large norms do
     not overflow:   I = exp( min_a log Z(a) - max_a log Z(a) )   in (0, 1].
     """
-    W = W.detach().double()
+    W = _on_host(W)
     _, U = torch.linalg.eigh(W.T @ W)                              # columns = eigenvectors
     A = torch.cat([U, -U], dim=1)                                  # (C, 2C)
     log_z = torch.logsumexp(W @ A, dim=0)                          # (2C,)
@@ -212,9 +221,9 @@ def isotropy_authors(W):
     below isotropy(W), which takes the min and max over a superset of directions. It exists so
     that our numbers can be compared with the paper's like for like; use isotropy() otherwise.
     """
-    W = W.detach().float()
+    W = W.detach().cpu().float()
     _, U = torch.linalg.eig(W.T @ W)                               # complex; W^T W is symmetric
-    log_z = torch.logsumexp(W.double() @ U.real.double(), dim=0)
+    log_z = torch.logsumexp(_on_host(W) @ _on_host(U.real), dim=0)
     return math.exp((log_z.min() - log_z.max()).item())
 
 
@@ -262,7 +271,7 @@ def translation_metrics(E, itos, shift):
     A model that learned "same character in the other language" and "same
     letter in the other case" scores near 1.0 / 12 / the total.
     """
-    E = E.detach().double()
+    E = _on_host(E)
     assert E.shape[0] == 2 * shift, "E must have 2*shift rows"
     En = F.normalize(E, dim=1)
     cos = En @ En.T
@@ -272,7 +281,7 @@ def translation_metrics(E, itos, shift):
     rows = torch.arange(2 * shift)
     twins = (rows + shift) % (2 * shift)                           # i +- shift
     twin_hit = (top3 == twins.view(-1, 1)).any(dim=1)
-    twin_frac = twin_hit.double().mean().item()
+    twin_frac = twin_hit.to(E.dtype).mean().item()
 
     stoi = {ch: i for ch, i in _stoi(itos).items() if 0 <= i < shift}
     cases_12 = None
@@ -355,11 +364,11 @@ def marginalization_ratios(g_input, g_target, g_nontarget):
     moved mostly by being a wrong answer. A row whose avg_s(g3) is 0 (never
     received a non-target gradient) has no defined ratio: both entries are nan.
     """
-    g1, g2, g3 = (g.double() for g in (g_input, g_target, g_nontarget))
+    g1, g2, g3 = (g.to(widest_float(g.device)) for g in (g_input, g_target, g_nontarget))
     num = g1 + g2                                                  # (S, V)
     g3_avg = g3.mean(dim=0)                                        # (V,)
     undefined = g3_avg == 0
-    nan = torch.tensor(float("nan"), dtype=torch.float64)
+    nan = float("nan")
 
     ratio_of_average = torch.where(undefined, nan, num.mean(dim=0) / g3_avg)
     g3p = torch.where(g3 > 0, g3, g3_avg.expand_as(g3))
@@ -379,18 +388,24 @@ def pairwise_cosine_stats(z, bins=40):
 
     z (B,T,C). Returns (mu as a float, histogram as a list of `bins` fractions over [-1, 1]).
     mu near 1 means the states of a sequence all point the same way (condensed)."""
-    e = F.normalize(z.double(), dim=-1)
+    e = F.normalize(z.to(widest_float(z.device)), dim=-1)
     cos = e @ e.transpose(1, 2)                                      # (B, T, T)
     hist = torch.histc(cos.clamp(-1, 1).float(), bins=bins, min=-1.0, max=1.0)
     return cos.mean().item(), (hist / hist.sum()).tolist()
 
 
+def _wide_tensor(x):
+    """x (a tensor or a list of numbers) as a tensor in the widest float of its device."""
+    device = x.device if torch.is_tensor(x) else "cpu"
+    return torch.as_tensor(x, dtype=widest_float(device), device=device)
+
+
 def _average_ranks(x):
     """Ranks 1..n of x with ties given the average of the ranks they span."""
-    x = torch.as_tensor(x, dtype=torch.float64)
+    x = _wide_tensor(x)
     order = torch.argsort(x)
     ranks = torch.empty_like(x)
-    ranks[order] = torch.arange(1, len(x) + 1, dtype=torch.float64)
+    ranks[order] = torch.arange(1, len(x) + 1, dtype=x.dtype, device=x.device)
     for value in torch.unique(x):  # n is small (number of layers): a loop over distinct values
         tied = x == value
         ranks[tied] = ranks[tied].mean()
@@ -409,8 +424,7 @@ def spearman(x, y):
 def kendall(x, y):
     """Kendall's tau-b: (concordant - discordant) / sqrt((n0 - ties_x)(n0 - ties_y)) over all
     n0 = n(n-1)/2 pairs; a pair tied in x or y is neither concordant nor discordant."""
-    x = torch.as_tensor(x, dtype=torch.float64)
-    y = torch.as_tensor(y, dtype=torch.float64)
+    x, y = _wide_tensor(x), _wide_tensor(y)
     i, j = torch.triu_indices(len(x), len(x), offset=1)
     sx, sy = torch.sign(x[i] - x[j]), torch.sign(y[i] - y[j])
     n0 = len(i)

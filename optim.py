@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from utils import widest_float
+
 
 class SeparatedRowsAdamW(torch.optim.Optimizer):
     """AdamW for 2-D parameters whose rows are treated as independent parameters.
@@ -51,11 +53,17 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 active = grad.ne(0).any(dim=1, keepdim=True)  # (rows, 1): rows that got a gradient
                 step = state["step"] + active
-                k = step.clamp(min=1).double()  # rows never stepped: any k works, their update is discarded
+                # rows never stepped: any k works, their update is discarded. float32 counts are exact
+                # up to 2^24 steps, so k loses nothing where the device has no float64 (MPS)
+                k = step.clamp(min=1).to(widest_float(p.device))
                 exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
                 exp_avg_sq = state["exp_avg_sq"] * beta2 + (1 - beta2) * grad * grad
-                bias_correction1 = (1 - beta1 ** k).to(p.dtype)
-                bias_correction2_sqrt = (1 - beta2 ** k).sqrt().to(p.dtype)
+                # 1 - beta^k as -expm1(k log beta): in float32 it is within 2e-7 of the exact value,
+                # where 1 - beta2^k loses up to 2e-5 to cancellation; in float64 both round to the
+                # same float32 (tests/test_float32_stats.py). log 0 = -inf gives 1, as 1 - 0^k does
+                log1, log2 = (math.log(beta) if beta > 0 else -math.inf for beta in (beta1, beta2))
+                bias_correction1 = (-torch.expm1(k * log1)).to(p.dtype)
+                bias_correction2_sqrt = (-torch.expm1(k * log2)).sqrt().to(p.dtype)
                 denom = exp_avg_sq.sqrt() / bias_correction2_sqrt + eps
                 new_p = p * (1 - lr * wd) - (lr / bias_correction1) * exp_avg / denom
                 # torch.where copies the old bits for inactive rows: bitwise unchanged, not "close"

@@ -1,4 +1,5 @@
-"""Small shared pieces: device and precision choice, atomic file writes, peak FLOP/s for MFU.
+"""Small shared pieces: device and precision choice, float64 support, atomic file writes, peak
+FLOP/s for MFU.
 
 torch is imported inside the functions that use it, so the data-preparation scripts (and every
 tokenizer process of prepare_c4.py) write their files with atomic_write without loading torch."""
@@ -52,6 +53,23 @@ def choose_device(device="auto"):
     if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
         return "mps"
     return "cpu"
+
+
+def has_float64(device):
+    """Whether tensors on `device` can be float64. Apple's MPS has none: a statistic that is float64
+    elsewhere is computed there in float32 (widest_float) or on the CPU (docs/devices.md)."""
+    import torch
+
+    return torch.device(device).type != "mps"
+
+
+def widest_float(device):
+    """The dtype statistics are computed and summed in on `device`: float64 where it has it (CPU and
+    CUDA results stay as they were), float32 where it has not (their error is bounded in
+    tests/test_float32_stats.py)."""
+    import torch
+
+    return torch.float64 if has_float64(device) else torch.float32
 
 
 def choose_dtype(dtype, device):
