@@ -3,7 +3,7 @@ What does each loss cost? Times real training steps (forward, backward, AdamW) w
 switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
-    python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory
+    python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory | compile
     python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
@@ -23,6 +23,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
   gpu_memory  tools/memory.py's table for the paper configs (c4_tiny and baseline_*) on 8 GPUs
   softmax the cross-entropy alone on the BPE toy's logits (1024 x 50304), forward + backward on
           1 thread: losses.cross_entropy vs F.cross_entropy, alternating so both see the same load
+  compile the lowres CE step with every block compiled (train.py's compile key) vs eager, alternating
 
 Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
 model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
@@ -39,8 +40,9 @@ import time
 import torch
 import torch.nn.functional as F
 
+import parallelism
 import plan
-from losses import Objective, cross_entropy, simreg
+from losses import Objective, _SoftmaxCrossEntropy, cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
 from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops, save_text
@@ -297,7 +299,9 @@ def softmax_cross_entropy(args, device, dtype):
     torch.manual_seed(0)
     logits = (3 * torch.randn(1024, 50304, device=device)).requires_grad_()
     targets = torch.randint(0, 50304, (1024,), device=device)
-    functions = {"F.cross_entropy": F.cross_entropy, "losses.cross_entropy": cross_entropy}
+    # the fused class itself: losses.cross_entropy hands CUDA logits to F.cross_entropy
+    functions = {"F.cross_entropy": F.cross_entropy,
+                 "losses.cross_entropy": lambda z, t: _SoftmaxCrossEntropy.apply(z, t, -1)}
     times = {name: [] for name in functions}
     for i in range(args.warmup + 4 * args.steps):
         for name, function in functions.items():
@@ -314,6 +318,37 @@ def softmax_cross_entropy(args, device, dtype):
           ["function", "median ms", "min ms", "ratio to F.cross_entropy"],
           [(name, f"{1000 * statistics.median(t):.0f}", f"{1000 * min(t):.0f}", f"{statistics.median(t) / base:.2f}")
            for name, t in times.items()])
+
+
+def compile_step(args, device, dtype):
+    """train.py's compile key: torch.compile of every block (parallelism.compile_blocks) on the
+    lowres CE step. An eager and a compiled copy of the same model take training steps in turn,
+    so a background load slows both alike; the first steps (compilation) are not timed."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128, bias=False)
+    models = {"eager": build_model(config, device), "compiled (inductor)": build_model(config, device)}
+    models["compiled (inductor)"].load_state_dict(models["eager"].state_dict())
+    parallelism.compile_blocks(models["compiled (inductor)"])
+    optimizers = {name: configure_optimizers(m, 1e-3, 0.1, (0.9, 0.99)) for name, m in models.items()}
+    x = torch.randint(0, 130, (12, 64), device=device)
+    autocast, times = autocast_context(device, dtype), {name: [] for name in models}
+    for i in range(max(args.warmup, 3) + 10 * args.steps):
+        for name, model in models.items():
+            t0 = time.perf_counter()
+            with autocast:
+                loss = cross_entropy(model(x), x)
+            loss.backward()
+            for opt in optimizers[name]:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            if i >= max(args.warmup, 3):
+                times[name].append(time.perf_counter() - t0)
+    base = statistics.median(times["eager"])
+    table(f"toy CE step (4 x 128, T 64, batch 12), eager vs compiled blocks, {torch.get_num_threads()} thread(s)",
+          ["model", "median ms", "ratio to eager"],
+          [(name, f"{1000 * statistics.median(t):.1f}", f"{statistics.median(t) / base:.2f}") for name, t in times.items()])
 
 
 PAPER_CONFIGS = ["config/c4_tiny.py", "config/baseline_350m.py", "config/baseline_1b3.py", "config/baseline_3b.py",
@@ -336,7 +371,7 @@ def gpu_memory(args, device, dtype):
 
 
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
-            "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory}
+            "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory, "compile": compile_step}
 
 
 def write_report(path, argv):
