@@ -8,16 +8,11 @@ Train a GPT on a prepared dataset, nanoGPT style:
 Defaults below are the Stop Jostling low-resource experiment (Sec. 4.1, Table 4): a 0.8M-parameter
 character GPT on tiny Shakespeare where each training window is, with probability
 low_resource_prob, rewritten into a second "low-resource" language (every id shifted by the
-char vocabulary size). The run writes to out_dir:
-    log.jsonl      one JSON object per logged step and per evaluation
-    ckpt.pt/.json  the latest state (resume from it with --init_from=resume), ckpt_prev.pt the one before
-    best.pt/.json  the weights with the best validation loss (what the final metrics evaluate)
-    metrics.json   metrics of best.pt (evaluate.py), and marginalization.json if asked
-    wandb_id.txt   with wandb_log=True: the Weights & Biases run that log.jsonl is copied to (tracking.py)
-Under torchrun only rank 0 writes them; with parallel='fsdp' the latest state is sharded
-(ckpt_dcp/, ckpt.pt then holds the step, RNG states and where the shards are). checkpoint.py
-writes and reads them. Ctrl-C, `kill` or a scheduler's SIGUSR1 finishes the step, saves ckpt.pt
-and prints the command that resumes; a non-finite loss stops the run before anything is saved.
+char vocabulary size). The run writes log.jsonl, ckpt.pt (resume with --init_from=resume),
+best.pt and metrics.json to out_dir (every file and failure case: docs/runs.md; checkpoint.py
+writes and reads them); under torchrun only rank 0 writes, and with parallel='fsdp' the latest
+state is sharded (ckpt_dcp/). Ctrl-C, `kill` or a scheduler's SIGUSR1 finishes the step, saves
+ckpt.pt and prints the command that resumes; a non-finite loss stops the run before anything is saved.
 """
 
 import json
