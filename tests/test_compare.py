@@ -336,3 +336,14 @@ def test_transition_rate_and_departure_step(tmp_path, monkeypatch):
     table, _ = report.build_table("jump", str(tmp_path))
     assert "| CE | 3 | 0.370 0.370 0.370 | 0 of 3 | 0.00 [0.00, 0.71] | — |" in table
     assert "| margin 0.6 | 3 | 0.370 0.370 0.490 | 1 of 3 | 0.33 [0.01, 0.91] | 1339 (step 500) |" in table
+
+
+def test_results_readme_verdict_counts_are_the_tables():
+    """results/README.md's verdict table repeats each grid table's last line: it must say the same."""
+    import re
+    readme = open(os.path.join(REPO, "results", "README.md"), encoding="utf-8").read()
+    rows = re.findall(r"^\| \[`(\w+)`\]\(\w+\.md\) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", readme, flags=re.M)
+    assert {grid for grid, *_ in rows} == set(grids.GRIDS)
+    for grid, claims, reproduce, not_shown, contradicted in rows:
+        table = open(os.path.join(REPO, "results", f"{grid}.md"), encoding="utf-8").read()
+        assert f"{reproduce} reproduce, {not_shown} not shown, {contradicted} contradicted, of {claims} claims." in table
