@@ -359,7 +359,7 @@ last_eval = None
 last_saved_step = iter_num if init_from == "resume" else None  # the step ckpt.pt holds
 # a stop takes effect between steps; one process reads its own flag every step, under torchrun the
 # ranks agree on it at each logged step through the all-reduce the log makes anyway (no extra sync)
-stopping = False
+stopping, stopped = False, False  # stopped: the loop ended on a stop signal, not at max_iters
 bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True,
            disable=not master)
 t_window, window_iters = time.perf_counter(), 0
@@ -400,10 +400,8 @@ while True:
             print(f"stopped by {stop.name or 'a stop signal on another rank'} at step {iter_num}; the full state is "
                   f"in {ckpt_path}. Resume with:\n  {launcher} train.py {shlex.join(resume_args)} --init_from=resume",
                   flush=True)
-        if parallel != "none":
-            del train_model, train_objective, model, objective, checkpointed, optimizers, clipper
-            parallelism.shutdown()
-        sys.exit(128 + (stop.signum or 15))
+        stopped = True
+        break
 
     # The step's whole global batch is drawn at once, identically on every rank, and micro-step k
     # of rank r reads rows (k * world_size + r) * batch_size onwards: the union is the same global
@@ -476,6 +474,8 @@ bar.close()
 if parallel != "none":  # nothing below needs the live model: the final evaluation reads best.pt
     del train_model, train_objective, model, objective, checkpointed, optimizers, clipper
     parallelism.shutdown()
+if stopped:
+    sys.exit(128 + (stop.signum or 15))
 
 if log_marginalization and grad_parts:  # (parallel='none' only: one process)
     parts = torch.stack(grad_parts)  # (steps, 3, V)
