@@ -161,7 +161,7 @@ TRAIN_RULES = {
     "grad_clip_mode": _choice("norm", "adagc"),
     "parallel": _choice("none", "ddp", "fsdp"),
     "compile": _choice("auto", "True", "False"),
-    "dtype": _choice("auto", "float32", "bfloat16"),  # no float16: it would need loss scaling (GradScaler)
+    "dtype": _choice("auto", "float32", "bfloat16", "float16"),  # float16 with loss scaling (optim.apply_gradients)
 }
 
 

@@ -73,6 +73,37 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
                 state["step"] = step
 
 
+def apply_gradients(optimizers, scaler, clip=None):
+    """The update at the end of a step, once every micro-step's backward has run: clip (a
+    callable, or None), step every optimizer, clear the gradients. Returns whether it stepped.
+
+    float16 (scaler enabled, a torch.amp.GradScaler): fp16 stops at 65504 and flushes gradients
+    below ~6e-8 to zero, so train.py multiplied the loss by a large power of two before backward
+    (Micikevicius et al. 2018, "Mixed precision training", Sec. 3.2). Here the gradients are divided
+    back first, so clipping thresholds and the optimizers see true gradients. If any gradient is
+    inf or NaN the scale was too large: the whole update is skipped on every optimizer at once
+    (SE's embedding rows must not move without the rest of the model), the scale halves, and
+    it doubles again after 2,000 clean steps (scaler.update()). The check costs one pass over the
+    gradients and one host sync, float16 only; under FSDP the shards' norms are all-reduced, so
+    every rank takes the same decision."""
+    stepped = True
+    if scaler.is_enabled():
+        for opt in optimizers:
+            scaler.unscale_(opt)
+        grads = [p.grad for opt in optimizers for group in opt.param_groups for p in group["params"]
+                 if p.grad is not None]
+        stepped = bool(torch.isfinite(tensor_norms(grads).sum()))
+        scaler.update()  # reads the inf checks unscale_ recorded; the next step gets the new scale
+    if stepped:
+        if clip is not None:
+            clip()
+        for opt in optimizers:
+            opt.step()
+    for opt in optimizers:
+        opt.zero_grad(set_to_none=True)
+    return stepped
+
+
 def learning_rate_at(step, learning_rate, warmup_iters, schedule, decay_iters, min_lr):
     """Linear warm-up to learning_rate over warmup_iters steps, then cosine decay to min_lr at
     decay_iters and min_lr after (schedule 'cosine'), or learning_rate from then on ('constant')."""

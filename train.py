@@ -37,7 +37,7 @@ from configurator import TRAIN_RULES, ConfigError, check_train_config, exit_conf
 from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import build_model
-from optim import AdaGC, configure_optimizers, learning_rate_at
+from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
                    save_json)
 
@@ -121,7 +121,8 @@ activation_checkpointing = False     # recompute each block's activations in bac
 compile = "auto"                     # torch.compile each block: auto = on CUDA only (True / False to choose)
 dry_run = False                      # print the run's plan (size, FLOPs, memory, data, time: plan.py) and exit
 device = "auto"                      # auto = cuda > mps > cpu
-dtype = "auto"                       # auto = bfloat16 autocast on a GPU that has it, else float32 (TF32 on CUDA)
+dtype = "auto"                       # auto: bfloat16 autocast on a GPU with bf16, float16 + loss scaling on one
+                                     # without (V100, T4), float32 on CPU and MPS
 num_threads = 0                      # CPU threads for torch; 0 = torch's default
 # tracking (optional, `pip install wandb`; docs/tracking.md)
 wandb_log = False                    # also send log.jsonl's records and the config to Weights & Biases
@@ -232,6 +233,10 @@ optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, be
 # gradient clipping covers the model's parameters (not the objective's NITP head), in both modes
 clipper = AdaGC(model.parameters(), grad_clip, adagc_beta, adagc_rel, adagc_warmup) if grad_clip_mode == "adagc" \
     else None
+clip = clipper.clip_ if clipper is not None else None if grad_clip <= 0 else \
+    lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)  # DTensors under FSDP: one all-reduce
+# float16 only: loss scaling (optim.apply_gradients), a pass-through in every other dtype
+scaler = torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
 iter_num, best_val_loss = 0, float("inf")
 grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log_marginalization)
 
@@ -271,6 +276,8 @@ if init_from == "resume":
         torch.cuda.set_rng_state(resumed["cuda_rng"].cpu())
     if clipper is not None and resumed.get("adagc") is not None:
         clipper.load_state_dict(resumed["adagc"])
+    if resumed.get("grad_scaler"):  # a float16 run's loss scale
+        scaler.load_state_dict(resumed["grad_scaler"])
     grad_parts = resumed.get("grad_parts", [])
     if master:
         print(f"resumed from {resumed_path} at iter {iter_num}")
@@ -289,7 +296,7 @@ def run_state(full):
     if full:
         state.update(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
                      cuda_rng=torch.cuda.get_rng_state() if on_cuda else None, flops_done=dict(flops_done),
-                     adagc=clipper.state_dict() if clipper is not None else None)
+                     adagc=clipper.state_dict() if clipper is not None else None, grad_scaler=scaler.state_dict())
     return state
 
 
@@ -426,7 +433,7 @@ while True:
             if log_marginalization:
                 logits.retain_grad()
                 hidden_states[0].retain_grad()
-            loss.backward()
+            scaler.scale(loss).backward()
         step_loss = step_loss + loss.detach()  # the step's loss: the mean over its micro-steps
         for name, value in terms.items():
             step_terms[name] = step_terms.get(name, 0) + value.detach() / gradient_accumulation_steps
@@ -439,14 +446,7 @@ while True:
                 hidden_states[0].grad.reshape(-1, n_embd).float(), vocab_size))
     if log_marginalization:
         grad_parts.append(step_parts.norm(dim=-1).cpu())
-    # both modes work on FSDP's sharded gradients: clip_grad_norm_ on DTensors, AdaGC by one all-reduce
-    if clipper is not None:
-        clipper.clip_()
-    elif grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
-    for opt in optimizers:
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    apply_gradients(optimizers, scaler, clip)  # float16: unscaled first, the step skipped if any is inf/NaN
     iter_num += 1
     window_iters += 1
     flops_done["train"] += flops_per_iter
@@ -465,14 +465,15 @@ while True:
         dt = (time.perf_counter() - t_window) / window_iters
         record = {"iter": iter_num - 1, "loss": loss_value, **dict(zip(step_terms, term_values)),
                   "lr": lr, "ms_per_iter": 1000 * dt,
-                  "tokens_per_s": tokens_per_iter / dt, "mfu": flops_per_iter / dt / peak}
+                  "tokens_per_s": tokens_per_iter / dt, "mfu": flops_per_iter / dt / peak,
+                  **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {})}
         log(record)
         stop_if_diverged({"loss": loss_value, **dict(zip(step_terms, term_values))}, "training")
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2f}")
         t_window, window_iters = time.perf_counter(), 0
 bar.close()
 if parallel != "none":  # nothing below needs the live model: the final evaluation reads best.pt
-    del train_model, train_objective, model, objective, checkpointed, optimizers, clipper
+    del train_model, train_objective, model, objective, checkpointed, optimizers, clipper, clip
     parallelism.shutdown()
 if stopped:
     sys.exit(128 + (stop.signum or 15))

@@ -73,15 +73,17 @@ def widest_float(device):
 
 
 def choose_dtype(dtype, device):
-    """'auto': bf16 autocast on a GPU that supports it, float32 elsewhere. On CPU bf16 is only
+    """'auto': bf16 autocast on a GPU that supports it (Ampere and later); float16 autocast with
+    loss scaling on an older GPU (V100, T4: fp16 tensor cores, no bf16), which would otherwise
+    train in plain fp32 at a fraction of its speed; float32 on CPU and MPS. On CPU bf16 is only
     faster where the CPU has bf16 matrix units (torch.backends.cpu.get_cpu_capability()); on an
     AVX2-only CPU a bf16 matmul runs ~100x slower than fp32, so we never pick it by default."""
     import torch
 
     if dtype != "auto":
         return dtype
-    if device.startswith("cuda") and torch.cuda.is_bf16_supported():
-        return "bfloat16"
+    if device.startswith("cuda"):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     return "float32"
 
 
@@ -164,24 +166,33 @@ GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 3
 
 def measure_matmul_flops(device="cpu", dtype=None, n=2048, repeats=3):
     """The machine's practical peak: FLOP/s of the best of `repeats` n x n matmuls in `dtype`
-    (a torch dtype; float32 if None)."""
+    (a torch dtype; float32 if None). The size starts at 256 and doubles up to n while one
+    matmul takes under 50 ms: a dtype the device only emulates (float16 on most CPUs, ~1
+    GFLOP/s) is measured in a second, not the minutes a 2048 x 2048 product would take."""
     import torch
 
     dtype = torch.float32 if dtype is None else dtype
     generator = torch.Generator(device=device).manual_seed(0)  # never touch the global RNG of a run
-    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
-    a @ b  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
+
+    def time_one(a, b):
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         a @ b
         if device.startswith("cuda"):
             torch.cuda.synchronize()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n ** 3 / best
+        return time.perf_counter() - t0
+
+    size = min(256, n)
+    while True:
+        a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+        b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+        a @ b  # warm-up
+        if size >= n or time_one(a, b) > 0.05:
+            break
+        size = min(2 * size, n)
+    best = min(time_one(a, b) for _ in range(repeats))
+    return 2 * size ** 3 / best
 
 
 def peak_flops(device, dtype):

@@ -1,4 +1,6 @@
-"""Separated embeddings: a row with no gradient this step is not touched by the optimizer."""
+"""Separated embeddings: a row with no gradient this step is not touched by the optimizer. Loss
+scaling for float16 (optim.apply_gradients): exact when nothing overflows, a whole skipped update
+when something does."""
 
 
 import pytest
@@ -6,7 +8,7 @@ import torch
 
 from losses import cross_entropy  # noqa: E402
 from model import GPTConfig, build_model  # noqa: E402
-from optim import SeparatedRowsAdamW, configure_optimizers  # noqa: E402
+from optim import AdaGC, SeparatedRowsAdamW, apply_gradients, configure_optimizers  # noqa: E402
 
 HP = dict(lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
 
@@ -139,3 +141,76 @@ def test_learning_rate_schedule_closed_forms():
     assert lr(100) == pytest.approx(1e-3) and lr(1100) == pytest.approx(1e-4) and lr(5000) == 1e-4
     assert lr(600) == pytest.approx(1e-4 + 0.5 * (1e-3 - 1e-4))  # halfway down the cosine: the midpoint
     assert lr(600, "constant") == lr(5000, "constant") == 1e-3
+
+
+def _two_optimizer_setup(seed=0):
+    """A GPT with SE (two optimizers: fused AdamW and the row-wise one) and a batch."""
+    torch.manual_seed(seed)
+    model = build_model(GPTConfig(vocab_size=40, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    optimizers = configure_optimizers(model, 1e-2, 0.1, (0.9, 0.99), separate_embeddings=True)
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randint(0, 40, (2, 8), generator=g), torch.randint(0, 40, (2, 8), generator=g)
+    return model, optimizers, x, y
+
+
+def _snapshot(model, optimizers):
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    states = [[{k: v.clone() for k, v in opt.state[p].items()} for group in opt.param_groups for p in group["params"]]
+              for opt in optimizers]
+    return weights, states
+
+
+def _assert_same(a, b):
+    (wa, sa), (wb, sb) = a, b
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    for opt_a, opt_b in zip(sa, sb):
+        assert len(opt_a) == len(opt_b) and all(a.keys() == b.keys() for a, b in zip(opt_a, opt_b))
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(opt_a, opt_b) for k in a)
+
+
+def test_loss_scaling_gives_the_unscaled_update_bit_for_bit():
+    """Scaling the loss by a power of two and dividing the gradients back is exact in float32
+    (only the exponent changes), so three steps with loss scaling and gradient clipping land on
+    the same weights and optimizer states, bit for bit, as three steps without."""
+    runs, norms = [], {False: [], True: []}
+    for enabled in (False, True):
+        model, optimizers, x, y = _two_optimizer_setup()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 12, enabled=enabled)
+
+        def clip():  # records the norm it clipped (> 0.5: it acts)
+            norms[enabled].append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
+        for _ in range(3):
+            scaler.scale(cross_entropy(model(x), y)).backward()
+            assert apply_gradients(optimizers, scaler, clip)
+            assert all(p.grad is None for p in model.parameters())
+        runs.append(_snapshot(model, optimizers))
+    assert norms[True] == norms[False] and min(norms[False]) > 0.5  # clipping saw the true gradients
+    _assert_same(*runs)
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_an_overflowing_step_is_skipped_on_every_optimizer_and_the_scale_halves(bad):
+    """An inf or NaN in one gradient (of the main AdamW's parameters) skips the whole update:
+    the weights, both optimizers' states and AdaGC's history stay bitwise as they were, even the
+    row-wise optimizer's embedding, whose own gradient was finite; the scale halves; the next
+    clean step updates normally at the new scale."""
+    model, optimizers, x, y = _two_optimizer_setup()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    clipper = AdaGC(model.parameters(), max_norm=1.0, warmup=1)
+    scaler.scale(cross_entropy(model(x), y)).backward()
+    assert apply_gradients(optimizers, scaler, clipper.clip_)  # one good step: optimizer and AdaGC states exist
+    before, adagc_before = _snapshot(model, optimizers), {k: v for k, v in clipper.state_dict().items()}
+    scaler.scale(cross_entropy(model(x), y)).backward()
+    block_weight = next(p for n, p in model.named_parameters() if n.startswith("h.0.") and p.dim() == 2)
+    block_weight.grad[0, 0] = bad
+    assert model.input_embedding().grad.isfinite().all()
+    assert not apply_gradients(optimizers, scaler, clipper.clip_)
+    _assert_same(before, _snapshot(model, optimizers))
+    assert clipper.state_dict()["step"] == adagc_before["step"]
+    assert torch.equal(clipper.state_dict()["ema"], adagc_before["ema"])
+    assert scaler.get_scale() == 2.0 ** 9
+    assert all(p.grad is None for p in model.parameters())
+    scaler.scale(cross_entropy(model(x), y)).backward()
+    assert apply_gradients(optimizers, scaler, clipper.clip_)
+    assert scaler.get_scale() == 2.0 ** 9  # grows only after 2,000 clean steps in a row
+    assert not torch.equal(before[0]["wte.weight"], model.wte.weight)

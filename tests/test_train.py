@@ -104,6 +104,25 @@ def test_resume_continues_exactly(tmp_path, data_dir, baseline_run):
     assert [r["iter"] for r in read_log(part) if "val" in r] == [0, 10, 20]
 
 
+def test_float16_run_logs_its_loss_scale_and_resumes_exactly(tmp_path, data_dir):
+    """dtype=float16 (what dtype=auto picks on a GPU without bf16) on the CPU: the loss scale is
+    logged at every step and is part of the checkpoint, so a resumed run goes on exactly."""
+    full, part = tmp_path / "full", tmp_path / "part"
+    fp16 = ["--dtype=float16", "--final_eval=False", "--simreg_weight=1.0", "--simreg_tau=0.5", "--nitp_weight=1.0",
+            "--cwt_weight=0.5"]
+    result = train(full, data_dir, *fp16)
+    assert "device cpu float16" in result.stdout
+    scales = [r["loss_scale"] for r in read_log(full) if "loss" in r]
+    assert len(scales) == 20 and scales[9] < 2.0 ** 16  # overflows skipped steps before the resume point
+    train(part, data_dir, *fp16, "--max_iters=10")
+    import torch
+    saved = torch.load(part / "ckpt.pt", weights_only=True)["grad_scaler"]
+    assert saved["scale"] == scales[9]
+    train(part, data_dir, *fp16, "--init_from=resume")
+    assert train_losses(part) == train_losses(full)
+    assert [r["loss_scale"] for r in read_log(part) if "loss" in r] == scales
+
+
 def test_resume_without_checkpoint_and_missing_data_fail_clearly(tmp_path, data_dir):
     result = train(tmp_path / "none", data_dir, "--init_from=resume", check=False)
     assert result.returncode != 0 and "no checkpoint at" in result.stderr

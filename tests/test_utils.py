@@ -39,3 +39,15 @@ def test_an_explicit_device_must_exist():
     else:
         with pytest.raises(ValueError, match="CUDA device"):
             choose_device(f"cuda:{torch.cuda.device_count()}")
+
+
+def test_auto_dtype_is_bf16_on_a_gpu_with_it_float16_on_one_without_float32_elsewhere(monkeypatch):
+    import torch
+
+    from utils import choose_dtype
+    assert choose_dtype("auto", "cpu") == "float32" and choose_dtype("auto", "mps") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert choose_dtype("auto", "cuda:0") == "bfloat16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # V100, T4
+    assert choose_dtype("auto", "cuda") == "float16"
+    assert choose_dtype("float32", "cuda") == "float32"  # an explicit dtype is kept
