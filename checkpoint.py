@@ -56,6 +56,48 @@ def load(path, device="cpu", need=("model_config", "config", "iter_num")):
     return checkpoint
 
 
+def load_with_weights(path, device="cpu"):
+    """load(path), with the whole weights under 'model' (and 'objective' where the run had
+    parameters there) whichever way it was written: best.pt and a one-process or DDP ckpt.pt hold
+    them; an FSDP run's ckpt.pt names the folder of shards, read back here in this one process
+    (no process group: evaluate.py, sample.py, the HF export and init_from run anywhere)."""
+    checkpoint = load(path, device)
+    if "model" in checkpoint:
+        return checkpoint
+    if "dcp" not in checkpoint:
+        raise CheckpointError(f"{path} holds no model weights (no 'model' and no FSDP shards named)")
+    directory = os.path.join(os.path.dirname(os.path.abspath(path)), checkpoint["dcp"])
+    checkpoint.update(sharded_weights(directory, device))
+    return checkpoint
+
+
+def sharded_weights(directory, device="cpu"):
+    """{'model': {name: tensor}, 'objective': {...}}: the whole weights from the shards that
+    parallelism.save_sharded wrote into directory, without the optimizer state (for a 7B run that
+    reads 28 GB, not 84). The shapes and dtypes come from the checkpoint's own metadata, so no
+    model has to be built first."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
+        raise CheckpointError(f"cannot read the FSDP shards in {directory} ({type(e).__name__}: {e})") from None
+    weights = {"model": {}, "objective": {}}
+    for key, meta in metadata.state_dict_metadata.items():
+        top, _, name = key.partition(".")  # "model.<module>.<parameter>", module "model" or "objective"
+        module, _, name = name.partition(".")
+        if top == "model" and module in weights and hasattr(meta, "size"):
+            weights[module][name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+    if not weights["model"]:
+        raise CheckpointError(f"{directory} holds no model weights")
+    flat = {f"{module}.{name}": tensor for module, part in weights.items() for name, tensor in part.items()}
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message=".*single process.*")
+        dcp.load({"model": flat}, checkpoint_id=directory)
+    return {module: {name: tensor.to(device) for name, tensor in part.items()} for module, part in weights.items()}
+
+
 def summary(state):
     """The readable JSON written beside a .pt: config, step and losses."""
     return {key: state.get(key) for key in ("config", "model_config", "iter_num", "best_val_loss", "last_eval")}
@@ -154,7 +196,7 @@ def starting_weights(path, model_config, head_from_embedding, device="cpu"):
     dropout may differ). head_from_embedding: the new untied LM head starts as a copy of the input
     embedding -- CWT's second stage gives a headless model a head that way (headless LM paper,
     Sec. 4.2). Raises CheckpointError for an unreadable file, ValueError for another shape."""
-    source = load(path, device)
+    source = load_with_weights(path, device)
     for key, value in source["model_config"].items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
             raise ValueError(f"cannot start from {path}: model key '{key}' is {getattr(model_config, key)!r} here "

@@ -35,9 +35,9 @@ from utils import choose_device, keep_freed_memory, save_json, widest_float
 
 
 def load_model(path, device="cpu"):
-    """The model of a checkpoint written by train.py (best.pt or ckpt.pt); CheckpointError names
-    the file when it is missing, a directory, damaged or not ours."""
-    checkpoint = checkpoints.load(path, device, need=("model_config", "config", "iter_num", "model"))
+    """The model of a checkpoint written by train.py (best.pt or ckpt.pt, an FSDP run's too);
+    CheckpointError names the file when it is missing, a directory, damaged or not ours."""
+    checkpoint = checkpoints.load_with_weights(path, device)
     model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
     model.load_state_dict(checkpoint["model"])
     model.eval()

@@ -93,11 +93,26 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     named = {torch.load(fsdp / name, weights_only=True)["dcp"] for name in ("ckpt.pt", "ckpt_prev.pt")}
     assert {os.path.join("ckpt_dcp", slot) for slot in os.listdir(fsdp / "ckpt_dcp")} == named and len(named) == 2
     # best.pt holds whole weights in the single-process format: evaluate.py reads it unchanged
+    import checkpoint
     import evaluate
     model, _ = evaluate.load_model(str(fsdp / "best.pt"))
     reference, _ = evaluate.load_model(str(single / "best.pt"))
     for (name, p), (_, q) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.allclose(p, q, rtol=0, atol=1e-6), name
+    # the sharded ckpt.pt reads back whole in one process (evaluate.py, sample.py, the HF export,
+    # init_from): the weights of torch's own converter (final_weights), without the optimizer state
+    whole = checkpoint.load_with_weights(str(fsdp / "ckpt.pt"))
+    reference = final_weights(fsdp)
+    assert {f"{part}.{name}" for part in ("model", "objective") for name in whole[part]} == reference.keys()
+    assert all(torch.equal(whole[part][name], reference[f"{part}.{name}"])
+               for part in ("model", "objective") for name in whole[part])
+    model, _ = evaluate.load_model(str(fsdp / "ckpt.pt"))
+    assert torch.equal(model.wte.weight, reference["model.wte.weight"])
+    import importlib.util
+    if importlib.util.find_spec("transformers"):  # the optional extra; export() compares HF's logits with ours
+        from tools import export_hf
+        export_hf.export(str(fsdp / "ckpt.pt"), str(tmp_path / "hf"))
+        assert os.path.exists(tmp_path / "hf" / "model.safetensors")
 
 
 def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_dir):

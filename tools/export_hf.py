@@ -16,8 +16,9 @@ dimensions first, then odd ones) moves every pair where HF expects it and leaves
 so the exported model computes the same function. Our Mixtral router (softmax over all experts in
 fp32, top_k, renormalised to sum 1) is HF Mixtral's, so the router weight is copied as it is.
 
-Refused with one error: a headless run (ce_weight=0, its LM head never trained: fine-tune a head
-first), and an FSDP run's ckpt.pt (its weights are in shards; export that run's best.pt).
+Any checkpoint of a run exports, an FSDP run's ckpt.pt too (its weights are read back from the
+shards). Refused with one error: a headless run (ce_weight=0, its LM head never trained: fine-tune
+a head first).
 After writing, the HF model is loaded back and its logits compared with ours on random tokens
 (--no_check skips this); the directory appears only once everything is written and checked.
 transformers and safetensors are optional dependencies, needed only here.
@@ -57,15 +58,9 @@ def require_hf():
 def read_checkpoint(path):
     """(state dict, GPTConfig, train config, checkpoint) of a checkpoint that holds whole weights."""
     try:
-        ckpt = checkpoints.load(path, need=("model_config", "config"))
+        ckpt = checkpoints.load_with_weights(path)  # an FSDP run's ckpt.pt: read back from its shards
     except checkpoints.CheckpointError as e:
         raise ExportError(str(e)) from None
-    if "model" not in ckpt:
-        if "dcp" in ckpt:
-            raise ExportError(f"{path} was written by an FSDP run: its weights are sharded in "
-                              f"{os.path.join(os.path.dirname(path), ckpt['dcp'])}; export that run's best.pt "
-                              f"(whole weights) instead")
-        raise ExportError(f"{path} holds no 'model' weights")
     try:
         config = GPTConfig(**ckpt["model_config"])
     except (TypeError, ValueError) as e:
