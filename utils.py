@@ -206,3 +206,32 @@ def peak_flops(device, dtype):
             if key in name:
                 return value
     return measure_matmul_flops(device, getattr(torch, dtype))
+
+
+class LogError(Exception):
+    """A log.jsonl that cannot be read as train.py's records."""
+
+
+def read_log(path):
+    """log.jsonl's records. A torn last line (a run killed mid-write, or one writing right now) is
+    left out, as train.py's resume does; a missing or empty log or a damaged line is a LogError."""
+    try:
+        with open(path) as f:
+            lines = [line for line in f if line.strip()]
+    except OSError as e:
+        raise LogError(f"cannot read {path}: {e.strerror} (is {os.path.dirname(path) or '.'} a train.py out_dir?)") \
+            from None
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break
+            raise LogError(f"line {number} of {path} is not JSON: the log is damaged") from None
+        if not isinstance(record, dict) or not isinstance(record.get("iter"), int):
+            raise LogError(f"line {number} of {path} is not a train.py record (an object with an integer 'iter')")
+        records.append(record)
+    if not records:
+        raise LogError(f"{path} holds no records yet (a run logs its first evaluation at step 0)")
+    return records

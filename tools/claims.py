@@ -21,6 +21,7 @@ import torch
 
 import metrics
 from tools import stats
+from utils import read_log
 
 
 def _metric(*path):
@@ -52,8 +53,7 @@ def _marginalization(key):
 
 def val_curve(run_dir):
     """[(step, val loss)] of a run's evaluations (the mixed HR/LR loss on the char grids)."""
-    with open(os.path.join(run_dir, "log.jsonl")) as f:
-        return [(r["iter"], r["val"]) for r in map(json.loads, f) if "val" in r]
+    return [(r["iter"], r["val"]) for r in read_log(os.path.join(run_dir, "log.jsonl")) if "val" in r]
 
 
 def steps_to_reach(curve, target):

@@ -19,6 +19,7 @@ import evaluate
 from tools import claims, figures, stats
 from tools.grids import GRIDS, METRICS, PAPER, PAPER_SE_LR_ACCURACY, SEEDS, TRANSITION_LR_ACCURACY, run_dir, runs_of
 from tools.runner import grid_calls
+from utils import read_log
 
 # the char grids score two languages; their tables use the paper's names
 LANGUAGE_NAMES = {"high": "HR", "low": "LR"}
@@ -227,8 +228,7 @@ def departures(g, method, made):
     every seed makes it)} for the seeds in made."""
     curves = {}
     for seed, run in g.runs[method].items():
-        with open(os.path.join(run["dir"], "log.jsonl")) as f:
-            curves[seed] = {r["iter"]: r["val_low"] for r in map(json.loads, f) if "val_low" in r}
+        curves[seed] = {r["iter"]: r["val_low"] for r in read_log(os.path.join(run["dir"], "log.jsonl")) if "val_low" in r}
     others = [curves[s] for s in curves if s not in made]
     when = {}
     for seed in made:
@@ -321,8 +321,7 @@ def speed_table(g):
         for m, seed, _, out in runs_of(g.name, g.root):
             if m != method or not os.path.exists(os.path.join(out, "metrics.json")):
                 continue
-            with open(os.path.join(out, "log.jsonl")) as f:
-                run_speeds = [json.loads(line) for line in f if '"tokens_per_s"' in line]
+            run_speeds = [r for r in read_log(os.path.join(out, "log.jsonl")) if "tokens_per_s" in r]
             speeds += run_speeds
             if os.path.exists(os.path.join(out, "run.json")):
                 with open(os.path.join(out, "run.json")) as f:
@@ -471,8 +470,7 @@ def make_figures(grid, root, out_dir):
         curves = {}
         for method in trio:
             for seed, run in runs[method].items():
-                with open(os.path.join(run["dir"], "log.jsonl")) as f:
-                    evals = [r for r in map(json.loads, f) if "val_low" in r]
+                evals = [r for r in read_log(os.path.join(run["dir"], "log.jsonl")) if "val_low" in r]
                 curves.setdefault(method, {})[seed] = ([r["iter"] for r in evals], [r["val_low"] for r in evals])
         add("LR val loss (20 batches, never thresholded) of every seed", figures.seed_curves(
             curves, os.path.join(base, f"{grid}_lr_val_per_seed.png"), "LR val loss (nats)", colours))

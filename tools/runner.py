@@ -28,7 +28,7 @@ import torch
 from tqdm import tqdm
 
 from tools.grids import run_dir, runs_of, stages
-from utils import atomic_write, measure_matmul_flops, save_json, save_text
+from utils import atomic_write, measure_matmul_flops, read_log, save_json, save_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -266,9 +266,7 @@ def archive_run(out_dir, dest):
         if os.path.exists(os.path.join(out_dir, name)):
             source = os.path.join(out_dir, name)
             atomic_write(os.path.join(dest, name), lambda tmp: shutil.copyfile(source, tmp))
-    with open(os.path.join(out_dir, "log.jsonl")) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    kept = [r for r in records if "val" in r or (r["iter"] + 1) % 50 == 0]
+    kept = [r for r in read_log(os.path.join(out_dir, "log.jsonl")) if "val" in r or (r["iter"] + 1) % 50 == 0]
     save_text("".join(json.dumps(r) + "\n" for r in kept), os.path.join(dest, "log.jsonl"))
     archive_embedding(out_dir, dest)
 
