@@ -121,8 +121,7 @@ activation_checkpointing = False     # recompute each block's activations in bac
 compile = "auto"                     # torch.compile each block: auto = on CUDA only (True / False to choose)
 dry_run = False                      # print the run's plan (size, FLOPs, memory, data, time: plan.py) and exit
 device = "auto"                      # auto = cuda > mps > cpu
-dtype = "auto"                       # auto: bfloat16 autocast on a GPU with bf16, float16 + loss scaling on one
-                                     # without (V100, T4), float32 on CPU and MPS
+dtype = "auto"                       # auto: bf16 autocast on a GPU with bf16, else fp16 + loss scaling on CUDA, fp32
 num_threads = 0                      # CPU threads for torch; 0 = torch's default
 # tracking (optional, `pip install wandb`; docs/tracking.md)
 wandb_log = False                    # also send log.jsonl's records and the config to Weights & Biases
@@ -444,9 +443,11 @@ while True:
                 x.reshape(-1), y.reshape(-1), hidden_states[-1].detach().reshape(-1, n_embd).float(),
                 logits.grad.reshape(-1, vocab_size).float(),
                 hidden_states[0].grad.reshape(-1, n_embd).float(), vocab_size))
-    if log_marginalization:
-        grad_parts.append(step_parts.norm(dim=-1).cpu())
-    apply_gradients(optimizers, scaler, clip)  # float16: unscaled first, the step skipped if any is inf/NaN
+    if log_marginalization:  # the raw gradient's norms: float16's loss scale divided out (1.0 otherwise)
+        step_norms = step_parts.norm(dim=-1).cpu() / scaler.get_scale()
+    stepped = apply_gradients(optimizers, scaler, clip)  # float16: unscaled first, skipped if any is inf/NaN
+    if log_marginalization and stepped:
+        grad_parts.append(step_norms)
     iter_num += 1
     window_iters += 1
     flops_done["train"] += flops_per_iter

@@ -106,7 +106,8 @@ def test_resume_continues_exactly(tmp_path, data_dir, baseline_run):
 
 def test_float16_run_logs_its_loss_scale_and_resumes_exactly(tmp_path, data_dir):
     """dtype=float16 (what dtype=auto picks on a GPU without bf16) on the CPU: the loss scale is
-    logged at every step and is part of the checkpoint, so a resumed run goes on exactly."""
+    logged at every step and is part of the checkpoint, so a resumed run goes on exactly; the
+    embedding-gradient report leaves the skipped steps out."""
     full, part = tmp_path / "full", tmp_path / "part"
     fp16 = ["--dtype=float16", "--final_eval=False", "--simreg_weight=1.0", "--simreg_tau=0.5", "--nitp_weight=1.0",
             "--cwt_weight=0.5"]
@@ -121,6 +122,16 @@ def test_float16_run_logs_its_loss_scale_and_resumes_exactly(tmp_path, data_dir)
     train(part, data_dir, *fp16, "--init_from=resume")
     assert train_losses(part) == train_losses(full)
     assert [r["loss_scale"] for r in read_log(part) if "loss" in r] == scales
+    # log_marginalization counts only the steps taken: a skipped step's gradient holds inf
+    marg = tmp_path / "marg"
+    train(marg, data_dir, "--dtype=float16", "--final_eval=False", "--log_marginalization=True",
+          "--low_resource_prob=0.5", "--nitp_weight=1.0", "--simreg_weight=1.0", "--simreg_tau=0.5")
+    scales = [2.0 ** 16] + [r["loss_scale"] for r in read_log(marg) if "loss" in r]
+    skipped = sum(after < before for before, after in zip(scales, scales[1:]))
+    with open(marg / "marginalization.json") as f:
+        report = json.load(f)
+    assert skipped > 0 and report["steps"] == 20 - skipped
+    assert all(r[k] >= 0 for r in report["tokens_rarest_first"] for k in ("ratio_of_average", "average_of_ratio"))
 
 
 def test_resume_without_checkpoint_and_missing_data_fail_clearly(tmp_path, data_dir):
