@@ -16,11 +16,11 @@ SEEDS = list(range(1337, 1347))  # 10 seeds; a method uses the first n
 GRIDS = {
     "jostling": {
         "baseline": ("config/lowres_ce.py", 10),
-        "margin 2": ("config/lowres_margin_2.py", 3),
-        "margin 1": ("config/lowres_margin_1.py", 3),
+        "margin 2": ("config/lowres_margin_2.py", 5),
+        "margin 1": ("config/lowres_margin_1.py", 5),
         "margin 0.6": ("config/lowres_margin_0.6.py", 10),
         "margin 0.6 + SE": ("config/lowres_margin_0.6_se.py", 10),
-        "monolingual": ("config/lowres_monolingual.py", 3),
+        "monolingual": ("config/lowres_monolingual.py", 5),
         # a candidate explanation of the authors' SE run (rows undecayed), against margin 0.6 + SE
         "margin 0.6 + SE, rows not decayed": ("config/lowres_margin_0.6_se_rows_no_decay.py", 5),
     },
