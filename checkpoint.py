@@ -26,7 +26,7 @@ import torch
 
 import parallelism
 import tracking
-from utils import atomic_write, save_json, save_text
+from utils import LogError, atomic_write, read_log, save_json, save_text
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
@@ -243,17 +243,11 @@ def trim_log(log_path, iter_num):
     (a kill in the middle of a write); a damaged line elsewhere is an error."""
     if not os.path.exists(log_path):
         return
-    with open(log_path) as f:
-        lines = [line for line in f if line.strip()]
-    records = []
-    for number, line in enumerate(lines, 1):
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            if number < len(lines):  # only the last line can be torn by a kill mid-write
-                raise CheckpointError(f"cannot resume: line {number} of {log_path} is not JSON; the log is damaged "
-                                      f"(ckpt.pt itself may be fine: move the log aside to resume without it)") from None
-            print(f"note: {log_path} ended in a torn line (a kill mid-write); it is dropped")
+    try:
+        records = read_log(log_path, allow_empty=True)
+    except LogError as e:
+        raise CheckpointError(f"cannot resume: {e} (ckpt.pt itself may be fine: move the log aside to resume "
+                              f"without it)") from None
     save_text("".join(json.dumps(r) + "\n" for r in records if r["iter"] < iter_num), log_path)
 
 

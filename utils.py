@@ -164,6 +164,21 @@ GPU_PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 3
                        "A800": 312e12, "L40S": 362e12, "A10G": 125e12, "4090": 165e12}
 
 
+def seconds(work, device):
+    """Wall-clock seconds of work(). On CUDA, kernels run asynchronously: the device is
+    synchronized before the clock starts and before it stops, so the time is the work's own."""
+    import torch
+
+    cuda = str(device).startswith("cuda")
+    if cuda:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    work()
+    if cuda:
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def measure_matmul_flops(device="cpu", dtype=None, n=2048, repeats=3):
     """The machine's practical peak: FLOP/s of the best of `repeats` n x n matmuls in `dtype`
     (a torch dtype; float32 if None). The size starts at 256 and doubles up to n while one
@@ -173,25 +188,15 @@ def measure_matmul_flops(device="cpu", dtype=None, n=2048, repeats=3):
 
     dtype = torch.float32 if dtype is None else dtype
     generator = torch.Generator(device=device).manual_seed(0)  # never touch the global RNG of a run
-
-    def time_one(a, b):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        return time.perf_counter() - t0
-
     size = min(256, n)
     while True:
         a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
         b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
         a @ b  # warm-up
-        if size >= n or time_one(a, b) > 0.05:
+        if size >= n or seconds(lambda: a @ b, device) > 0.05:
             break
         size = min(2 * size, n)
-    best = min(time_one(a, b) for _ in range(repeats))
+    best = min(seconds(lambda: a @ b, device) for _ in range(repeats))
     return 2 * size ** 3 / best
 
 
@@ -212,9 +217,11 @@ class LogError(Exception):
     """A log.jsonl that cannot be read as train.py's records."""
 
 
-def read_log(path):
+def read_log(path, allow_empty=False):
     """log.jsonl's records. A torn last line (a run killed mid-write, or one writing right now) is
-    left out, as train.py's resume does; a missing or empty log or a damaged line is a LogError."""
+    left out with a note; a missing log, a damaged line elsewhere or (unless allow_empty) a log
+    without records is a LogError. train.py's resume (checkpoint.trim_log), the plot and the grid
+    tools all read logs here."""
     try:
         with open(path) as f:
             lines = [line for line in f if line.strip()]
@@ -227,11 +234,12 @@ def read_log(path):
             record = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):
+                print(f"note: {path} ended in a torn line (a run killed mid-write, or one writing now); it is left out")
                 break
             raise LogError(f"line {number} of {path} is not JSON: the log is damaged") from None
         if not isinstance(record, dict) or not isinstance(record.get("iter"), int):
             raise LogError(f"line {number} of {path} is not a train.py record (an object with an integer 'iter')")
         records.append(record)
-    if not records:
+    if not records and not allow_empty:
         raise LogError(f"{path} holds no records yet (a run logs its first evaluation at step 0)")
     return records

@@ -45,7 +45,8 @@ import plan
 from losses import Objective, _SoftmaxCrossEntropy, cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
-from utils import autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops, save_text
+from utils import (autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops, save_text,
+                   seconds)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
@@ -62,11 +63,8 @@ def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device,
     x = torch.randint(0, V, (batch_size, T), device=device)
     y = torch.randint(0, V, (batch_size, T), device=device)
     autocast = autocast_context(device, dtype)
-    times = []
-    for i in range(warmup + steps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def step():
         with autocast:
             logits, hidden = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
             loss, _ = objective(logits, hidden, y, model.input_embedding())
@@ -74,11 +72,8 @@ def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device,
         for opt in optimizers:
             opt.step()
             opt.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    times = [seconds(step, device) for _ in range(warmup + steps)]
+    return statistics.median(times[warmup:])
 
 
 LOSSES = {  # name -> Objective kwargs on top of CE
@@ -142,22 +137,21 @@ def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
     hidden = [torch.randn(1, T, C, device=device, requires_grad=True) for _ in range(n_layer + 2)]
     targets = torch.randint(0, V, (1, T), device=device)
     wte = torch.randn(V, C, device=device, requires_grad=True)
-    autocast, times = autocast_context(device, dtype), []
-    for i in range(1 + reps):
-        t0 = time.perf_counter()
+    autocast = autocast_context(device, dtype)
+
+    def step():
         with autocast:
             loss, _ = objective(None, hidden, targets, wte)
         loss.backward()
         if optimizer:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-        if device == "cuda":
-            torch.cuda.synchronize()
-        if i:
-            times.append(time.perf_counter() - t0)
+    times = []
+    for _ in range(1 + reps):
+        times.append(seconds(step, device))
         for h in hidden:
             h.grad = None
-    return statistics.median(times)
+    return statistics.median(times[1:])
 
 
 def paper_350m(args, device, dtype):
@@ -305,12 +299,9 @@ def softmax_cross_entropy(args, device, dtype):
     times = {name: [] for name in functions}
     for i in range(args.warmup + 4 * args.steps):
         for name, function in functions.items():
-            t0 = time.perf_counter()
-            function(logits, targets).backward()
-            if device == "cuda":
-                torch.cuda.synchronize()
+            elapsed = seconds(lambda: function(logits, targets).backward(), device)
             if i >= args.warmup:
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(elapsed)
             logits.grad = None
     torch.set_num_threads(threads)
     base = statistics.median(times["F.cross_entropy"])
@@ -332,19 +323,19 @@ def compile_step(args, device, dtype):
     optimizers = {name: configure_optimizers(m, 1e-3, 0.1, (0.9, 0.99)) for name, m in models.items()}
     x = torch.randint(0, 130, (12, 64), device=device)
     autocast, times = autocast_context(device, dtype), {name: [] for name in models}
+
+    def step(name):
+        with autocast:
+            loss = cross_entropy(models[name](x), x)
+        loss.backward()
+        for opt in optimizers[name]:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     for i in range(max(args.warmup, 3) + 10 * args.steps):
-        for name, model in models.items():
-            t0 = time.perf_counter()
-            with autocast:
-                loss = cross_entropy(model(x), x)
-            loss.backward()
-            for opt in optimizers[name]:
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-            if device == "cuda":
-                torch.cuda.synchronize()
+        for name in models:
+            elapsed = seconds(lambda: step(name), device)
             if i >= max(args.warmup, 3):
-                times[name].append(time.perf_counter() - t0)
+                times[name].append(elapsed)
     base = statistics.median(times["eager"])
     table(f"toy CE step (4 x 128, T 64, batch 12), eager vs compiled blocks, {torch.get_num_threads()} thread(s)",
           ["model", "median ms", "ratio to eager"],
