@@ -153,6 +153,7 @@ TRAIN_RULES = {
     "embedding_weight_decay": ("a finite number (< 0: weight_decay)", _number),
     "margin": ("None or a finite number > 0", lambda v: v is None or (_number(v) and v > 0)),
     "simreg_layer": ("-1 or a block index >= 0", lambda v: v >= -1),
+    "data_seed": ("None or an integer", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool))),
     **dict.fromkeys(("out_dir", "data_dir", "init_from", "wandb_project"), NON_EMPTY),
     "arch": _choice("gpt2", "llama"),
     "dispersion_variant": _choice("angular", "decorrelation", "l2_repel", "orthogonalization"),

@@ -214,7 +214,8 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     without CE (headless) keeps the checkpoint with the best weighted sum of its terms instead.
     The RNG is forked so that evaluation never changes the training run's random stream.
     shift > 0: the low-resource language's id offset (0: one language). Returns {"val", "val_high",
-    "val_low" (two languages), "val_<term>" (each other active term; "val_ce" when headless)}."""
+    "val_low" (two languages), "val_<term>" (each other active term; "val_ce" when headless),
+    "twin_cos", "twin_top3" (two languages, char vocabulary: metrics.twin_alignment)}."""
     low_resource, on_cuda = shift > 0, str(device).startswith("cuda")
     model.eval()
     generator = torch.Generator().manual_seed(0)
@@ -255,6 +256,10 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     else:
         out["val"] = out["val_high"]
     out.update({f"val_{name}": value for name, value in term_sums.items()})
+    if low_resource and 2 * shift <= 4096:  # the LR rows' alignment with their HR twins (a char vocabulary's
+        embedding = model.input_embedding()  # 2V x 2V cosines are cheap; a BPE table's are not)
+        out.update(metrics.twin_alignment(embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding,
+                                          shift))
     if not objective.needs_logits:
         out["val_ce"] = out["val"]
         out["val"] = sum(objective.weights[name] * value for name, value in term_sums.items())

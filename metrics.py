@@ -18,6 +18,7 @@ Contents
     isotropy                      I(W) of Mu & Viswanath (2018), both signs of each eigenvector
     isotropy_authors              I(W) as the Stop Jostling paper computed it (for comparisons with it)
     translation_metrics           twin / 12-case neighbour counts of an embedding
+    twin_alignment                twin cosine and twin-in-top-3 (logged at every evaluation)
     embedding_gradient_part_vectors
                                   the three pieces of a tied embedding's gradient
     marginalization_ratios        "Stop Jostling" ratios of those pieces
@@ -247,6 +248,28 @@ def _case_count(top3, i_upper, i_lower, shift):
     return count
 
 
+def _twin_neighbours(E, shift):
+    """(top-3 neighbour ids of every row, fraction of rows whose twin is among them, mean cosine
+    of each HR row i < shift with its LR twin i + shift) of the (2*shift, C) rows E."""
+    En = F.normalize(E, dim=1)
+    cos = En @ En.T
+    twin_cos = cos.diagonal(offset=shift).mean().item()           # cos(E_i, E_{i+shift}), i < shift
+    cos.fill_diagonal_(float("-inf"))                              # exclude self
+    top3 = torch.topk(cos, 3, dim=1).indices                       # (2*shift, 3)
+    twins = (torch.arange(2 * shift) + shift) % (2 * shift)        # i +- shift
+    twin_frac = (top3 == twins.view(-1, 1)).any(dim=1).to(E.dtype).mean().item()
+    return top3, twin_frac, twin_cos
+
+
+def twin_alignment(E, shift):
+    """How far the low-resource rows have moved onto their high-resource twins (watched at every
+    evaluation of a two-language run, Stop Jostling Sec. 4.1): the first 2*shift rows of E give
+    twin_cos, the mean cosine between each HR row i and its LR twin i + shift, and twin_top3, the
+    fraction of the 2*shift rows whose twin is among their 3 nearest other rows (cosine)."""
+    _, twin_frac, twin_cos = _twin_neighbours(_on_host(E[:2 * shift]), shift)
+    return {"twin_cos": twin_cos, "twin_top3": twin_frac}
+
+
 def translation_metrics(E, itos, shift):
     """
     Does an embedding of a two-language character vocabulary align the languages?
@@ -273,15 +296,7 @@ def translation_metrics(E, itos, shift):
     """
     E = _on_host(E)
     assert E.shape[0] == 2 * shift, "E must have 2*shift rows"
-    En = F.normalize(E, dim=1)
-    cos = En @ En.T
-    cos.fill_diagonal_(float("-inf"))                              # exclude self
-    top3 = torch.topk(cos, 3, dim=1).indices                       # (2*shift, 3)
-
-    rows = torch.arange(2 * shift)
-    twins = (rows + shift) % (2 * shift)                           # i +- shift
-    twin_hit = (top3 == twins.view(-1, 1)).any(dim=1)
-    twin_frac = twin_hit.to(E.dtype).mean().item()
+    top3, twin_frac, _ = _twin_neighbours(E, shift)
 
     stoi = {ch: i for ch, i in _stoi(itos).items() if 0 <= i < shift}
     cases_12 = None

@@ -56,7 +56,8 @@ checkpoint_interval = 0              # also write ckpt.pt every this many steps;
 eval_iters = 20                      # validation batches per evaluation
 log_interval = 10
 final_eval = True                    # evaluate best.pt at the end and write metrics.json
-seed = 1337
+seed = 1337                          # the initialisation's (and dropout's) random numbers
+data_seed = None                     # the training data order's (windows, language draws); None = seed
 # data
 batch_size = 12
 block_size = 64
@@ -189,7 +190,7 @@ autocast = autocast_context(device, dtype)
 # the same seed on every rank: the model starts identical everywhere (FSDP2 shards each rank's
 # own copy, it does not broadcast), and dropout masks and dispersion positions are shared
 torch.manual_seed(seed)
-data_generator = torch.Generator().manual_seed(seed)
+data_generator = torch.Generator().manual_seed(seed if data_seed is None else data_seed)
 
 
 # model, parallelism and optimizer --------------------------------------------

@@ -399,6 +399,24 @@ def test_translation_random_matches_brute_force():
     assert out["cases_letters"] == cl and out["cases_letters_total"] == tot == 12 * 3
 
 
+def test_twin_alignment_matches_brute_force():
+    """twin_cos / twin_top3 (logged at every evaluation) against loops over the formula; rows past
+    2*shift (a padded table) do not count."""
+    shift = 6
+    g = torch.Generator().manual_seed(8)
+    E = torch.randn(2 * shift + 3, 5, generator=g)
+    E[shift:2 * shift] += 0.7 * E[:shift]                         # some twin structure
+    out = metrics.twin_alignment(E, shift)
+    rows = E[:2 * shift].double().numpy()
+    cosines = [rows[i] @ rows[i + shift] / (np.linalg.norm(rows[i]) * np.linalg.norm(rows[i + shift]))
+               for i in range(shift)]
+    assert out["twin_cos"] == pytest.approx(sum(cosines) / shift, abs=1e-12)
+    twin, *_ = _loop_translation(E[:2 * shift], ["x"] * shift, shift)
+    assert out["twin_top3"] == pytest.approx(twin) and 0 < twin < 1
+    assert metrics.twin_alignment(torch.cat([E[:shift], E[:shift]]), shift) == {"twin_cos": pytest.approx(1.0),
+                                                                                  "twin_top3": 1.0}
+
+
 def test_translation_missing_A_gives_none():
     itos = ["b", "B", "x"]
     E = torch.randn(6, 3, generator=torch.Generator().manual_seed(6))

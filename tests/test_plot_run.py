@@ -35,7 +35,7 @@ def test_every_line_is_a_log_key_with_its_values(run_with_terms):
             assert list(zip(line.get_xdata(), line.get_ydata())) == expected, key
     assert drawn == {"loss": ["loss", "val_high", "val_low", "val"], "ce": ["ce"],
                      "simreg": ["simreg", "val_simreg"], "dispersion": ["dispersion", "val_dispersion"],
-                     "learning rate": ["lr"]}
+                     "LR rows and their HR twins": ["twin_cos", "twin_top3"], "learning rate": ["lr"]}
     every_key = {key for r in records for key in r} - {"iter", *SPEED}
     assert {key for keys in drawn.values() for key in keys} == every_key
 

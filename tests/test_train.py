@@ -72,6 +72,46 @@ def test_run_writes_log_checkpoints_and_metrics(baseline_run):
     assert best["best_val_loss"] == min(r["val"] for r in evals)
 
 
+def test_evaluations_log_the_twin_alignment(baseline_run):
+    """Every evaluation of a two-language run logs twin_cos and twin_top3 of the embedding it
+    evaluated: at best.pt's step, the values of its wte by a loop over the formula."""
+    import numpy as np
+    import torch
+    out, _ = baseline_run
+    evals = {r["iter"]: r for r in read_log(out) if "val" in r}
+    assert all({"twin_cos", "twin_top3"} <= set(r) for r in evals.values())
+    best = torch.load(os.path.join(out, "best.pt"), map_location="cpu", weights_only=False)
+    shift = best["meta"]["vocab_size"]
+    wte = best["model"]["wte.weight"].double().numpy()
+    unit = wte / np.linalg.norm(wte, axis=1, keepdims=True)
+    twin_cos = sum(unit[i] @ unit[i + shift] for i in range(shift)) / shift
+    hits = 0
+    for i in range(2 * shift):
+        others = sorted((j for j in range(2 * shift) if j != i), key=lambda j: -(unit[i] @ unit[j]))
+        hits += (i + shift) % (2 * shift) in others[:3]
+    record = evals[best["iter_num"]]
+    assert record["twin_cos"] == pytest.approx(twin_cos, abs=1e-6)
+    assert record["twin_top3"] == pytest.approx(hits / (2 * shift))
+
+
+def test_data_seed_orders_the_data_apart_from_the_initialisation(baseline_run, tmp_path, data_dir):
+    """data_seed left unset is the run's seed, bit for bit; another data_seed keeps the
+    initialisation (the same step-0 evaluation) and changes the batches; another seed with the
+    same data_seed changes the initialisation."""
+    out, _ = baseline_run
+    same = str(tmp_path / "same")
+    train(same, data_dir, "--data_seed=1337")  # config/lowres_baseline.py: seed 1337
+    assert train_losses(same) == train_losses(out)
+    assert [r for r in read_log(same) if "val" in r] == [r for r in read_log(out) if "val" in r]
+    other_data = str(tmp_path / "other_data")
+    train(other_data, data_dir, "--data_seed=7", "--max_iters=2", "--final_eval=False")
+    assert read_log(other_data)[0] == read_log(out)[0]  # the step-0 evaluation: the same initial weights
+    assert train_losses(other_data)[0] != train_losses(out)[0]
+    other_init = str(tmp_path / "other_init")
+    train(other_init, data_dir, "--seed=7", "--data_seed=1337", "--max_iters=2", "--final_eval=False")
+    assert read_log(other_init)[0]["val"] != read_log(out)[0]["val"]
+
+
 def test_train_defaults_are_what_a_run_uses(baseline_run):
     """configurator.train_defaults() reads train.py's defaults from its source; a real run's
     checkpoint records the config it ran with: every key not set by the test's command line (or

@@ -7,18 +7,19 @@ tools/report.py turns its archived runs into results/<grid>.md.
 
 import os
 
-SEEDS = list(range(1337, 1347))  # 10 seeds; a method uses the first n
+SEEDS = list(range(1337, 1367))  # 30 seeds; a method uses the first n
 
 # method -> (config file(s), number of seeds). The first method is the baseline.
 # The Stop Jostling trio (CE, margin 0.6, margin 0.6 + SE) has 10 seeds: its LR accuracy varies a
-# lot from seed to seed. The jostling grid's runs with the same command as a lowres run are copied
-# from it (runner.reuse_identical), not trained twice.
+# lot from seed to seed; CE and margin 0.6 have 30 in the jostling grid, enough to compare how often
+# each makes the LR transition (tools/transition.py). The jostling grid's runs with the same command
+# as a lowres run are copied from it (runner.reuse_identical), not trained twice.
 GRIDS = {
     "jostling": {
-        "baseline": ("config/lowres_ce.py", 10),
+        "baseline": ("config/lowres_ce.py", 30),
         "margin 2": ("config/lowres_margin_2.py", 5),
         "margin 1": ("config/lowres_margin_1.py", 5),
-        "margin 0.6": ("config/lowres_margin_0.6.py", 10),
+        "margin 0.6": ("config/lowres_margin_0.6.py", 30),
         "margin 0.6 + SE": ("config/lowres_margin_0.6_se.py", 10),
         "monolingual": ("config/lowres_monolingual.py", 5),
         # a candidate explanation of the authors' SE run (rows undecayed), against margin 0.6 + SE
@@ -53,6 +54,23 @@ GRIDS = {
     },
 }
 
+# Runs of a grid that are not methods of its tables: name -> (config file(s), seeds, extra train.py
+# arguments). The jostling grid's factorial of margin 0.6: `seed` sets the initialisation and
+# `data_seed` the order of the training windows, and each run takes one from a seed that makes the
+# LR transition and the other from one that does not (or from the other crossing seed), so that
+# tools/transition.py can tell which of the two decides it.
+CROSSING_SEEDS, NON_CROSSING_SEEDS = (1342, 1346), (1337, 1338, 1339)
+EXTRA_RUNS = {
+    "jostling": {
+        f"margin 0.6, data order of {data}": (
+            "config/lowres_margin_0.6.py",
+            [s for s in SEEDS if s != data and (s in CROSSING_SEEDS or data in CROSSING_SEEDS)
+             and s in CROSSING_SEEDS + NON_CROSSING_SEEDS],
+            (f"--data_seed={data}",))
+        for data in CROSSING_SEEDS + NON_CROSSING_SEEDS
+    },
+}
+
 # The authors' numbers, HR / LR: margins 2 and 1 from Stop Jostling's Table 7; the baseline and
 # margin 0.6 + SE from the authors' published code, one seed each (the paper's text gives LR PPL_best
 # 10.63 -> 6.11 for its best run: close to, not the same as, that row). (ppl, ppl_best, t_best, acc, r@5, mrr, I(W))
@@ -82,9 +100,12 @@ def run_dir(root, grid, method, seed):
 
 
 def runs_of(grid, root):
-    """(method, seed, config, directory) in seed-major order: every method's first seed, then every
-    method's second seed, ... so a grid cut short still holds paired runs of all methods."""
+    """(method, seed, config, extra train.py arguments, directory) of every run of the grid, its
+    tables' methods (GRIDS) and its extra runs (EXTRA_RUNS), in seed-major order: every method's
+    first seed, then every method's second seed, ... so a grid cut short still holds paired runs."""
+    runs = {method: (config, SEEDS[:n_seeds], ()) for method, (config, n_seeds) in GRIDS[grid].items()}
+    runs.update(EXTRA_RUNS.get(grid, {}))
     for seed in SEEDS:
-        for method, (config, n_seeds) in GRIDS[grid].items():
-            if seed in SEEDS[:n_seeds]:
-                yield method, seed, config, run_dir(root, grid, method, seed)
+        for method, (config, seeds, args) in runs.items():
+            if seed in seeds:
+                yield method, seed, config, args, run_dir(root, grid, method, seed)

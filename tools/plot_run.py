@@ -19,14 +19,17 @@ from utils import LogError, read_log  # noqa: F401 (read_log: this module's read
 
 # what a training record holds besides its loss terms (train.py's log); speed is not drawn
 NOT_TERMS = ("iter", "loss", "lr", "ms_per_iter", "tokens_per_s", "mfu", "loss_scale")
+# an evaluation's measures of the embedding (two-language runs: evaluate.validation_losses), one panel
+TWINS = ("twin_cos", "twin_top3")
 
 
 def panels(records):
     """{panel title: [log key, ...]}: which keys are drawn together, in drawing order."""
     keys = list(dict.fromkeys(key for record in records for key in record))
-    terms = [key for key in keys if key not in NOT_TERMS and not key.startswith("val")]
+    terms = [key for key in keys if key not in NOT_TERMS + TWINS and not key.startswith("val")]
     loss = [key for key in keys if key == "loss"] + [key for key in keys if key.startswith("val") and key[4:] not in terms]
     grouped = {"loss": loss, **{term: [term] + [k for k in keys if k == f"val_{term}"] for term in terms},
+               "LR rows and their HR twins": [key for key in keys if key in TWINS],
                "learning rate": [key for key in keys if key == "lr"]}
     return {title: names for title, names in grouped.items() if names}
 

@@ -40,7 +40,7 @@ def fmt(values, digits=3):
 def load_runs(grid, root):
     """The archived runs of a grid: ({method: {seed: metrics}}, {method: {seed: {"dir", "metrics"}}})."""
     results, runs = {}, {}
-    for method, seed, _, out in runs_of(grid, root):
+    for method, seed, *_, out in runs_of(grid, root):
         path = os.path.join(out, "metrics.json")
         if os.path.exists(path):
             with open(path) as f:
@@ -278,7 +278,7 @@ def marginalization_table(g):
     """Stop Jostling's gradient-norm ratios of the low-resource rows (runs with log_marginalization),
     and the first two such methods compared on the same seeds."""
     per_seed = {}
-    for method, seed, _, out in runs_of(g.name, g.root):
+    for method, seed, *_, out in runs_of(g.name, g.root):
         path = os.path.join(out, "marginalization.json")
         if os.path.exists(path):
             with open(path) as f:
@@ -318,7 +318,7 @@ def speed_table(g):
     seconds = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0}
     for method in g.methods:
         speeds, walls = [], []
-        for m, seed, _, out in runs_of(g.name, g.root):
+        for m, seed, *_, out in runs_of(g.name, g.root):
             if m != method or not os.path.exists(os.path.join(out, "metrics.json")):
                 continue
             run_speeds = [r for r in read_log(os.path.join(out, "log.jsonl")) if "tokens_per_s" in r]

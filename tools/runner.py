@@ -4,7 +4,7 @@ from its last checkpoint, its small files copied into the committed archive (res
 finishes, and a run another grid already made copied rather than trained again. tools/compare.py
 is its command line.
 
-Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/seed<S>`. Ctrl-C
+Each run is `python train.py <config> --seed=S [its own arguments] --out_dir=<root>/<grid>/<method>/seed<S>`.
 (or `kill`) stops a call cleanly: train.py finishes its step and saves it, the call's wall time
 is recorded, and the runs it stopped go on from exactly there next time. Runs go `workers` at a
 time, each on cores/workers threads (two 1-thread processes keep both cores of a laptop busier
@@ -189,8 +189,8 @@ def reuse_identical(grid, todo, root, archive, overrides):
     with_checkpoints = finished_runs(root, ("best.pt", "metrics.json"))
     archived = finished_runs(archive, ("metrics.json",))
     reused = []
-    for method, seed, config, out in todo:
-        identity = run_identity(planned_commands(config, seed, overrides))
+    for method, seed, config, args, out in todo:
+        identity = run_identity(planned_commands(config, seed, [*args, *overrides]))
         dest = run_dir(archive, grid, method, seed)
         source = with_checkpoints.get(identity)
         if source is not None and os.path.abspath(source) != os.path.abspath(out) \
@@ -291,7 +291,7 @@ def archive_embedding(out_dir, dest):
 def sync_archive(grid, root, archive):
     """Archive every run finished in root but not yet archived; returns the set of archived runs."""
     done = set()
-    for (method, seed, _, out), (_, _, _, dest) in zip(runs_of(grid, root), runs_of(grid, archive)):
+    for (method, seed, *_, out), (*_, dest) in zip(runs_of(grid, root), runs_of(grid, archive)):
         if not os.path.exists(os.path.join(dest, "metrics.json")) and os.path.exists(os.path.join(out, "metrics.json")):
             archive_run(out, dest)
         if os.path.exists(os.path.join(dest, "metrics.json")):
@@ -322,8 +322,8 @@ def run_grid(grid, root, workers, overrides, archive="results/runs"):
     pool = ThreadPoolExecutor(workers)
     try:
         with tqdm(total=len(todo), desc=grid, unit="run") as bar:
-            futures = {pool.submit(launch, config, seed, out, threads, overrides): (method, seed, out)
-                       for method, seed, config, out in todo}
+            futures = {pool.submit(launch, config, seed, out, threads, [*args, *overrides]): (method, seed, out)
+                       for method, seed, config, args, out in todo}
             for future in as_completed(futures):
                 future.result()
                 method, seed, out = futures[future]
