@@ -84,12 +84,24 @@ def write_meta(meta, data_dir):
         raise DataError(f"could not write outputs to {data_dir}: {exc}") from exc
 
 
+def preparation_command(data_dir, shards=1):
+    """The command that prepares the dataset a config's data_dir names: C4 shards for a folder
+    called c4*, tiny Shakespeare in GPT-2 BPE for one whose name says gpt2 or bpe, in characters
+    otherwise (the configs' folders: data/c4, data/c4_tiny, data/shakespeare_gpt2, data/shakespeare_char)."""
+    name = os.path.basename(os.path.normpath(data_dir)).lower()
+    if name.startswith("c4"):
+        return (f"python prepare_c4.py --shards {shards} --out_dir {data_dir} (offline, from any plain text: "
+                f"--from_text FILE instead of --shards)")
+    tokenizer = " --tokenizer gpt2" if "gpt2" in name or "bpe" in name else ""
+    return f"python prepare_shakespeare.py{tokenizer} --out_dir {data_dir}"
+
+
 def read_meta(data_dir):
     """meta.json as a dict, with a positive integer vocab_size."""
     path = os.path.join(data_dir, "meta.json")
     if not os.path.exists(path):
-        raise DataError(f"no dataset in data_dir '{data_dir}' (missing meta.json); "
-                        f"run prepare_shakespeare.py --out_dir {data_dir} first")
+        raise DataError(f"no dataset in data_dir '{data_dir}' (missing meta.json); prepare it first: "
+                        f"{preparation_command(data_dir)}")
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)

@@ -20,20 +20,29 @@ Memory: fp32 weights, gradients and AdamW's two moments are 16 bytes per paramet
 GPU with DDP (plus DDP's gradient buckets, another 4 bytes) and 1/N of them with FSDP (plus the
 largest unit FSDP gathers whole while it runs, and the unsharded gradient that FSDP keeps
 between micro-steps when there are several: 4 bytes per parameter). Activations
-are measured, not guessed: the model at its real width with 1 and 2 blocks runs one forward pass
-on the CPU at a short sequence, and a hook adds up what autograd saves (tools/memory.py). They
-are float32 figures, an upper bound for bf16 autocast.
+are measured, not guessed: the model at its real width with 1 and 2 blocks runs one training
+micro-step (forward, the run's objective, backward) on the CPU at the run's batch and sequence
+length, and the peak of the tensors it creates is extrapolated to the run's depth (activation_gib).
+They are float32 figures, an upper bound for bf16 autocast. train.py compares this plan with the
+device's memory before it allocates anything (memory_problem); tools/bench.py --section
+plan_memory sets it against the measured peak of real runs (docs/performance.md).
 """
 
 import argparse
+import contextlib
+import functools
 import math
 import os
 import sys
+import weakref
 
 import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from configurator import ConfigError, check_train_config, parse_config, train_defaults
-from data import DataError, read_meta
+from data import DataError, preparation_command, read_meta
 from losses import Objective
 from model import GPT, GPTConfig
 from utils import GPU_PEAK_BF16_FLOPS
@@ -82,54 +91,110 @@ def evaluation_flops(model, config):
     return tokens * model.flops_per_token(backward=False)
 
 
-def saved_activation_bytes(config, n_layer, batch_size, seq_len):
-    """Bytes autograd keeps for backward after one forward + cross-entropy of a GPTConfig cut to
-    n_layer blocks, on the CPU in fp32 (views of one tensor counted once, weights not at all)."""
-    cfg = GPTConfig(**{**config.__dict__, "n_layer": n_layer, "block_size": seq_len})
+class PeakTensorBytes(TorchDispatchMode):
+    """Counts the bytes of the tensors that the operations run under it create, as long as they
+    live, and keeps the peak: a step's activations together with the transient buffers around
+    them (a big vocabulary's logits, their softmax and gradient), which the saved tensors alone
+    miss. A storage counts once, however many views of it there are."""
+
+    def __init__(self):
+        super().__init__()
+        self.live, self.peak, self.storages = 0, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                if storage._cdata not in self.storages:  # (meta tensors have no address: identity)
+                    self.storages.add(storage._cdata)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, storage._cdata, storage.nbytes())
+        return out
+
+    def _freed(self, key, nbytes):
+        self.live -= nbytes
+        self.storages.discard(key)
+
+
+@contextlib.contextmanager
+def flash_attention_on_meta():
+    """On the meta device scaled_dot_product_attention takes its math form, which holds the T x T
+    scores that the flash kernels of the CPU and of GPUs never do: inside, a causal attention on
+    meta tensors runs the CPU flash kernel's own meta function instead, so a step measured on meta
+    holds what the same step holds on the CPU."""
+    sdpa = F.scaled_dot_product_attention
+
+    def routed(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        if q.device.type == "meta" and attn_mask is None and is_causal and not kwargs:
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, True)[0]
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
+    F.scaled_dot_product_attention = routed
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = sdpa
+
+
+@functools.lru_cache(maxsize=64)
+def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_len, device):
+    config, model_config = dict(config_items), GPTConfig(**dict(model_config_items))
+    cfg = GPTConfig(**{**model_config.__dict__, "n_layer": n_layer, "block_size": seq_len})
     with torch.device("meta"):
-        model = GPT(cfg)
-    model.to_empty(device="cpu")  # sizes are all we need: leave the memory uninitialised...
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(0.02)  # ...but finite: sizes do not depend on the values (a router sends each token to top_k experts)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen, total = set(), 0
-
-    def pack(t):
-        nonlocal total
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in params and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-        return t
-
-    x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = model(x)
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten())
-    del loss, logits
-    return total
+        model, objective = GPT(cfg), Objective.from_config(config)
+    if device != "meta":
+        model.to_empty(device=device)  # sizes are all we need: leave the memory uninitialised...
+        objective.to_empty(device=device)
+        with torch.no_grad():
+            for p in [*model.parameters(), *objective.parameters()]:
+                p.fill_(0.02)  # ...but finite: sizes do not depend on the values (a router sends each token to top_k experts)
+    for p in [*model.parameters(), *objective.parameters()]:
+        p.grad = torch.zeros_like(p)  # the gradients are the plan's states, not the step's
+    x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
+    with PeakTensorBytes() as counter, flash_attention_on_meta():
+        logits, hidden = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
+        loss, _ = objective(logits, hidden, x, model.input_embedding())
+        if model_config.n_expert > 1:
+            loss = loss + config["moe_aux_weight"] * model.aux_loss
+        loss.backward()
+        del loss, logits, hidden
+    return counter.peak
 
 
-def activation_gib(config, batch_size, seq_len, measure_len=64):
-    """GiB of activations of one micro-batch: act (all stored), act_ckpt (activation
-    checkpointing: each block's input kept, one block recomputed at a time) and one block.
-    Measured with 1 and 2 blocks at measure_len: the difference is one block, the rest is
-    embedding, head and loss; with SDPA nothing grows with T^2, so both scale linearly to seq_len."""
-    one = saved_activation_bytes(config, 1, batch_size, measure_len)
-    two = saved_activation_bytes(config, 2, batch_size, measure_len)
-    scale = seq_len / measure_len
-    block, rest = (two - one) * scale, (2 * one - two) * scale
-    block_input = batch_size * seq_len * config.n_embd * 4
-    return {"act": (rest + config.n_layer * block) / GiB,
-            "act_ckpt": (rest + config.n_layer * block_input + block) / GiB, "block": block / GiB}
+def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="meta"):
+    """Peak bytes of the tensors one training micro-step creates (forward, the run's objective,
+    backward into gradients that already exist) with the model cut to n_layer blocks, in fp32. On
+    the meta device by default: nothing is allocated, any width takes a fraction of a second, and
+    the attention is the CPU flash kernel's (flash_attention_on_meta), so the figure is the CPU's.
+    A mixture of experts cannot run on meta (its routing has data-dependent shapes): it is
+    measured on the CPU, two of its blocks allocated. Cached: a plan asks for the same step often."""
+    if model_config.n_expert > 1:
+        device = "cpu"
+    keys = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))
+    return _step_peak_bytes(keys, tuple(sorted(model_config.__dict__.items())), n_layer, batch_size, seq_len, device)
+
+
+def activation_gib(config, model_config, batch_size, seq_len, device="meta"):
+    """GiB of one micro-step's activations and transient buffers: act (all stored), act_ckpt
+    (activation checkpointing: each block's input kept, one block recomputed at a time) and one
+    block. Measured (step_peak_bytes) with 1 and 2 blocks at the run's own batch and sequence
+    length: the difference is one block, the rest is embedding, head, loss and the gradients'
+    transients. (Not extrapolated from a shorter sequence: the CPU's attention changes kernel
+    between 1024 and 2048 tokens, and a 350M block's peak grows 2.4x there instead of 2x.)"""
+    one, two = (step_peak_bytes(config, model_config, n, batch_size, seq_len, device) for n in (1, 2))
+    block, rest = max(two - one, 0), max(2 * one - two, 0)
+    block_input = batch_size * seq_len * model_config.n_embd * 4
+    return {"act": (rest + model_config.n_layer * block) / GiB,
+            "act_ckpt": (rest + model_config.n_layer * block_input + block) / GiB, "block": block / GiB}
 
 
 def memory(model, config, processes, micro_steps, measure=True):
     """GiB per GPU: {ddp, fsdp} x {plain, checkpointed}, and the parts they are made of.
     DDP (one process: the same without buckets) holds everything on every GPU. FSDP holds 1/N of
     the states, plus the largest unit it gathers whole while that unit runs, plus, with several
-    micro-steps, the whole fp32 gradient between them (gradient sync is off until the last)."""
+    micro-steps, the whole fp32 gradient between them (gradient sync is off until the last).
+    measure: True (step_peak_bytes' device), False (activations NaN) or a device to measure them on."""
     n = model.num_params()
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
     root = n - sum(blocks)  # embedding, head, final norm: FSDP's root unit
@@ -137,11 +202,70 @@ def memory(model, config, processes, micro_steps, measure=True):
     parts = {"ddp": (16 + (4 if processes > 1 else 0)) * n / GiB,
              "fsdp": (16 * n / processes + max(max(blocks), root) * (param_bytes + 4)
                       + (4 * n if micro_steps > 1 else 0)) / GiB}
-    parts.update(activation_gib(model.config, config["batch_size"], config["block_size"]) if measure
+    parts.update(activation_gib(config, model.config, config["batch_size"], config["block_size"],
+                                **({} if measure is True else {"device": measure})) if measure
                  else {"act": float("nan"), "act_ckpt": float("nan"), "block": float("nan")})
     table = {mode: {"plain": parts[mode] + parts["act"], "checkpointed": parts[mode] + parts["act_ckpt"]}
              for mode in ("ddp", "fsdp")}
     return table, parts
+
+
+def micro_steps_of(config, processes):
+    """Micro-steps per optimizer step on `processes` processes (global_batch_size fixes the batch)."""
+    return (config["global_batch_size"] // (config["batch_size"] * processes) if config["global_batch_size"]
+            else config["gradient_accumulation_steps"])
+
+
+def process_gib(config, processes, vocab, measure=True):
+    """(GiB one process of the run needs, GiB of its weights, gradients and optimizer states):
+    the plan's memory for the run's own parallel mode and activation checkpointing."""
+    model, _ = meta_model(config, vocab)
+    mode = "fsdp" if config["parallel"] == "fsdp" else "ddp"
+    table, parts = memory(model, config, processes, micro_steps_of(config, processes), measure)
+    return table[mode]["checkpointed" if config["activation_checkpointing"] else "plain"], parts[mode]
+
+
+def memory_problem(config, processes, vocab, available_gib, where):
+    """None when the run fits in available_gib per process (the plan's figure), else one line: what
+    it needs, what `where` has, and what the plan says would fit: activation checkpointing, a
+    smaller batch_size (more micro-steps when global_batch_size fixes the batch), or FSDP on N
+    processes with this much memory each. Nothing is allocated, except for a mixture of experts
+    whose states fit (its step is measured on the CPU: step_peak_bytes); one whose states alone do
+    not fit is judged on those."""
+    states = process_gib(config, processes, vocab, measure=False)[1]
+    measure = config["n_expert"] == 1 or states <= available_gib
+    need = process_gib(config, processes, vocab, measure)[0] if measure else states
+    if need <= available_gib:
+        return None
+
+    def fits(**changes):
+        changed = {**config, **changes}
+        gib = process_gib(changed, changed.pop("processes", processes), vocab, measure)
+        return (gib[0] if measure else gib[1]) <= available_gib
+
+    options = []
+    if not config["activation_checkpointing"] and fits(activation_checkpointing=True):
+        options.append("--activation_checkpointing=True")
+    batch = config["batch_size"] // 2
+    while batch >= 1 and not options:
+        if (not config["global_batch_size"] or config["global_batch_size"] % (batch * processes) == 0) \
+                and fits(batch_size=batch):
+            options.append(f"--batch_size={batch}")
+        batch //= 2
+    n = 2 * processes
+    while n <= 4096 and ((config["global_batch_size"] or 1) % (config["batch_size"] * n if config["global_batch_size"]
+                                                               else 1)
+                         or not (fits(parallel="fsdp", processes=n)
+                                 or fits(parallel="fsdp", processes=n, activation_checkpointing=True))):
+        n *= 2
+    if n <= 4096:
+        ckpt = "" if fits(parallel="fsdp", processes=n) else " --activation_checkpointing=True"
+        options.append(f"--parallel=fsdp{ckpt} on {n} processes (torchrun) of {available_gib:.1f} GiB each"
+                       + ("" if measure else " (for the states; plan.py --processes N adds the activations)"))
+    would = ("; it would fit with " + ", or with ".join(options)) if options else "; nothing the plan tries fits"
+    what = "weights, gradients, AdamW states and activations" if measure else "weights, gradients and AdamW states alone"
+    return (f"this run needs {need:.1f} GiB per process ({what}; `python plan.py <config>` gives the parts) but "
+            f"{where} has {available_gib:.1f} GiB{would}; to start it anyway: --check_memory=False")
 
 
 def data_needed(config, tokens_per_run):
@@ -174,8 +298,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True):
         raise ConfigError(f"unknown gpu {gpu!r}: expected one of {', '.join(GPU_PEAK_BF16_FLOPS)}")
     model, objective = meta_model(config, run_vocab(config))
     B, T = config["batch_size"], config["block_size"]
-    micro_steps = (config["global_batch_size"] // (B * processes) if config["global_batch_size"]
-                   else config["gradient_accumulation_steps"])
+    micro_steps = micro_steps_of(config, processes)
     tokens_per_step = micro_steps * B * T * processes
     flops_per_step = training_flops_per_token(model, objective, B * T, config["cwt_weight"] > 0) * tokens_per_step
     evaluations = config["max_iters"] // config["eval_interval"] + 1  # at step 0 and every eval_interval
@@ -211,8 +334,8 @@ def format_plan(p):
                      f"{mark(True)}")
     d = p["data"]
     if d["prepared"] is None:
-        need = f" (about {d['shards_needed']} C4 shards: python prepare_c4.py --shards {d['shards_needed']})" \
-            if "shards_needed" in d else ""
+        need = f" (about {d['shards_needed']} C4 shards: {preparation_command(d['data_dir'], d['shards_needed'])})" \
+            if "shards_needed" in d else f" ({preparation_command(d['data_dir'])})"
         lines.append(f"data: {d['tokens']:,} tokens needed; nothing prepared in {d['data_dir']}{need}")
     else:
         shards = f" from {d['shards']} shard(s); {d['shards_needed']} needed for one pass" if "shards" in d else ""

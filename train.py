@@ -38,8 +38,8 @@ from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import build_model
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
-from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
-                   save_json)
+from utils import (StopRequest, autocast_context, available_memory, choose_device, choose_dtype, keep_freed_memory,
+                   peak_flops, save_json)
 
 
 # -----------------------------------------------------------------------------
@@ -119,6 +119,7 @@ log_marginalization = False          # record Stop Jostling's per-row gradient p
 # system
 parallel = "none"                    # none | ddp | fsdp (FSDP2): under torchrun --nproc_per_node=N (parallelism.py)
 activation_checkpointing = False     # recompute each block's activations in backward: memory for ~1/3 more compute
+check_memory = True                  # refuse, before allocating, a run the plan says cannot fit in the device's memory
 compile = "auto"                     # torch.compile each block: auto = on CUDA only (True / False to choose)
 dry_run = False                      # print the run's plan (size, FLOPs, memory, data, time: plan.py) and exit
 device = "auto"                      # auto = cuda > mps > cpu
@@ -194,6 +195,12 @@ data_generator = torch.Generator().manual_seed(seed if data_seed is None else da
 
 
 # model, parallelism and optimizer --------------------------------------------
+if check_memory:  # the plan's memory for this process (plan.py) against what the device has, nothing allocated yet
+    available, source = available_memory(device)
+    problem = plan.memory_problem({**config, "dtype": dtype}, world_size, vocab_size, available / 2 ** 30,
+                                  f"{device} ({source})")
+    if problem:
+        sys.exit(f"error: {problem}" if master else 1)
 try:
     model_config = plan.model_config(config, vocab_size)
 except ValueError as e:

@@ -55,6 +55,56 @@ def choose_device(device="auto"):
     return "cpu"
 
 
+def available_memory(device):
+    """(bytes this process may allocate on device, where that figure comes from): a CUDA GPU's free
+    memory; on the CPU the RAM the kernel reports available (MemAvailable), capped by the cgroup's
+    memory limit (a container or a scheduler's job), shared by the processes torchrun started on
+    this machine; on MPS the Metal working set the system recommends."""
+    import torch
+    device = torch.device(device)
+    if device.type == "cuda":  # (before train.py picks its GPU under torchrun: LOCAL_RANK's)
+        device = torch.device("cuda", device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", 0)))
+        free, _ = torch.cuda.mem_get_info(device)
+        return free, f"{torch.cuda.get_device_name(device)} free memory"
+    if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
+        return torch.mps.recommended_max_memory(), "the recommended Metal working set"
+    available, source = _meminfo_available(), "available RAM"
+    limit = _cgroup_memory_left()
+    if limit is not None and limit < available:
+        available, source = limit, "RAM left under the cgroup's memory.max"
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    if local > 1:
+        available, source = available // local, f"{source} / {local} processes"
+    return available, source
+
+
+def _meminfo_available():
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # macOS: physical RAM
+
+
+def _cgroup_memory_left():
+    """The cgroup's memory limit minus its usage (v2: memory.max, v1: memory.limit_in_bytes, as a
+    container or a scheduler's job sees them), None when unlimited or unknown."""
+    for limit_file, usage_file in (("memory.max", "memory.current"),
+                                   ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:
+            with open(os.path.join("/sys/fs/cgroup", limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join("/sys/fs/cgroup", usage_file)) as f:
+                usage = int(f.read())
+            return None if limit == "max" else int(limit) - usage
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def has_float64(device):
     """Whether tensors on `device` can be float64. Apple's MPS has none: a statistic that is float64
     elsewhere is computed there in float32 (widest_float) or on the CPU (docs/devices.md)."""

@@ -60,8 +60,8 @@ def test_the_real_lowres_run_has_the_planned_size():
 
 
 @pytest.mark.parametrize("processes", [8, 64])
-def test_7b_plan_on_many_gpus(processes):
-    config = config_of("config/baseline_7b.py")
+def test_7b_plan_on_many_gpus(processes, tmp_path):
+    config = config_of("config/baseline_7b.py", f"--data_dir={tmp_path / 'c4'}")  # nothing prepared there
     p = plan.make_plan(config, processes, gpu="A100", mfu=0.5, measure=False)
     V, L, C, H, T = 50304, 32, 4096, 11008, 2048
     N = llama_params(V, L, C, H)
@@ -119,3 +119,46 @@ def test_train_dry_run_prints_the_plan(name):
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("params: ") and "FLOPs/step" in result.stdout and "fsdp:" in result.stdout
+
+
+def test_memory_problem_passes_what_fits_and_names_what_would():
+    """train.py's check: None when the plan's figure fits; otherwise one line whose every
+    suggestion the plan itself says fits, and the run as configured does not."""
+    config = {**config_of("config/c4_tiny.py"), "dtype": "float32"}
+    need, states = plan.process_gib(config, 1, 50304)
+    ckpt = plan.process_gib({**config, "activation_checkpointing": True}, 1, 50304)[0]
+    assert states < ckpt < need
+    assert plan.memory_problem(config, 1, 50304, need * 1.01, "cpu") is None
+    between = (ckpt + need) / 2  # enough with activation checkpointing only
+    message = plan.memory_problem(config, 1, 50304, between, "cpu (test)")
+    assert message.startswith(f"this run needs {need:.1f} GiB per process") and "cpu (test) has" in message
+    assert "--activation_checkpointing=True" in message and "--check_memory=False" in message
+    assert "\n" not in message
+
+
+def smallest_fsdp(message):
+    return int(message.split(" processes (torchrun)")[0].split(" on ")[-1])
+
+
+def test_memory_problem_of_a_7b_model_suggests_the_smallest_fsdp_that_fits():
+    """A 7B model in 24 GiB: its activations counted on the meta device (nothing allocated), and
+    the FSDP suggestion is the smallest power of two whose plan fits."""
+    config = {**config_of("config/baseline_7b.py", "--global_batch_size=0"), "dtype": "float32"}
+    message = plan.memory_problem(config, 1, 50304, 24.0, "cpu")
+    need = plan.process_gib(config, 1, 50304)[0]
+    assert message.startswith(f"this run needs {need:.1f} GiB per process (weights, gradients, AdamW states and "
+                              "activations")
+    n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp"}
+    assert plan.process_gib(fsdp, n, 50304)[0] <= 24.0 < plan.process_gib(fsdp, n // 2, 50304)[0]
+
+
+def test_memory_problem_of_experts_whose_states_cannot_fit_counts_states_alone():
+    """A mixture of experts is measured on the CPU (its routing cannot run on meta): when its
+    weights, gradients and AdamW states alone do not fit, nothing is measured."""
+    config = {**config_of("config/baseline_moe_8x1b.py", "--global_batch_size=0"), "dtype": "float32"}
+    message = plan.memory_problem(config, 1, 50304, 24.0, "cpu")
+    states = plan.process_gib(config, 1, 50304, measure=False)[1]
+    assert message.startswith(f"this run needs {states:.1f} GiB per process (weights, gradients and AdamW states alone")
+    n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp"}
+    assert plan.process_gib(fsdp, n, 50304, measure=False)[1] <= 24.0 < \
+        plan.process_gib(fsdp, n // 2, 50304, measure=False)[1]

@@ -178,6 +178,19 @@ def test_resume_without_checkpoint_and_missing_data_fail_clearly(tmp_path, data_
     assert result.returncode != 0 and "missing meta.json" in result.stderr and "Traceback" not in result.stderr
 
 
+def test_a_run_that_cannot_fit_is_refused_before_it_allocates(tmp_path, data_dir):
+    """A 64 x 8192 model (50B parameters: 0.8 TB of states) on any machine that runs this suite:
+    one line from the plan, exit 1, nothing written, and the process never near the model's size."""
+    import resource
+    out = tmp_path / "huge"
+    result = train(out, data_dir, "--n_layer=64", "--n_embd=8192", "--n_head=64", check=False)
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: this run needs ") and result.stderr.count("\n") == 1
+    assert "--check_memory=False" in result.stderr and "--parallel=fsdp" in result.stderr
+    assert not out.exists()
+    assert resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss < 2 * 2 ** 20  # KiB: under 2 GiB
+
+
 def test_threshold_se_and_marginalization(tmp_path, data_dir):
     out = tmp_path / "se"
     train(out, data_dir, "--margin=0.6", "--separate_embeddings=True", "--log_marginalization=True",

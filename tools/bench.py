@@ -4,6 +4,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
     python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory | compile
+                                          # | plan_memory
     python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
@@ -24,6 +25,8 @@ switched on, as ratios to the cross-entropy step measured in the same process:
   softmax the cross-entropy alone on the BPE toy's logits (1024 x 50304), forward + backward on
           1 thread: losses.cross_entropy vs F.cross_entropy, alternating so both see the same load
   compile the lowres CE step with every block compiled (train.py's compile key) vs eager, alternating
+  plan_memory  plan.py's memory per process (train.py's memory check) against the measured peak of
+          real short runs: c4_tiny, the 350M width at 2 blocks, FSDP on 2 gloo processes
 
 Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
 model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
@@ -361,8 +364,59 @@ def gpu_memory(args, device, dtype):
          "`python train.py CONFIG --dry_run=True` prints the whole plan of a run (plan.py).")
 
 
+# (name, train.py arguments, processes): real runs whose peak memory is set against the plan's figure
+PLAN_MEMORY_RUNS = [
+    ("c4_tiny", ["config/c4_tiny.py"], 1),
+    ("c4_tiny, activation checkpointing", ["config/c4_tiny.py", "--activation_checkpointing=True"], 1),
+    ("350M width, 2 blocks", ["config/baseline_350m.py", "--n_layer=2", "--parallel=none", "--global_batch_size=0"], 1),
+    ("c4_tiny, FSDP on 2 gloo processes", ["config/c4_tiny.py", "--parallel=fsdp"], 2),
+]
+
+
+def peak_rss_gib(command):
+    """Peak resident memory of a command's largest process (the command or any process it waited
+    for, e.g. torchrun's workers), GiB; the command must succeed."""
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    _, status, usage = os.wait4(process.pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"error: {' '.join(command)} failed: {process.stderr.read()[-2000:]}")
+    return usage.ru_maxrss * 1024 / plan.GiB  # Linux: KiB
+
+
+def plan_memory(args, device, dtype):
+    """The plan's memory for a process (plan.process_gib: what train.py's memory check uses)
+    against the peak resident memory of the same run, 3 training steps with an evaluation and a
+    checkpoint, on this machine. The process's own footprint (Python, torch, the data's memmap
+    untouched) is measured apart, as the peak of a process that imports what train.py imports,
+    and taken off: the plan counts the run's tensors."""
+    from configurator import parse_config, train_defaults
+    data_dir = os.environ.get("PLAN_MEMORY_DATA", "data/c4_tiny")
+    if not os.path.exists(os.path.join(REPO, data_dir, "meta.json")):
+        sys.exit(f"error: plan_memory needs C4-format data in {data_dir}: python prepare_c4.py --from_text "
+                 f"input.txt --out_dir {data_dir} (or set PLAN_MEMORY_DATA)")
+    imports = "import numpy, torch, tqdm, checkpoint, evaluate, metrics, parallelism, plan, prepare_shakespeare, tracking"
+    base = peak_rss_gib([sys.executable, "-c", imports])
+    short = ["--max_iters=3", "--eval_interval=2", "--eval_iters=1", "--log_interval=1", "--final_eval=False",
+             f"--data_dir={data_dir}", "--overwrite=True"]
+    rows = []
+    for name, train_args, processes in PLAN_MEMORY_RUNS:
+        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}"] \
+            if processes > 1 else [sys.executable]
+        out_dir = os.path.join(REPO, "out", "bench_plan_memory")
+        measured = peak_rss_gib([*launcher, "train.py", *train_args, *short, f"--out_dir={out_dir}"]) - base
+        config = parse_config([*train_args, *short], train_defaults())
+        planned, states = plan.process_gib({**config, "dtype": "float32"}, processes, plan.run_vocab(config))
+        rows.append((name, str(processes), f"{states:.3f}", f"{planned:.3f}", f"{measured:.3f}",
+                     f"{100 * (planned - measured) / measured:+.0f} %"))
+    table("The plan's memory per process against the measured peak (CPU, float32, 3 steps + evaluation + checkpoint)",
+          ["run", "processes", "plan: states GiB", "plan: total GiB", "measured peak GiB", "plan error"], rows,
+          intro=f"Measured peak: the run's largest process's peak resident set minus {base:.3f} GiB, the peak of a "
+                "process that only imports what train.py imports.")
+
+
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
-            "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory, "compile": compile_step}
+            "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory, "compile": compile_step,
+            "plan_memory": plan_memory}
 
 
 def write_report(path, argv):

@@ -24,7 +24,7 @@ def read_config(path):
     return parse_config([path], train_defaults())
 
 
-def table_lines(paths, gpus):
+def table_lines(paths, gpus, measure=True):
     """The Markdown table for each config file (tools/bench.py puts it in results/bench.md)."""
     lines = [f"GiB per GPU on {gpus} GPU(s), the config's own parallelism; activations of one micro-batch, "
              "fp32 upper bound", "",
@@ -32,7 +32,7 @@ def table_lines(paths, gpus):
              "gathered unit and unsharded grads) | activations | with activation checkpointing | total |",
              "|---|---|---|---|---|---|---|---|"]
     for path in paths:
-        p = make_plan(read_config(path), gpus)
+        p = make_plan(read_config(path), gpus, measure=measure)
         mode = "fsdp" if p["parallel"] == "fsdp" else "ddp"
         parts = p["memory_parts"]
         total = p["memory"][mode]["checkpointed" if p["activation_checkpointing"] else "plain"]
