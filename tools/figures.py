@@ -161,6 +161,26 @@ def seed_curves(curves, path, ylabel, colours=None):
     return _save(fig, plt, path)
 
 
+def marked_curves(panels, path, ylabel):
+    """panels: {title: {label: (steps, values, marked)}} -> one panel each, one line per run, the
+    marked runs in red and labelled, the rest grey."""
+    plt = _pyplot()
+    if plt is None or not panels:  # nothing to draw
+        return None
+    fig, axes = _grid_of_axes(plt, len(panels), 4.0, 2.8, ncols=3)
+    for ax, (title, runs) in zip(axes, panels.items()):
+        for label, (steps, values, marked) in sorted(runs.items(), key=lambda item: item[1][2]):  # marked on top
+            ax.plot(steps, values, color="tab:red" if marked else "0.6", lw=1.0 if marked else 0.7,
+                    label=label if marked else None, zorder=3 if marked else 2)
+        if any(marked for *_, marked in runs.values()):
+            ax.legend(fontsize=6)
+        ax.set_title(f"{title} ({len(runs)} runs)", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel(ylabel, fontsize=7)
+    return _save(fig, plt, path)
+
+
 def condensation_heatmaps(histograms, path):
     """histograms: {method: (depths, bins) fractions of pairwise cosines in equal bins over [-1, 1]}."""
     plt = _pyplot()

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 
 import evaluate
-from tools import claims, figures, stats
-from tools.grids import GRIDS, METRICS, PAPER, PAPER_SE_LR_ACCURACY, SEEDS, TRANSITION_LR_ACCURACY, run_dir, runs_of
+from tools import claims, figures, stats, transition
+from tools.grids import GRIDS, METRICS, PAPER, PAPER_SE_LR_ACCURACY, SEEDS, run_dir, runs_of
 from tools.runner import grid_calls
-from utils import read_log
+from utils import read_log, save_json
 
 # the char grids score two languages; their tables use the paper's names
 LANGUAGE_NAMES = {"high": "HR", "low": "LR"}
@@ -83,16 +83,21 @@ def build_table(grid, root):
     g = Grid(grid, root)
     lines = [f"# Grid `{grid}`", "",
              f"Produced by `python -m tools.compare {grid}` from the runs' `metrics.json` (mean ± std over seeds "
-             f"{', '.join(map(str, SEEDS))}, as many as each method lists). Evaluation on the whole val split, "
+             f"{', '.join(map(str, sorted({s for per_seed in g.results.values() for s in per_seed})))}, as many as "
+             "each method lists). Evaluation on the whole val split, "
              "never thresholded; the checkpoint with the best " + ("mixed " if g.low_resource else "") + "val loss." +
              (" `paper` rows: the authors' numbers (Stop Jostling Table 7; baseline and margin 0.6 + SE from "
               "their published single-seed runs)." if grid in PAPER else ""), ""]
+    if grid == "jostling":  # what the grid found beyond the paper's claims: the transition
+        transition_lines, record = transition.findings(g)
+        lines += transition_lines
+        save_json(record, os.path.join(root, grid, "transition.json"))
     claim_lines = claims.claims_table(grid, g.runs, g.baseline)
     if claim_lines:
         lines += ["## The papers' claims", ""] + claim_lines + [""]
     lines += metric_tables(g) + rare_target_table(g) + paired_table(g) + speed_up_table(g)
     if g.low_resource:
-        lines += transition_table(g) + embedding_geometry_table(g)
+        lines += transition.per_seed_table(g) + embedding_geometry_table(g)
     lines += hidden_geometry_table(g) + marginalization_table(g)
     speed_lines, seconds = speed_table(g)
     lines += speed_lines + speed_summary(grid, root, seconds)
@@ -190,52 +195,6 @@ def speed_up_table(g):
         speed = [100 * claims.speed_up_of_curves(mine, base) for mine, base in curves]
         lines.append(f"| {method} | {reached} of {len(shared)} | {claims.paired_cell(stats.paired(speed), 1)} |")
     return lines
-
-
-def transition_table(g):
-    """Stop Jostling's headline run may be a transition some seeds make, not a shift of the mean:
-    every seed's LR accuracy and twin-in-top-3, and how many seeds pass the threshold."""
-    lines = ["", "## Per seed: LR accuracy and the Stop Jostling transition", "",
-             f"A seed \"makes the transition\" when its LR accuracy reaches {TRANSITION_LR_ACCURACY} (about halfway "
-             f"from the ≈ .37 of thresholded runs to the authors' {PAPER_SE_LR_ACCURACY}). Values sorted, best "
-             "checkpoint (best mixed val loss). The rate's interval is the exact (Clopper-Pearson) 95 % interval of "
-             f"k in n seeds. When: the first evaluation at which the seed's LR val loss is {DEPARTURE_NATS} nats below "
-             "that of every seed of the method that does not make it.", "",
-             "| method | seeds | LR accuracy per seed | seeds at or above the threshold | rate [95 % CI] | "
-             "seeds that make it (when) | twin in top-3 per seed |",
-             "|---|---|---|---|---|---|---|"]
-    for method in g.methods:
-        method_runs = g.results.get(method, {})
-        if method_runs:
-            acc = sorted(r["low"]["accuracy"] for r in method_runs.values())
-            twins = sorted(r["translations"]["twin_top3_fraction"] for r in method_runs.values())
-            made = sorted(seed for seed, r in method_runs.items() if r["low"]["accuracy"] >= TRANSITION_LR_ACCURACY)
-            low, high = stats.clopper_pearson(len(made), len(acc))
-            when = departures(g, method, made)
-            lines.append(f"| {method} | {len(acc)} | {' '.join(f'{a:.3f}' for a in acc)} | "
-                         f"{len(made)} of {len(acc)} | {len(made) / len(acc):.2f} [{low:.2f}, {high:.2f}] | "
-                         f"{', '.join(f'{s} (step {when[s]})' for s in made) or '—'} | "
-                         f"{' '.join(f'{t:.3f}' for t in twins)} |")
-    return lines
-
-
-DEPARTURE_NATS = 0.1
-
-
-def departures(g, method, made):
-    """{seed: the first evaluation step at which its LR val loss is DEPARTURE_NATS below the LR val
-    loss of every seed of the method that does not make the transition (None if never, or if
-    every seed makes it)} for the seeds in made."""
-    curves = {}
-    for seed, run in g.runs[method].items():
-        curves[seed] = {r["iter"]: r["val_low"] for r in read_log(os.path.join(run["dir"], "log.jsonl")) if "val_low" in r}
-    others = [curves[s] for s in curves if s not in made]
-    when = {}
-    for seed in made:
-        steps = [step for step in sorted(curves[seed]) if others and all(step in c for c in others)
-                 and curves[seed][step] <= min(c[step] for c in others) - DEPARTURE_NATS]
-        when[seed] = steps[0] if steps else None
-    return when
 
 
 def embedding_geometry_table(g):
@@ -497,4 +456,7 @@ def make_figures(grid, root, out_dir):
             figures.embedding_similarity(embeddings, itos, os.path.join(base, f"{grid}_embedding_similarity.png")))
         add("Embedding PCA, each letter joined to its twin (Stop Jostling Fig. 6)",
             figures.embedding_pca(embeddings, itos, os.path.join(base, f"{grid}_embedding_pca.png")))
+    if grid == "jostling":
+        for title, path in transition.twin_figure(g, out_dir):
+            add(title, path)
     return written

@@ -1,0 +1,48 @@
+"""tools/transition.py: Fisher's exact test against hand-computed tables, the leave-one-out
+predictor and the parting step against constructed curves, the factorial's rule."""
+
+import math
+
+import pytest
+
+from tools import transition
+
+
+def test_fisher_exact_against_hand_computed_tables():
+    # the lady tasting tea: 3 of 4 against 1 of 4; tables as or less likely: a = 0, 1, 3, 4 of the 4 successes
+    assert transition.fisher_exact(3, 4, 1, 4) == pytest.approx(34 / 70)
+    # 5 of 5 against 0 of 5: only the two extreme tables, each 1 / C(10, 5)
+    assert transition.fisher_exact(5, 5, 0, 5) == pytest.approx(2 / math.comb(10, 5))
+    # 2 of 10 against 0 of 10: P(a) = C(10, a) C(10, 2 - a) / C(20, 2); a = 1 (100/190) is likelier than a = 2
+    assert transition.fisher_exact(2, 10, 0, 10) == pytest.approx(90 / 190)
+    assert transition.fisher_exact(0, 10, 2, 10) == transition.fisher_exact(2, 10, 0, 10)
+    assert transition.fisher_exact(3, 6, 3, 6) == pytest.approx(1.0)
+
+
+def test_leave_one_out_calls_each_run_from_the_others():
+    # well separated: every call right
+    readings = [(0.9, True), (0.8, True), (0.1, False), (0.2, False), (0.15, False)]
+    assert transition.leave_one_out(readings) == (2, 2, 0, 3)
+    # one crossing run alone: without it no crossing run is left to learn from, so it is missed
+    assert transition.leave_one_out([(0.9, True), (0.1, False), (0.2, False)]) == (0, 1, 0, 2)
+    # a non-crossing run that reads high is a false alarm
+    assert transition.leave_one_out([(0.9, True), (0.8, True), (0.85, False), (0.1, False)]) == (2, 2, 1, 2)
+
+
+def test_parting_step_is_where_a_curve_stays_above_the_rest():
+    steps = [0, 250, 500, 750]
+    rest = [(steps, [0.1, 0.2, 0.2, 0.2]), (steps, [0.0, 0.1, 0.3, 0.3])]
+    assert transition.parting_step((steps, [0.2, 0.1, 0.4, 0.5]), rest) == 500  # above at 0, below at 250
+    assert transition.parting_step((steps, [0.2, 0.3, 0.4, 0.25]), rest) is None  # falls back at the end
+
+
+def test_factorial_rule_names_the_factor_only_when_the_test_does():
+    cells = {("C", "C"): (4, 4), ("N", "N"): (0, 3)}
+    p, verdict = transition.factorial_verdict({**cells, ("C", "N"): (6, 6), ("N", "C"): (0, 6)})
+    assert verdict == "the initialisation decides" and p == pytest.approx(2 / math.comb(12, 6))
+    assert transition.factorial_verdict({**cells, ("C", "N"): (0, 6), ("N", "C"): (6, 6)})[1] == \
+        "the data order decides"
+    assert transition.factorial_verdict({**cells, ("C", "N"): (2, 6), ("N", "C"): (1, 6)})[1] == \
+        "neither shown to decide"
+    assert transition.factorial_verdict({**cells, ("C", "N"): (0, 0), ("N", "C"): (0, 6)}) == \
+        (None, "not enough runs yet")
