@@ -42,6 +42,18 @@ def test_activations_extrapolated_in_depth_match_a_direct_measurement(arch):
         assert estimate["act_ckpt"] < estimate["act"]
 
 
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_a_step_measured_on_meta_holds_what_it_holds_on_the_cpu(arch):
+    """The plan measures on the meta device (nothing allocated) with the CPU flash attention's meta
+    kernel: byte for byte the peak of the same step run for real on the CPU."""
+    config = {**train_defaults(), "arch": arch, "tie_weights": arch == "gpt2", "n_layer": 2, "n_head": 4,
+              "n_embd": 64, "block_size": 256, "simreg_weight": 1.0}
+    model_config = plan.model_config(config, 300)
+    for n_layer in (1, 2):
+        assert plan.step_peak_bytes(config, model_config, n_layer, 2, 256, "meta") == \
+            plan.step_peak_bytes(config, model_config, n_layer, 2, 256, "cpu")
+
+
 def test_read_config_follows_includes():
     config = memory.read_config(os.path.join(REPO, "config", "simreg_7b.py"))
     assert (config["arch"], config["n_layer"], config["n_embd"], config["ffn_hidden"], config["vocab_size"]) == \
