@@ -45,7 +45,7 @@ from configurator import ConfigError, check_train_config, parse_config, train_de
 from data import DataError, preparation_command, read_meta
 from losses import Objective
 from model import GPT, GPTConfig
-from utils import GPU_PEAK_BF16_FLOPS
+from utils import GPU_PEAK_BF16_FLOPS, available_memory
 
 GiB = 2 ** 30
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
@@ -266,6 +266,12 @@ def memory_problem(config, processes, vocab, available_gib, where):
     what = "weights, gradients, AdamW states and activations" if measure else "weights, gradients and AdamW states alone"
     return (f"this run needs {need:.1f} GiB per process ({what}; `python plan.py <config>` gives the parts) but "
             f"{where} has {available_gib:.1f} GiB{would}; to start it anyway: --check_memory=False")
+
+
+def device_memory_problem(config, processes, vocab, device):
+    """memory_problem against what `device` has for this process (utils.available_memory)."""
+    available, source = available_memory(device)
+    return memory_problem(config, processes, vocab, available / GiB, f"{device} ({source})")
 
 
 def data_needed(config, tokens_per_run):

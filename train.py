@@ -38,8 +38,8 @@ from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import build_model
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
-from utils import (StopRequest, autocast_context, available_memory, choose_device, choose_dtype, keep_freed_memory,
-                   peak_flops, save_json)
+from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
+                   save_json)
 
 
 # -----------------------------------------------------------------------------
@@ -195,12 +195,9 @@ data_generator = torch.Generator().manual_seed(seed if data_seed is None else da
 
 
 # model, parallelism and optimizer --------------------------------------------
-if check_memory:  # the plan's memory for this process (plan.py) against what the device has, nothing allocated yet
-    available, source = available_memory(device)
-    problem = plan.memory_problem({**config, "dtype": dtype}, world_size, vocab_size, available / 2 ** 30,
-                                  f"{device} ({source})")
-    if problem:
-        sys.exit(f"error: {problem}" if master else 1)
+# the plan's memory for this process (plan.py) against what the device has, before anything is allocated
+if check_memory and (problem := plan.device_memory_problem({**config, "dtype": dtype}, world_size, vocab_size, device)):
+    sys.exit(f"error: {problem}" if master else 1)
 try:
     model_config = plan.model_config(config, vocab_size)
 except ValueError as e:
