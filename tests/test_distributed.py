@@ -207,6 +207,47 @@ def test_activation_checkpointing_gives_the_same_loss_and_gradients(arch):
         assert torch.equal(p.grad, q.grad), name
 
 
+def test_fsdp_gives_unused_parameters_zero_gradients():
+    """Parameters that get no gradient (experts no token was routed to, a headless model's untied
+    LM head): under FSDP each gets the unwrapped model's gradient, or zeros where that has none,
+    with torch's set_reduce_scatter_unused_params (torch >= 2.13) and with the zero terms that an
+    older torch needs (parallelism.zero_gradients_for_unused). One process, in this one."""
+    import torch.distributed as dist
+    import parallelism
+    from torch.distributed.fsdp import FSDPModule
+    from model import GPTConfig, build_model
+    config = GPTConfig(vocab_size=40, block_size=8, n_layer=2, n_head=2, n_embd=16, arch="llama", tie_weights=False,
+                       n_expert=4, top_k=1, ffn_hidden=32)
+    x = torch.randint(0, 40, (1, 3), generator=torch.Generator().manual_seed(0))
+
+    def loss_of(model):  # headless: the last hidden state, and the router's balancing loss
+        _, hidden = model(x, return_hidden_states=True, compute_logits=False)
+        return hidden[-1].square().mean() + model.aux_loss
+    torch.manual_seed(0)
+    reference = build_model(config)
+    reference_loss = loss_of(reference)
+    reference_loss.backward()
+    unused = [name for name, p in reference.named_parameters() if p.grad is None]  # 3 tokens, 1 expert each
+    assert "lm_head.weight" in unused and sum(".experts." in name for name in unused) >= 2 * 3, unused
+    ways = ["zero terms"] + (["torch's"] if hasattr(FSDPModule, "set_reduce_scatter_unused_params") else [])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for way in ways:
+            model = build_model(config)
+            model.load_state_dict(reference.state_dict())
+            parallelism.parallelize(model, torch.nn.Module(), "fsdp", "cpu", unused_parameters=way == "torch's")
+            if way == "zero terms":
+                parallelism.zero_gradients_for_unused(model)
+            loss = loss_of(model)
+            loss.backward()
+            assert loss.item() == reference_loss.item(), way
+            for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+                expected = q.grad if q.grad is not None else torch.zeros_like(q)
+                assert p.grad is not None and torch.equal(p.grad.full_tensor(), expected), (way, name)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_what_does_not_combine_fails_clearly():
     out = dry_run("config/lowres_baseline.py", "--parallel=fsdp", "--separate_embeddings=True")
     assert out.returncode == 2 and "separate_embeddings" in out.stderr and "fsdp" in out.stderr
