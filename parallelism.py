@@ -109,6 +109,17 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
     return model, objective
 
 
+def fsdp_unavailable(device):
+    """Why parallel='fsdp' cannot run on `device` ('auto', 'cpu', 'cuda:1', ...) with this torch, in
+    one line, or None. FSDP2 orders its collectives with streams and events; on the CPU (gloo)
+    those are torch.cpu.Stream's no-ops, and record_event / wait_event came in torch 2.7."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and not hasattr(torch.cpu.Stream, "record_event"):
+        return (f"parallel='fsdp' on the CPU needs torch >= 2.7 (FSDP2 records events on torch.cpu.Stream; this is "
+                f"torch {torch.__version__}); use parallel='ddp' or a CUDA device")
+    return None
+
+
 def zero_gradients_for_unused(model, objective=None):
     """What torch < 2.13 needs instead of FSDPModule.set_reduce_scatter_unused_params(True): every
     parameter of each FSDP unit takes part in the graph with weight 0, so a parameter the step did
