@@ -179,6 +179,10 @@ def check_train_config(config, world_size):
     """The first rule between train.py's keys that config breaks, as a message (None if none):
     the checks that one key's range cannot express, made before a run touches anything."""
     c = config
+    fsdp_problem = None
+    if c["parallel"] == "fsdp":
+        import parallelism  # imports torch: only when it matters
+        fsdp_problem = parallelism.fsdp_unavailable(c["device"])
     for problem, message in (
         (c["log_marginalization"] and (c["dropout"] > 0 or not c["tie_weights"] or c["ce_weight"] == 0
                                        or c["cwt_weight"] > 0),
@@ -196,6 +200,7 @@ def check_train_config(config, world_size):
          f"launched on {world_size} processes but key 'parallel' is 'none' (use ddp or fsdp)"),
         (c["parallel"] != "none" and c["log_marginalization"],
          "log_marginalization needs parallel='none' (it reads one process's gradients)"),
+        (fsdp_problem is not None, fsdp_problem),
         (c["parallel"] == "fsdp" and c["separate_embeddings"],
          "separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps per-row state as "
          "plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),

@@ -100,9 +100,54 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
                     mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False))
     if unused_parameters:
-        for module in (model, objective) if has_params else (model,):
-            module.set_reduce_scatter_unused_params(True)
+        from torch.distributed.fsdp import FSDPModule
+        if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):  # torch >= 2.13
+            for module in (model, objective) if has_params else (model,):
+                module.set_reduce_scatter_unused_params(True)
+        else:
+            zero_gradients_for_unused(model, objective if has_params else None)
     return model, objective
+
+
+def fsdp_unavailable(device):
+    """Why parallel='fsdp' cannot run on `device` ('auto', 'cpu', 'cuda:1', ...) with this torch, in
+    one line, or None. FSDP2 orders its collectives with streams and events; on the CPU (gloo)
+    those are torch.cpu.Stream's no-ops, and record_event / wait_event came in torch 2.7."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and not hasattr(torch.cpu.Stream, "record_event"):
+        return (f"parallel='fsdp' on the CPU needs torch >= 2.7 (FSDP2 records events on torch.cpu.Stream; this is "
+                f"torch {torch.__version__}); use parallel='ddp' or a CUDA device")
+    return None
+
+
+def zero_gradients_for_unused(model, objective=None):
+    """What torch < 2.13 needs instead of FSDPModule.set_reduce_scatter_unused_params(True): every
+    parameter of each FSDP unit takes part in the graph with weight 0, so a parameter the step did
+    not use gets a zero gradient from autograd and every rank reduce-scatters the same tensors (the
+    same zeros the newer API reduces). Call after fully_shard. The zero is added while the unit's
+    parameters are gathered: to each block's output (the hook goes before FSDP's post-forward hook,
+    which reshards them), to the token embedding for the root's own parameters (every loss depends
+    on it; the root's post-backward runs after the whole backward), and to the objective's loss."""
+    def root_parameters():  # the model's own: not its blocks' (those are other units, maybe resharded)
+        in_blocks = {id(p) for block in model.h for p in block.parameters()}
+        return [p for p in model.parameters() if id(p) not in in_blocks]
+    add_zero_term(model.wte, root_parameters)
+    for block in model.h:
+        add_zero_term(block, block.parameters)
+    if objective is not None:
+        add_zero_term(objective, objective.parameters)
+
+
+def add_zero_term(module, parameters):
+    """A forward hook on module, first in line: 0 * (the sum of parameters()) added to its output
+    (or to the first element of a tuple), so each of them gets a gradient, zero unless used."""
+    def hook(_module, _args, output):
+        if not torch.is_grad_enabled():
+            return output
+        # float32 sums: a float16 sum of a large weight could overflow, and 0 * inf is nan
+        zero = 0.0 * sum(p.sum(dtype=torch.float32) for p in parameters() if p.requires_grad)
+        return (output[0] + zero, *output[1:]) if isinstance(output, tuple) else output + zero
+    module.register_forward_hook(hook, prepend=True)
 
 
 def gradient_sync(modules, enabled):

@@ -297,7 +297,8 @@ def data_needed(config, tokens_per_run):
 
 def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True):
     """The plan of `config` (a dict of train.py's keys) on `processes` processes, as a dict."""
-    problem = check_train_config({**config, "init_from": "scratch"}, processes)  # a plan needs no checkpoint
+    # a plan needs no checkpoint, and it is for GPUs (not the device it is made on)
+    problem = check_train_config({**config, "init_from": "scratch", "device": "cuda"}, processes)
     if problem:
         raise ConfigError(problem)
     if gpu not in GPU_PEAK_BF16_FLOPS:
