@@ -127,7 +127,10 @@ def zero_gradients_for_unused(model, objective=None):
     same zeros the newer API reduces). Call after fully_shard. The zero is added while the unit's
     parameters are gathered: to each block's output (the hook goes before FSDP's post-forward hook,
     which reshards them), to the token embedding for the root's own parameters (every loss depends
-    on it; the root's post-backward runs after the whole backward), and to the objective's loss."""
+    on it; the root's post-backward runs after the whole backward), and to the objective's loss.
+    In backward autograd runs the term's nodes, created last, before the unit's own, so the zeros
+    are in place when FSDP's post-backward collects the gradients. x + 0 is x: the run is the
+    newer API's, bit for bit (tests/test_distributed.py checks both against the unwrapped model)."""
     def root_parameters():  # the model's own: not its blocks' (those are other units, maybe resharded)
         in_blocks = {id(p) for block in model.h for p in block.parameters()}
         return [p for p in model.parameters() if id(p) not in in_blocks]
