@@ -21,8 +21,9 @@ GPU with DDP (plus DDP's gradient buckets, another 4 bytes) and 1/N of them with
 largest unit FSDP gathers whole while it runs, and the unsharded gradient that FSDP keeps
 between micro-steps when there are several: 4 bytes per parameter). Activations
 are measured, not guessed: the model at its real width with 1 and 2 blocks runs one training
-micro-step (forward, the run's objective, backward) on the CPU at the run's batch and sequence
-length, and the peak of the tensors it creates is extrapolated to the run's depth (activation_gib).
+micro-step (forward, the run's objective, backward) on the meta device (nothing allocated; a
+mixture of experts on the CPU) at the run's batch and sequence length, and the peak of the tensors
+it creates is extrapolated to the run's depth (activation_gib).
 They are float32 figures, an upper bound for bf16 autocast. train.py compares this plan with the
 device's memory before it allocates anything (memory_problem); tools/bench.py --section
 plan_memory sets it against the measured peak of real runs (docs/performance.md).
