@@ -234,8 +234,11 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
                 with autocast:
                     passes[lang] = model(x + offset, return_hidden_states=bool(aux))
                 logits = passes[lang][0] if aux else passes[lang]
-                nll = torch.nn.functional.cross_entropy(logits.float().transpose(1, 2), y + offset, reduction="none")
-                per_window[lang].append(nll.mean(dim=1).cpu())
+                # a window at a time: beside the logits only one window's log-softmax is held, not the
+                # batch's (at a 50304-token vocabulary the batch's would make evaluation the run's peak)
+                nll = torch.stack([torch.nn.functional.cross_entropy(window.float(), targets, reduction="none").mean()
+                                   for window, targets in zip(logits, y + offset)])
+                per_window[lang].append(nll.cpu())
             if aux:
                 logits, hidden = passes["high"]
                 if low_resource:

@@ -49,6 +49,11 @@ from model import GPT, GPTConfig
 from utils import GPU_PEAK_BF16_FLOPS, available_memory
 
 GiB = 2 ** 30
+# On the CPU, utils.keep_freed_memory keeps glibc's heap at its peak, and the heap fragments: a run's
+# resident peak is its tensors' peak plus about this fraction of the step's transient tensors
+# (activations, logits and their softmax). Calibrated by `python -m tools.bench --section plan_memory`
+# (its last column); docs/performance.md has the measurement. The CUDA caching allocator is not measured.
+CPU_HEAP_ALLOWANCE = 0.5
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
 
 
@@ -217,31 +222,33 @@ def micro_steps_of(config, processes):
             else config["gradient_accumulation_steps"])
 
 
-def process_gib(config, processes, vocab, measure=True):
+def process_gib(config, processes, vocab, measure=True, heap=0.0):
     """(GiB one process of the run needs, GiB of its weights, gradients and optimizer states):
-    the plan's memory for the run's own parallel mode and activation checkpointing."""
+    the plan's memory for the run's own parallel mode and activation checkpointing, plus `heap`
+    times the step's transient tensors (CPU_HEAP_ALLOWANCE on the CPU)."""
     model, _ = meta_model(config, vocab)
     mode = "fsdp" if config["parallel"] == "fsdp" else "ddp"
     table, parts = memory(model, config, processes, micro_steps_of(config, processes), measure)
-    return table[mode]["checkpointed" if config["activation_checkpointing"] else "plain"], parts[mode]
+    tensors = table[mode]["checkpointed" if config["activation_checkpointing"] else "plain"]
+    return tensors + heap * (tensors - parts[mode]), parts[mode]
 
 
-def memory_problem(config, processes, vocab, available_gib, where):
+def memory_problem(config, processes, vocab, available_gib, where, heap=0.0):
     """None when the run fits in available_gib per process (the plan's figure), else one line: what
     it needs, what `where` has, and what the plan says would fit: activation checkpointing, a
     smaller batch_size (more micro-steps when global_batch_size fixes the batch), or FSDP on N
     processes with this much memory each. Nothing is allocated, except for a mixture of experts
     whose states fit (its step is measured on the CPU: step_peak_bytes); one whose states alone do
-    not fit is judged on those."""
+    not fit is judged on those. heap: process_gib's allowance for the allocator."""
     states = process_gib(config, processes, vocab, measure=False)[1]
     measure = config["n_expert"] == 1 or states <= available_gib
-    need = process_gib(config, processes, vocab, measure)[0] if measure else states
+    need = process_gib(config, processes, vocab, measure, heap)[0] if measure else states
     if need <= available_gib:
         return None
 
     def fits(**changes):
         changed = {**config, **changes}
-        gib = process_gib(changed, changed.pop("processes", processes), vocab, measure)
+        gib = process_gib(changed, changed.pop("processes", processes), vocab, measure, heap)
         return (gib[0] if measure else gib[1]) <= available_gib
 
     options = []
@@ -270,9 +277,11 @@ def memory_problem(config, processes, vocab, available_gib, where):
 
 
 def device_memory_problem(config, processes, vocab, device):
-    """memory_problem against what `device` has for this process (utils.available_memory)."""
+    """memory_problem against what `device` has for this process (utils.available_memory), with
+    the heap's allowance on the CPU."""
     available, source = available_memory(device)
-    return memory_problem(config, processes, vocab, available / GiB, f"{device} ({source})")
+    heap = CPU_HEAP_ALLOWANCE if torch.device(device).type == "cpu" else 0.0
+    return memory_problem(config, processes, vocab, available / GiB, f"{device} ({source})", heap)
 
 
 def data_needed(config, tokens_per_run):

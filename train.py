@@ -448,6 +448,7 @@ while True:
                 x.reshape(-1), y.reshape(-1), hidden_states[-1].detach().reshape(-1, n_embd).float(),
                 logits.grad.reshape(-1, vocab_size).float(),
                 hidden_states[0].grad.reshape(-1, n_embd).float(), vocab_size))
+        del logits, hidden_states  # or they live on into the next forward: one more logits at the peak
     if log_marginalization:  # the raw gradient's norms: float16's loss scale divided out (1.0 otherwise)
         step_norms = step_parts.norm(dim=-1).cpu() / scaler.get_scale()
     stepped = apply_gradients(optimizers, scaler, clip)  # float16: unscaled first, skipped if any is inf/NaN

@@ -134,6 +134,10 @@ def test_memory_problem_passes_what_fits_and_names_what_would():
     assert message.startswith(f"this run needs {need:.1f} GiB per process") and "cpu (test) has" in message
     assert "--activation_checkpointing=True" in message and "--check_memory=False" in message
     assert "\n" not in message
+    # on the CPU the heap's allowance: a fraction of the step's transient tensors on top
+    assert plan.process_gib(config, 1, 50304, heap=0.5)[0] == pytest.approx(need + 0.5 * (need - states))
+    assert plan.memory_problem(config, 1, 50304, need * 1.01, "cpu", heap=0.5).startswith(
+        f"this run needs {need + 0.5 * (need - states):.1f} GiB")
 
 
 def smallest_fsdp(message):

@@ -385,10 +385,14 @@ def peak_rss_gib(command):
 
 def plan_memory(args, device, dtype):
     """The plan's memory for a process (plan.process_gib: what train.py's memory check uses)
-    against the peak resident memory of the same run, 3 training steps with an evaluation and a
-    checkpoint, on this machine. The process's own footprint (Python, torch, the data's memmap
+    against the peak resident memory of the same run, --steps training steps with an evaluation
+    every 2 and a checkpoint, on this machine, --repeats times: the peak moves from run to run
+    (glibc's heap, kept at its peak by utils.keep_freed_memory, fragments differently with the
+    address-space layout). The process's own footprint (Python, torch, the data's memmap
     untouched) is measured apart, as the peak of a process that imports what train.py imports,
-    and taken off: the plan counts the run's tensors."""
+    and taken off: the plan counts the run's tensors, and on the CPU the heap's allowance
+    (plan.CPU_HEAP_ALLOWANCE x the step's transient tensors), which this table calibrates: its
+    last column is that fraction as each row's median peak implies it."""
     from configurator import parse_config, train_defaults
     data_dir = os.environ.get("PLAN_MEMORY_DATA", "data/c4_tiny")
     if not os.path.exists(os.path.join(REPO, data_dir, "meta.json")):
@@ -396,22 +400,32 @@ def plan_memory(args, device, dtype):
                  f"input.txt --out_dir {data_dir} (or set PLAN_MEMORY_DATA)")
     imports = "import numpy, torch, tqdm, checkpoint, evaluate, metrics, parallelism, plan, prepare_shakespeare, tracking"
     base = peak_rss_gib([sys.executable, "-c", imports])
-    short = ["--max_iters=3", "--eval_interval=2", "--eval_iters=1", "--log_interval=1", "--final_eval=False",
-             f"--data_dir={data_dir}", "--overwrite=True"]
+    short = [f"--max_iters={args.steps}", "--eval_interval=2", "--eval_iters=1", "--log_interval=1",
+             "--final_eval=False", f"--data_dir={data_dir}", "--overwrite=True"]
     rows = []
     for name, train_args, processes in PLAN_MEMORY_RUNS:
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}"] \
             if processes > 1 else [sys.executable]
         out_dir = os.path.join(REPO, "out", "bench_plan_memory")
-        measured = peak_rss_gib([*launcher, "train.py", *train_args, *short, f"--out_dir={out_dir}"]) - base
-        config = parse_config([*train_args, *short], train_defaults())
-        planned, states = plan.process_gib({**config, "dtype": "float32"}, processes, plan.run_vocab(config))
-        rows.append((name, str(processes), f"{states:.3f}", f"{planned:.3f}", f"{measured:.3f}",
-                     f"{100 * (planned - measured) / measured:+.0f} %"))
-    table("The plan's memory per process against the measured peak (CPU, float32, 3 steps + evaluation + checkpoint)",
-          ["run", "processes", "plan: states GiB", "plan: total GiB", "measured peak GiB", "plan error"], rows,
+        peaks = sorted(peak_rss_gib([*launcher, "train.py", *train_args, *short, f"--out_dir={out_dir}"]) - base
+                       for _ in range(args.repeats))
+        median = statistics.median(peaks)
+        config = {**parse_config([*train_args, *short], train_defaults()), "dtype": "float32"}
+        vocab = plan.run_vocab(config)
+        tensors, states = plan.process_gib(config, processes, vocab)
+        planned = plan.process_gib(config, processes, vocab, heap=plan.CPU_HEAP_ALLOWANCE)[0]
+        transients = planned - tensors if plan.CPU_HEAP_ALLOWANCE else float("nan")
+        implied = (median - tensors) / (transients / plan.CPU_HEAP_ALLOWANCE) if plan.CPU_HEAP_ALLOWANCE else float("nan")
+        rows.append((name, str(processes), f"{states:.3f}", f"{tensors:.3f}", f"{planned:.3f}",
+                     " / ".join(f"{p:.3f}" for p in (peaks[0], median, peaks[-1])),
+                     f"{100 * (planned - median) / median:+.0f} %", f"{implied:.2f}"))
+    table(f"The plan's memory per process against the measured peak (CPU, float32, {args.steps} steps, "
+          f"{args.repeats} runs each)",
+          ["run", "processes", "plan: states GiB", "plan: tensors GiB", "plan: with heap GiB",
+           "measured peak GiB, min / median / max", "plan error (median)", "heap fraction implied"], rows,
           intro=f"Measured peak: the run's largest process's peak resident set minus {base:.3f} GiB, the peak of a "
-                "process that only imports what train.py imports.")
+                f"process that only imports what train.py imports. Heap: plan.CPU_HEAP_ALLOWANCE = "
+                f"{plan.CPU_HEAP_ALLOWANCE} of the step's transient tensors.")
 
 
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
@@ -436,6 +450,7 @@ def main():
     parser.add_argument("--section", choices=sorted(SECTIONS), action="append")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3, help="plan_memory: runs of each row (the peak moves)")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--out", default=None, help="also write the report there (e.g. results/bench.md)")
     parser.add_argument("--memory_child", type=int, default=None, help=argparse.SUPPRESS)
