@@ -50,10 +50,12 @@ from utils import GPU_PEAK_BF16_FLOPS, available_memory
 
 GiB = 2 ** 30
 # On the CPU, utils.keep_freed_memory keeps glibc's heap at its peak, and the heap fragments: a run's
-# resident peak is its tensors' peak plus about this fraction of the step's transient tensors
-# (activations, logits and their softmax). Calibrated by `python -m tools.bench --section plan_memory`
-# (its last column); docs/performance.md has the measurement. The CUDA caching allocator is not measured.
-CPU_HEAP_ALLOWANCE = 0.5
+# resident peak is its tensors' peak plus a fraction of the step's transient tensors (activations,
+# logits and their softmax). Under torchrun more: gloo's collectives run in threads of their own,
+# whose heaps keep their own peaks. Calibrated on this repository's runs by `python -m tools.bench
+# --section plan_memory` (its last column); docs/performance.md has the measurement. The CUDA
+# caching allocator's own margin is not measured here.
+CPU_HEAP_ALLOWANCE = {"one process": 0.2, "torchrun": 0.8}
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
 
 
@@ -276,11 +278,16 @@ def memory_problem(config, processes, vocab, available_gib, where, heap=0.0):
             f"{where} has {available_gib:.1f} GiB{would}; to start it anyway: --check_memory=False")
 
 
+def cpu_heap_allowance(processes):
+    """The fraction of a step's transient tensors that glibc's heap adds on the CPU (CPU_HEAP_ALLOWANCE)."""
+    return CPU_HEAP_ALLOWANCE["torchrun" if processes > 1 else "one process"]
+
+
 def device_memory_problem(config, processes, vocab, device):
     """memory_problem against what `device` has for this process (utils.available_memory), with
     the heap's allowance on the CPU."""
     available, source = available_memory(device)
-    heap = CPU_HEAP_ALLOWANCE if torch.device(device).type == "cpu" else 0.0
+    heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
     return memory_problem(config, processes, vocab, available / GiB, f"{device} ({source})", heap)
 
 

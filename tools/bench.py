@@ -369,6 +369,7 @@ PLAN_MEMORY_RUNS = [
     ("c4_tiny", ["config/c4_tiny.py"], 1),
     ("c4_tiny, activation checkpointing", ["config/c4_tiny.py", "--activation_checkpointing=True"], 1),
     ("350M width, 2 blocks", ["config/baseline_350m.py", "--n_layer=2", "--parallel=none", "--global_batch_size=0"], 1),
+    ("c4_tiny, DDP on 2 gloo processes", ["config/c4_tiny.py", "--parallel=ddp"], 2),
     ("c4_tiny, FSDP on 2 gloo processes", ["config/c4_tiny.py", "--parallel=fsdp"], 2),
 ]
 
@@ -413,9 +414,9 @@ def plan_memory(args, device, dtype):
         config = {**parse_config([*train_args, *short], train_defaults()), "dtype": "float32"}
         vocab = plan.run_vocab(config)
         tensors, states = plan.process_gib(config, processes, vocab)
-        planned = plan.process_gib(config, processes, vocab, heap=plan.CPU_HEAP_ALLOWANCE)[0]
-        transients = planned - tensors if plan.CPU_HEAP_ALLOWANCE else float("nan")
-        implied = (median - tensors) / (transients / plan.CPU_HEAP_ALLOWANCE) if plan.CPU_HEAP_ALLOWANCE else float("nan")
+        heap = plan.cpu_heap_allowance(processes)
+        planned = plan.process_gib(config, processes, vocab, heap=heap)[0]
+        implied = (median - tensors) / (tensors - states)
         rows.append((name, str(processes), f"{states:.3f}", f"{tensors:.3f}", f"{planned:.3f}",
                      " / ".join(f"{p:.3f}" for p in (peaks[0], median, peaks[-1])),
                      f"{100 * (planned - median) / median:+.0f} %", f"{implied:.2f}"))
@@ -425,7 +426,7 @@ def plan_memory(args, device, dtype):
            "measured peak GiB, min / median / max", "plan error (median)", "heap fraction implied"], rows,
           intro=f"Measured peak: the run's largest process's peak resident set minus {base:.3f} GiB, the peak of a "
                 f"process that only imports what train.py imports. Heap: plan.CPU_HEAP_ALLOWANCE = "
-                f"{plan.CPU_HEAP_ALLOWANCE} of the step's transient tensors.")
+                f"{plan.CPU_HEAP_ALLOWANCE}, as fractions of the step's transient tensors.")
 
 
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
