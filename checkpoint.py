@@ -16,10 +16,13 @@ the file.
 """
 
 import errno
+import fcntl
 import json
 import os
 import pickle
 import shutil
+import socket
+import time
 import zipfile
 
 import torch
@@ -31,6 +34,7 @@ from utils import LogError, atomic_write, read_log, save_json, save_text
 # the files of a run: a fresh run refuses an out_dir holding any of them
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
              "metrics.json", "marginalization.json", tracking.ID_FILE)
+LOCK_FILE = "run.lock"  # held (flock) by the one run that writes out_dir; not a run file
 DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders: the latest, the previous, and the one being written
 
 
@@ -159,6 +163,62 @@ def clear_run(out_dir):
     shutil.rmtree(os.path.join(out_dir, "ckpt_dcp"), ignore_errors=True)
 
 
+def lock_run(out_dir, command):
+    """Make out_dir this process's for its whole life: an exclusive flock on out_dir/run.lock, so
+    that two runs never write one out_dir (a requeued job beside one still running, a command run
+    twice). Returns the open lock file: keep it open; the kernel drops the lock when the process
+    ends however it ends (kill -9 too), so a lock a dead run left is no obstacle. The holder (pid,
+    host, start, command) is written into the locked file itself, not renamed into place: a rename
+    would put an unlocked file at the path. Raises CheckpointError, before anything in out_dir is
+    changed, when out_dir cannot be a run's directory or a live run holds it."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"out_dir {out_dir} is a file, not a directory; give another --out_dir")
+    path = os.path.join(out_dir, LOCK_FILE)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        lock = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
+    except OSError as e:
+        raise CheckpointError(f"cannot use {out_dir} as a run's directory ({e.strerror}); give an --out_dir "
+                              f"you can write to") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        for _ in range(50):  # the holder writes its name just after it locks
+            holder = lock.read().strip()
+            if holder:
+                break
+            time.sleep(0.02)
+            lock.seek(0)
+        lock.close()
+        raise CheckpointError(f"{out_dir} is in use by a run that is still going ({holder or 'holder unknown'}); "
+                              f"wait for it to end or stop it, or give another --out_dir") from None
+    except OSError as e:  # ENOLCK: a network file system without lock support
+        lock.close()
+        raise CheckpointError(f"cannot lock {path} ({e.strerror}): the file system does not support locks; "
+                              f"put out_dir on a local or lock-capable file system (docs/runs.md)") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+               f"{' '.join(command)}\n")
+    lock.flush()
+    return lock
+
+
+def start_of(init_from, out_dir):
+    """What init_from='auto' means for out_dir: 'resume' when it holds a checkpoint, 'scratch' when
+    it holds no run (the same command starts a job and continues it when it is requeued); a run
+    without a checkpoint to resume is refused. Other values are returned as they are."""
+    existing = existing_run(out_dir)
+    if init_from != "auto":
+        return init_from
+    if not existing:
+        return "scratch"
+    if "ckpt.pt" in existing or "ckpt_prev.pt" in existing:
+        return "resume"
+    raise CheckpointError(f"init_from='auto' but {out_dir} holds a run with no checkpoint to resume "
+                          f"({', '.join(existing)}); start it over with --init_from=scratch --overwrite=True or "
+                          f"give another --out_dir")
+
+
 def json_step(path):
     try:
         with open(path) as f:
@@ -260,7 +320,7 @@ def save_full(out_dir, state, modules, optimizers, parallel, master, dcp_slots, 
     rank 0 writes the whole weights and optimizer states. FSDP: every rank writes its shards into
     a slot of ckpt_dcp/ that neither ckpt.pt nor ckpt_prev.pt names, and ckpt.pt names it only
     once it is complete. dcp_slots: [previous, latest] slot names (None if none), updated here.
-    Collective under FSDP."""
+    Collective; whether the write succeeded is agreed over all ranks (agree)."""
     path = os.path.join(out_dir, "ckpt.pt")
     state = dict(state)
     if parallel == "fsdp":
@@ -270,33 +330,56 @@ def save_full(out_dir, state, modules, optimizers, parallel, master, dcp_slots, 
             shutil.rmtree(directory)
         parallelism.barrier()
         has_optimizer_state = any(opt.state for opt in optimizers)  # none before the first step
-        parallelism.save_sharded(directory, modules, optimizers, with_optimizers=has_optimizer_state)
-        parallelism.barrier()
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:  # every rank writes its shards; DCP tells every rank if any rank's write failed
+            parallelism.save_sharded(directory, modules, optimizers, with_optimizers=has_optimizer_state)
+            problem = None
+        except (OSError, RuntimeError, CheckpointException) as e:
+            problem = f"could not write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
+        agree(problem)
         state.update(dcp=os.path.join("ckpt_dcp", slot), dcp_previous=dcp_slots[1], dcp_optimizers=has_optimizer_state,
                      objective_shapes={k: list(v.shape) for k, v in modules["objective"].state_dict().items()})
-        dcp_slots[:] = [dcp_slots[1], slot]
     else:
         state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict(),
                      optimizers=[opt.state_dict() for opt in optimizers])
-    if master:
-        write(path, state, keep_previous=keep_previous)
-        if parallel == "fsdp":  # shards no checkpoint names any more
+    agree(_write_on(master, path, state, keep_previous))
+    if parallel == "fsdp":
+        dcp_slots[:] = [dcp_slots[1], slot]
+        if master:  # shards no checkpoint names any more
             for slot in DCP_SLOTS:
                 if slot not in dcp_slots:
                     shutil.rmtree(os.path.join(out_dir, "ckpt_dcp", slot), ignore_errors=True)
 
 
+def _write_on(master, path, state, keep_previous=False):
+    """write() on rank 0; what went wrong (a full disk) as a message, None if nothing did."""
+    try:
+        if master:
+            write(path, state, keep_previous=keep_previous)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def agree(problem):
+    """Raise CheckpointError on every rank if any rank had a problem (its message, or None): all
+    ranks end together, with the previous checkpoint intact, instead of the others waiting in
+    their next collective for the one that failed. One small collective per save."""
+    problem = parallelism.first_error(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
 def save_weights(path, state, modules, parallel, master):
     """best.pt: the whole weights (gathered onto rank 0 under FSDP) in the single-process format,
-    so evaluate.py reads it unchanged. Collective under FSDP."""
+    so evaluate.py reads it unchanged. Collective; the outcome is agreed over all ranks."""
     state = dict(state)
     if parallel == "fsdp":
         state.update(model=parallelism.full_state_dict(modules["model"]),
                      objective=parallelism.full_state_dict(modules["objective"]))
     else:
         state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict())
-    if master:
-        write(path, state)
+    agree(_write_on(master, path, state))
 
 
 def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots):

@@ -177,6 +177,17 @@ def mean_over_processes(values):
     return values / dist.get_world_size()
 
 
+def first_error(message):
+    """The first rank's message among every rank's (None where a rank found nothing wrong), on every
+    rank: what one rank found (a failed write, a lock rank 0 could not take) that all must act on
+    together, or the others would wait in their next collective. One all_gather_object."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return message
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next((m for m in messages if m is not None), None)
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()

@@ -48,7 +48,8 @@ from utils import (StopRequest, autocast_context, choose_device, choose_dtype, k
 out_dir = "out/lowres_baseline"
 data_dir = "data/shakespeare_char"   # holds train.bin, val.bin, meta.json (prepare_shakespeare.py)
 data_source = ""                     # if data_dir is tiny Shakespeare's and empty: prepare it from this URL / file
-init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint path to start from
+init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if out_dir holds a
+                                     # checkpoint, else scratch: a requeued job's one command), or a checkpoint path
 overwrite = False                    # a fresh run may replace a run already in out_dir (else it refuses)
 head_from_embedding = False          # with a checkpoint path: the (untied) LM head starts as a copy of wte
 eval_interval = 250
@@ -209,7 +210,7 @@ except ValueError as e:
     exit_config_error(e)
 objective.init_weights()  # trainable parts of the losses (NITP's head), if any
 
-if init_from not in ("scratch", "resume"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
+if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
     try:
         model.load_state_dict(checkpoint.starting_weights(init_from, model_config, head_from_embedding, device))
     except checkpoint.CheckpointError as e:
@@ -245,6 +246,14 @@ iter_num, best_val_loss = 0, float("inf")
 grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log_marginalization)
 
 # out_dir: only now, with every setting and file checked, is anything in it touched ------
+# one run at a time: rank 0 holds out_dir/run.lock for every rank; then 'auto' becomes 'resume' or 'scratch'
+try:
+    run_lock = checkpoint.lock_run(out_dir, sys.orig_argv) if master else None
+    init_from, problem = checkpoint.start_of(init_from, out_dir), None
+except checkpoint.CheckpointError as e:
+    problem = str(e)
+if problem := parallelism.first_error(problem):
+    sys.exit(f"error: {problem}" if master else 1)
 ckpt_path, best_path, log_path = (os.path.join(out_dir, n) for n in ("ckpt.pt", "best.pt", "log.jsonl"))
 checkpointed = torch.nn.ModuleDict({"model": model, "objective": objective})  # the keys of FSDP's sharded checkpoints
 dcp_slots = [None, None]  # FSDP: the ckpt_dcp/ folders that ckpt_prev.pt and ckpt.pt name
@@ -259,7 +268,6 @@ if master:
     if existing:
         checkpoint.clear_run(out_dir)
     checkpoint.remove_temporaries(out_dir)  # of a write that was killed
-    os.makedirs(out_dir, exist_ok=True)
 if init_from == "resume":
     try:
         resumed, resumed_path = checkpoint.load_latest(out_dir, device, master)
@@ -312,9 +320,9 @@ def save_latest():
     try:
         checkpoint.save_full(out_dir, run_state(full=True), checkpointed, optimizers, parallel, master, dcp_slots,
                              keep_previous)
-    except checkpoint.CheckpointError as e:
+    except checkpoint.CheckpointError as e:  # on every rank (checkpoint.agree)
         bar.close()
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {e}" if master else 1)
     keep_previous, last_saved_step = True, iter_num
 
 
@@ -392,8 +400,8 @@ while True:
             best_val_loss = last_eval["val"]
             try:
                 checkpoint.save_weights(best_path, run_state(full=False), checkpointed, parallel, master)
-            except checkpoint.CheckpointError as e:
-                sys.exit(f"error: {e}")
+            except checkpoint.CheckpointError as e:  # on every rank (checkpoint.agree)
+                sys.exit(f"error: {e}" if master else 1)
         save_latest()
         t_window, window_iters = time.perf_counter(), 0  # keep evaluation out of the speed figures
     elif checkpoint_interval and iter_num % checkpoint_interval == 0:
