@@ -219,6 +219,56 @@ def start_of(init_from, out_dir):
                           f"give another --out_dir")
 
 
+def open_run(out_dir, init_from, overwrite, master, command):
+    """Take out_dir for this run, before anything in it changes: rank 0 locks it (lock_run), 'auto'
+    becomes 'resume' or 'scratch' (start_of), and a fresh run refuses a run already there (a
+    forgotten --init_from=resume would lose it) unless overwrite, which then deletes it whole.
+    Returns (lock or None, init_from). Collective: a CheckpointError on any rank is raised on all."""
+    lock, problem, existing = None, None, []
+    try:
+        lock = lock_run(out_dir, command) if master else None
+        init_from = start_of(init_from, out_dir)
+        existing = existing_run(out_dir) if init_from != "resume" else []
+        if existing and not overwrite:
+            raise CheckpointError(f"{out_dir} already holds a run ({', '.join(existing)}). Continue it with "
+                                  f"--init_from=resume, start it over on purpose with --overwrite=True, or give "
+                                  f"another --out_dir.")
+    except CheckpointError as e:
+        problem = str(e)
+    agree(problem)
+    if master:
+        if existing:
+            clear_run(out_dir)
+        remove_temporaries(out_dir)  # of a write that was killed
+    return lock, init_from
+
+
+def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_slots, data_generator, clipper,
+           scaler):
+    """Continue the run in out_dir exactly: the newest readable full checkpoint (load_latest),
+    checked against config, loaded into modules and optimizers, and the data order, RNG, AdaGC and
+    loss-scale states set from it; the log lines from its step on are dropped (the loop logs them
+    again: the evaluation at that step, the steps a killed run logged after its checkpoint).
+    Returns (checkpoint, path)."""
+    checkpoint, path = load_latest(out_dir, device, master)
+    check_resumable(checkpoint, config, config["data_dir"])
+    restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
+    if master:
+        trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
+    # RNG states must be CPU tensors, whatever map_location moved them to
+    data_generator.set_state(checkpoint["data_rng"].cpu())
+    torch.set_rng_state(checkpoint["torch_rng"].cpu())
+    if torch.device(device).type == "cuda" and checkpoint.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(checkpoint["cuda_rng"].cpu())
+    if clipper is not None and checkpoint.get("adagc") is not None:
+        clipper.load_state_dict(checkpoint["adagc"])
+    if checkpoint.get("grad_scaler"):  # a float16 run's loss scale
+        scaler.load_state_dict(checkpoint["grad_scaler"])
+    if master:
+        print(f"resumed from {path} at iter {checkpoint['iter_num']}")
+    return checkpoint, path
+
+
 def json_step(path):
     try:
         with open(path) as f:

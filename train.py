@@ -246,53 +246,21 @@ iter_num, best_val_loss = 0, float("inf")
 grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log_marginalization)
 
 # out_dir: only now, with every setting and file checked, is anything in it touched ------
-# one run at a time: rank 0 holds out_dir/run.lock for every rank; then 'auto' becomes 'resume' or 'scratch'
-try:
-    run_lock = checkpoint.lock_run(out_dir, sys.orig_argv) if master else None
-    init_from, problem = checkpoint.start_of(init_from, out_dir), None
-except checkpoint.CheckpointError as e:
-    problem = str(e)
-if problem := parallelism.first_error(problem):
-    sys.exit(f"error: {problem}" if master else 1)
 ckpt_path, best_path, log_path = (os.path.join(out_dir, n) for n in ("ckpt.pt", "best.pt", "log.jsonl"))
 checkpointed = torch.nn.ModuleDict({"model": model, "objective": objective})  # the keys of FSDP's sharded checkpoints
 dcp_slots = [None, None]  # FSDP: the ckpt_dcp/ folders that ckpt_prev.pt and ckpt.pt name
-keep_previous = True      # False while ckpt.pt is the unreadable file a resume fell back from
-# a fresh run never replaces a run in out_dir by accident (a forgotten --init_from=resume would
-# otherwise lose it): only with overwrite=True, and then none of the old run's files are kept
-existing = checkpoint.existing_run(out_dir) if init_from != "resume" else []
-if existing and not overwrite:
-    sys.exit(f"error: {out_dir} already holds a run ({', '.join(existing)}). Continue it with --init_from=resume, "
-             f"start it over on purpose with --overwrite=True, or give another --out_dir.")
-if master:
-    if existing:
-        checkpoint.clear_run(out_dir)
-    checkpoint.remove_temporaries(out_dir)  # of a write that was killed
-if init_from == "resume":
-    try:
-        resumed, resumed_path = checkpoint.load_latest(out_dir, device, master)
-        checkpoint.check_resumable(resumed, config, data_dir)
-        checkpoint.restore(resumed, resumed_path, out_dir, checkpointed, optimizers, parallel, dcp_slots)
-        # drop log lines from iter_num on: the loop re-runs the evaluation at iter_num (same value)
-        # and the steps an interrupted run logged after its last checkpoint
-        if master:
-            checkpoint.trim_log(log_path, resumed["iter_num"])
-    except checkpoint.CheckpointError as e:
-        sys.exit(f"error: {e}")
-    keep_previous = resumed_path == ckpt_path
-    iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
-    # RNG states must be CPU tensors, whatever map_location moved them to
-    data_generator.set_state(resumed["data_rng"].cpu())
-    torch.set_rng_state(resumed["torch_rng"].cpu())
-    if on_cuda and resumed.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(resumed["cuda_rng"].cpu())
-    if clipper is not None and resumed.get("adagc") is not None:
-        clipper.load_state_dict(resumed["adagc"])
-    if resumed.get("grad_scaler"):  # a float16 run's loss scale
-        scaler.load_state_dict(resumed["grad_scaler"])
-    grad_parts = resumed.get("grad_parts", [])
-    if master:
-        print(f"resumed from {resumed_path} at iter {iter_num}")
+# one run at a time (rank 0 holds out_dir/run.lock for every rank); 'auto' becomes 'resume' or 'scratch';
+# a fresh run refuses a run already in out_dir unless overwrite=True
+try:
+    run_lock, init_from = checkpoint.open_run(out_dir, init_from, overwrite, master, sys.orig_argv)
+    if init_from == "resume":
+        resumed, resumed_path = checkpoint.resume(out_dir, config, device, master, checkpointed, optimizers, parallel,
+                                                  dcp_slots, data_generator, clipper, scaler)
+        iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
+        grad_parts = resumed.get("grad_parts", [])
+except checkpoint.CheckpointError as e:
+    sys.exit(f"error: {e}" if master else 1)
+keep_previous = init_from != "resume" or resumed_path == ckpt_path  # False: ckpt.pt is the unreadable file resumed past
 # Weights & Biases gets a copy of every log record (log below); a resume continues the same W&B run
 wandb_run = tracking.start_wandb(config, out_dir, resuming=init_from == "resume") if wandb_log and master else None
 
