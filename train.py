@@ -15,7 +15,6 @@ state is sharded (ckpt_dcp/). Ctrl-C, `kill` or a scheduler's SIGUSR1 finishes t
 ckpt.pt and prints the command that resumes; a non-finite loss stops the run before anything is saved.
 """
 
-import json
 import math
 import os
 import shlex
@@ -33,7 +32,7 @@ import parallelism
 import plan
 import prepare_shakespeare
 import tracking
-from configurator import TRAIN_RULES, ConfigError, check_train_config, exit_config_error, parse_config_or_exit
+from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import build_model
@@ -142,13 +141,7 @@ stop = StopRequest()  # from here on Ctrl-C / kill / SIGUSR1 end the run at the 
 
 world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; a plain `python train.py` is one process
 if dry_run:  # the plan of this run (plan.py) on these processes: nothing allocated, no data read, out_dir untouched
-    try:
-        plan_text = plan.format_plan(plan.make_plan(config, world_size))
-    except ConfigError as e:
-        exit_config_error(e)
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(plan_text)
-    sys.exit(0)
+    plan.print_plan_and_exit(config, world_size)
 problem = check_train_config(config, world_size)  # keys that must agree with each other
 if problem:
     exit_config_error(problem)
@@ -301,11 +294,8 @@ def stop_if_diverged(values, where, check_weights=False):
     at every weight, agreed over all ranks. Names the step, the non-finite terms and the last
     checkpoint that is still good; exits with status 1 and writes no metrics.json."""
     bad = [name for name, value in values.items() if isinstance(value, float) and not math.isfinite(value)]
-    if check_weights:
-        local_ok = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
-                       for p in model.parameters())
-        if parallelism.mean_over_processes(torch.tensor([0.0 if local_ok else 1.0], device=device)).item() > 0:
-            bad.append("weights")
+    if check_weights and not parallelism.all_finite(model.parameters(), device):
+        bad.append("weights")
     if bad:
         bar.close()
         sys.exit(f"error: training diverged at step {iter_num}: non-finite {', '.join(bad)} ({where}). Nothing from "
@@ -315,17 +305,9 @@ def stop_if_diverged(values, where, check_weights=False):
 
 
 def log(record):
-    if not master:
-        return
-    try:
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:  # a full disk: say so in one line (ckpt.pt is whole: writes are atomic)
+    if master and (problem := tracking.append_record(log_path, record, wandb_run)):
         bar.close()
-        sys.exit(f"error: could not append to {log_path}: {e.strerror}; resume with --init_from=resume once "
-                 f"there is space")
-    if wandb_run is not None:
-        wandb_run.log(record, step=record["iter"])
+        sys.exit(f"error: {problem}")
 
 
 # training loop ---------------------------------------------------------------
@@ -468,16 +450,6 @@ if log_marginalization and grad_parts:  # (parallel='none' only: one process)
 
 stop.release()  # the run is complete: from here Ctrl-C interrupts the final evaluation at once
 if final_eval and master:  # one process: best.pt holds the whole weights in any mode
-    try:
-        metrics = evaluate.evaluate_checkpoint(best_path, device=device)
-    except KeyboardInterrupt:
-        print(f"interrupted during the final evaluation; training is complete ({ckpt_path}, {best_path}): "
-              f"python evaluate.py {best_path} --out={os.path.join(out_dir, 'metrics.json')} writes metrics.json",
-              file=sys.stderr)
-        sys.exit(130)
-    # FLOPs of the whole run (all processes), evaluation included: tools/runner.py sums them over a grid
-    metrics = evaluate.with_run_flops(metrics, flops_done)
-    save_json(metrics, os.path.join(out_dir, "metrics.json"))
-    print(evaluate.format_metrics(metrics))
+    evaluate.write_run_metrics(out_dir, flops_done, device)
 if wandb_run is not None:
     wandb_run.finish()
