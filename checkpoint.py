@@ -102,6 +102,25 @@ def sharded_weights(directory, device="cpu"):
     return {module: {name: tensor.to(device) for name, tensor in part.items()} for module, part in weights.items()}
 
 
+def run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, training=None):
+    """What a checkpoint holds besides the weights (save_full and save_weights add those): config,
+    step and losses; the dataset's meta and resolved path (evaluate.py and sample.py run from
+    anywhere); training: what continuing exactly needs as well (training_state), for ckpt.pt."""
+    return {"model_config": model_config.__dict__, "config": config, "iter_num": iter_num,
+            "best_val_loss": best_val_loss, "last_eval": last_eval, "meta": meta,
+            "data_dir_resolved": os.path.realpath(config["data_dir"]), **(training or {})}
+
+
+def training_state(data_generator, clipper, scaler, grad_parts, flops_done, device):
+    """The state besides weights and optimizers that resume() sets back: data order and RNG states,
+    AdaGC's EMAs, the loss scale, FLOPs so far. Every rank draws the same random numbers, so rank
+    0's RNG states are everyone's."""
+    return dict(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
+                cuda_rng=torch.cuda.get_rng_state() if torch.device(device).type == "cuda" else None,
+                flops_done=dict(flops_done), adagc=clipper.state_dict() if clipper is not None else None,
+                grad_scaler=scaler.state_dict())
+
+
 def summary(state):
     """The readable JSON written beside a .pt: config, step and losses."""
     return {key: state.get(key) for key in ("config", "model_config", "iter_num", "best_val_loss", "last_eval")}

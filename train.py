@@ -259,18 +259,9 @@ wandb_run = tracking.start_wandb(config, out_dir, resuming=init_from == "resume"
 
 
 def run_state(full):
-    """What a checkpoint holds besides the weights (checkpoint.py adds those): config, step and
-    losses; the dataset's meta and resolved path (evaluate.py and sample.py run from anywhere);
-    full=True adds what continuing exactly needs: data and RNG states, FLOPs so far, AdaGC's
-    EMAs. Every rank draws the same random numbers, so rank 0's RNG states are everyone's."""
-    state = {"model_config": model_config.__dict__, "config": config, "iter_num": iter_num,
-             "best_val_loss": best_val_loss, "last_eval": last_eval, "meta": meta,
-             "data_dir_resolved": os.path.realpath(data_dir)}
-    if full:
-        state.update(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
-                     cuda_rng=torch.cuda.get_rng_state() if on_cuda else None, flops_done=dict(flops_done),
-                     adagc=clipper.state_dict() if clipper is not None else None, grad_scaler=scaler.state_dict())
-    return state
+    """What a checkpoint holds besides the weights; full=True: all that continuing exactly needs."""
+    return checkpoint.run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, full and
+                                checkpoint.training_state(data_generator, clipper, scaler, grad_parts, flops_done, device))
 
 
 def save_latest():
@@ -444,9 +435,8 @@ if stopped:
     sys.exit(128 + (stop.signum or 15))
 
 if log_marginalization and grad_parts:  # (parallel='none' only: one process)
-    parts = torch.stack(grad_parts)  # (steps, 3, V)
-    ratios = evaluate.marginalization_report(parts, torch.from_numpy(train_data.astype(np.int64)), shift, meta["itos"])
-    save_json(ratios, os.path.join(out_dir, "marginalization.json"))
+    save_json(evaluate.marginalization_report(torch.stack(grad_parts), torch.from_numpy(train_data.astype(np.int64)),
+                                              shift, meta["itos"]), os.path.join(out_dir, "marginalization.json"))
 
 stop.release()  # the run is complete: from here Ctrl-C interrupts the final evaluation at once
 if final_eval and master:  # one process: best.pt holds the whole weights in any mode
