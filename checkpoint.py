@@ -20,6 +20,7 @@ import fcntl
 import json
 import os
 import pickle
+import shlex
 import shutil
 import socket
 import time
@@ -286,6 +287,14 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     if master:
         print(f"resumed from {path} at iter {checkpoint['iter_num']}")
     return checkpoint, path
+
+
+def resume_command(argv, world_size):
+    """The command that continues a stopped run: its own arguments with --init_from=resume (an
+    --overwrite dropped: it would start the run over)."""
+    args = [a for a in argv[1:] if not a.startswith(("--init_from=", "--overwrite="))]
+    launcher = f"torchrun --nproc_per_node={world_size}" if world_size > 1 else "python"
+    return f"{launcher} {os.path.basename(argv[0])} {shlex.join(args)} --init_from=resume"
 
 
 def json_step(path):

@@ -17,7 +17,6 @@ ckpt.pt and prints the command that resumes; a non-finite loss stops the run bef
 
 import math
 import os
-import shlex
 import sys
 import time
 
@@ -260,16 +259,19 @@ wandb_run = tracking.start_wandb(config, out_dir, resuming=init_from == "resume"
 
 def run_state(full):
     """What a checkpoint holds besides the weights; full=True: all that continuing exactly needs."""
-    return checkpoint.run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, full and
-                                checkpoint.training_state(data_generator, clipper, scaler, grad_parts, flops_done, device))
+    training = full and checkpoint.training_state(data_generator, clipper, scaler, grad_parts, flops_done, device)
+    return checkpoint.run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, training)
 
 
-def save_latest():
-    """ckpt.pt (the previous one kept as ckpt_prev.pt), after checking that no weight is
-    non-finite; a failed write (a full disk) ends the run with the previous checkpoint intact."""
+def save_latest(best=False):
+    """ckpt.pt (the previous one kept as ckpt_prev.pt), and best=True also best.pt, after checking
+    that no weight is non-finite; a failed write (a full disk) ends the run on every rank with the
+    previous checkpoint intact."""
     global keep_previous, last_saved_step
     stop_if_diverged({}, "before writing a checkpoint", check_weights=True)
     try:
+        if best:
+            checkpoint.save_weights(best_path, run_state(full=False), checkpointed, parallel, master)
         checkpoint.save_full(out_dir, run_state(full=True), checkpointed, optimizers, parallel, master, dcp_slots,
                              keep_previous)
     except checkpoint.CheckpointError as e:  # on every rank (checkpoint.agree)
@@ -336,14 +338,10 @@ while True:
         flops_done["eval"] += flops_per_eval * world_size  # every rank evaluates the same batches
         log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
-        stop_if_diverged(last_eval, "validation", check_weights=True)  # no checkpoint holds a NaN
-        if last_eval["val"] < best_val_loss:
-            best_val_loss = last_eval["val"]
-            try:
-                checkpoint.save_weights(best_path, run_state(full=False), checkpointed, parallel, master)
-            except checkpoint.CheckpointError as e:  # on every rank (checkpoint.agree)
-                sys.exit(f"error: {e}" if master else 1)
-        save_latest()
+        stop_if_diverged(last_eval, "validation")  # no checkpoint holds a NaN (save_latest checks the weights)
+        best = last_eval["val"] < best_val_loss
+        best_val_loss = min(best_val_loss, last_eval["val"])
+        save_latest(best)
         t_window, window_iters = time.perf_counter(), 0  # keep evaluation out of the speed figures
     elif checkpoint_interval and iter_num % checkpoint_interval == 0:
         save_latest()  # between evaluations: what a preempted long run loses at most
@@ -354,12 +352,9 @@ while True:
         if last_saved_step != iter_num:
             save_latest()
         bar.close()
-        resume_args = [a for a in sys.argv[1:] if not a.startswith(("--init_from=", "--overwrite="))]
-        launcher = f"torchrun --nproc_per_node={world_size}" if world_size > 1 else "python"
         if master:
             print(f"stopped by {stop.name or 'a stop signal on another rank'} at step {iter_num}; the full state is "
-                  f"in {ckpt_path}. Resume with:\n  {launcher} train.py {shlex.join(resume_args)} --init_from=resume",
-                  flush=True)
+                  f"in {ckpt_path}. Resume with:\n  {checkpoint.resume_command(sys.argv, world_size)}", flush=True)
         stopped = True
         break
 
