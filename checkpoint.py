@@ -6,6 +6,7 @@ A run's out_dir holds
     ckpt.pt / ckpt.json            the latest full state: weights, optimizer, step, data and RNG state
     ckpt_prev.pt / ckpt_prev.json  the full state before it, kept in case the latest cannot be read
     best.pt / best.json            weights only, the best validation loss so far (what evaluate.py scores)
+    run.lock                       flock-ed by the run writing out_dir (lock_run); names it; not a run file
 Every .pt has a readable .json beside it (config, step, losses). Under FSDP the full state is
 sharded into ckpt_dcp/<slot>/ and ckpt.pt names the slot (parallelism.save_sharded).
 
