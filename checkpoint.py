@@ -6,6 +6,7 @@ A run's out_dir holds
     ckpt.pt / ckpt.json            the latest full state: weights, optimizer, step, data and RNG state
     ckpt_prev.pt / ckpt_prev.json  the full state before it, kept in case the latest cannot be read
     best.pt / best.json            weights only, the best validation loss so far (what evaluate.py scores)
+    run.lock                       flock-ed by the run writing out_dir (lock_run); names it; not a run file
 Every .pt has a readable .json beside it (config, step, losses). Under FSDP the full state is
 sharded into ckpt_dcp/<slot>/ and ckpt.pt names the slot (parallelism.save_sharded).
 
@@ -16,10 +17,14 @@ the file.
 """
 
 import errno
+import fcntl
 import json
 import os
 import pickle
+import shlex
 import shutil
+import socket
+import time
 import zipfile
 
 import torch
@@ -31,6 +36,7 @@ from utils import LogError, atomic_write, read_log, save_json, save_text
 # the files of a run: a fresh run refuses an out_dir holding any of them
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
              "metrics.json", "marginalization.json", tracking.ID_FILE)
+LOCK_FILE = "run.lock"  # held (flock) by the one run that writes out_dir; not a run file
 DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders: the latest, the previous, and the one being written
 
 
@@ -98,6 +104,25 @@ def sharded_weights(directory, device="cpu"):
     return {module: {name: tensor.to(device) for name, tensor in part.items()} for module, part in weights.items()}
 
 
+def run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, training=None):
+    """What a checkpoint holds besides the weights (save_full and save_weights add those): config,
+    step and losses; the dataset's meta and resolved path (evaluate.py and sample.py run from
+    anywhere); training: what continuing exactly needs as well (training_state), for ckpt.pt."""
+    return {"model_config": model_config.__dict__, "config": config, "iter_num": iter_num,
+            "best_val_loss": best_val_loss, "last_eval": last_eval, "meta": meta,
+            "data_dir_resolved": os.path.realpath(config["data_dir"]), **(training or {})}
+
+
+def training_state(data_generator, clipper, scaler, grad_parts, flops_done, device):
+    """The state besides weights and optimizers that resume() sets back: data order and RNG states,
+    AdaGC's EMAs, the loss scale, FLOPs so far. Every rank draws the same random numbers, so rank
+    0's RNG states are everyone's."""
+    return dict(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
+                cuda_rng=torch.cuda.get_rng_state() if torch.device(device).type == "cuda" else None,
+                flops_done=dict(flops_done), adagc=clipper.state_dict() if clipper is not None else None,
+                grad_scaler=scaler.state_dict())
+
+
 def summary(state):
     """The readable JSON written beside a .pt: config, step and losses."""
     return {key: state.get(key) for key in ("config", "model_config", "iter_num", "best_val_loss", "last_eval")}
@@ -157,6 +182,120 @@ def clear_run(out_dir):
     for name in existing_run(out_dir):
         os.remove(os.path.join(out_dir, name))
     shutil.rmtree(os.path.join(out_dir, "ckpt_dcp"), ignore_errors=True)
+
+
+def lock_run(out_dir, command):
+    """Make out_dir this process's for its whole life: an exclusive flock on out_dir/run.lock, so
+    that two runs never write one out_dir (a requeued job beside one still running, a command run
+    twice). Returns the open lock file: keep it open; the kernel drops the lock when the process
+    ends however it ends (kill -9 too), so a lock a dead run left is no obstacle. The holder (pid,
+    host, start, command) is written into the locked file itself, not renamed into place: a rename
+    would put an unlocked file at the path. Raises CheckpointError, before anything in out_dir is
+    changed, when out_dir cannot be a run's directory or a live run holds it."""
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise CheckpointError(f"out_dir {out_dir} is a file, not a directory; give another --out_dir")
+    path = os.path.join(out_dir, LOCK_FILE)
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+        lock = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
+    except OSError as e:
+        raise CheckpointError(f"cannot use {out_dir} as a run's directory ({e.strerror}); give an --out_dir "
+                              f"you can write to") from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        for _ in range(50):  # the holder writes its name just after it locks
+            holder = lock.read().strip()
+            if holder:
+                break
+            time.sleep(0.02)
+            lock.seek(0)
+        lock.close()
+        raise CheckpointError(f"{out_dir} is in use by a run that is still going ({holder or 'holder unknown'}); "
+                              f"wait for it to end or stop it, or give another --out_dir") from None
+    except OSError as e:  # ENOLCK: a network file system without lock support
+        lock.close()
+        raise CheckpointError(f"cannot lock {path} ({e.strerror}): the file system does not support locks; "
+                              f"put out_dir on a local or lock-capable file system (docs/runs.md)") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
+               f"{' '.join(command)}\n")
+    lock.flush()
+    return lock
+
+
+def start_of(init_from, out_dir):
+    """What init_from='auto' means for out_dir: 'resume' when it holds a checkpoint, 'scratch' when
+    it holds no run (the same command starts a job and continues it when it is requeued); a run
+    without a checkpoint to resume is refused. Other values are returned as they are."""
+    existing = existing_run(out_dir)
+    if init_from != "auto":
+        return init_from
+    if not existing:
+        return "scratch"
+    if "ckpt.pt" in existing or "ckpt_prev.pt" in existing:
+        return "resume"
+    raise CheckpointError(f"init_from='auto' but {out_dir} holds a run with no checkpoint to resume "
+                          f"({', '.join(existing)}); start it over with --init_from=scratch --overwrite=True or "
+                          f"give another --out_dir")
+
+
+def open_run(out_dir, init_from, overwrite, master, command):
+    """Take out_dir for this run, before anything in it changes: rank 0 locks it (lock_run), 'auto'
+    becomes 'resume' or 'scratch' (start_of), and a fresh run refuses a run already there (a
+    forgotten --init_from=resume would lose it) unless overwrite, which then deletes it whole.
+    Returns (lock or None, init_from). Collective: a CheckpointError on any rank is raised on all."""
+    lock, problem, existing = None, None, []
+    try:
+        lock = lock_run(out_dir, command) if master else None
+        init_from = start_of(init_from, out_dir)
+        existing = existing_run(out_dir) if init_from != "resume" else []
+        if existing and not overwrite:
+            raise CheckpointError(f"{out_dir} already holds a run ({', '.join(existing)}). Continue it with "
+                                  f"--init_from=resume, start it over on purpose with --overwrite=True, or give "
+                                  f"another --out_dir.")
+    except CheckpointError as e:
+        problem = str(e)
+    agree(problem)
+    if master:
+        if existing:
+            clear_run(out_dir)
+        remove_temporaries(out_dir)  # of a write that was killed
+    return lock, init_from
+
+
+def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_slots, data_generator, clipper,
+           scaler):
+    """Continue the run in out_dir exactly: the newest readable full checkpoint (load_latest),
+    checked against config, loaded into modules and optimizers, and the data order, RNG, AdaGC and
+    loss-scale states set from it; the log lines from its step on are dropped (the loop logs them
+    again: the evaluation at that step, the steps a killed run logged after its checkpoint).
+    Returns (checkpoint, path)."""
+    checkpoint, path = load_latest(out_dir, device, master)
+    check_resumable(checkpoint, config, config["data_dir"])
+    restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
+    if master:
+        trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
+    # RNG states must be CPU tensors, whatever map_location moved them to
+    data_generator.set_state(checkpoint["data_rng"].cpu())
+    torch.set_rng_state(checkpoint["torch_rng"].cpu())
+    if torch.device(device).type == "cuda" and checkpoint.get("cuda_rng") is not None:
+        torch.cuda.set_rng_state(checkpoint["cuda_rng"].cpu())
+    if clipper is not None and checkpoint.get("adagc") is not None:
+        clipper.load_state_dict(checkpoint["adagc"])
+    if checkpoint.get("grad_scaler"):  # a float16 run's loss scale
+        scaler.load_state_dict(checkpoint["grad_scaler"])
+    if master:
+        print(f"resumed from {path} at iter {checkpoint['iter_num']}")
+    return checkpoint, path
+
+
+def resume_command(argv, world_size):
+    """The command that continues a stopped run: its own arguments with --init_from=resume (an
+    --overwrite dropped: it would start the run over)."""
+    args = [a for a in argv[1:] if not a.startswith(("--init_from=", "--overwrite="))]
+    launcher = f"torchrun --nproc_per_node={world_size}" if world_size > 1 else "python"
+    return f"{launcher} {os.path.basename(argv[0])} {shlex.join(args)} --init_from=resume"
 
 
 def json_step(path):
@@ -260,7 +399,7 @@ def save_full(out_dir, state, modules, optimizers, parallel, master, dcp_slots, 
     rank 0 writes the whole weights and optimizer states. FSDP: every rank writes its shards into
     a slot of ckpt_dcp/ that neither ckpt.pt nor ckpt_prev.pt names, and ckpt.pt names it only
     once it is complete. dcp_slots: [previous, latest] slot names (None if none), updated here.
-    Collective under FSDP."""
+    Collective; whether the write succeeded is agreed over all ranks (agree)."""
     path = os.path.join(out_dir, "ckpt.pt")
     state = dict(state)
     if parallel == "fsdp":
@@ -270,33 +409,56 @@ def save_full(out_dir, state, modules, optimizers, parallel, master, dcp_slots, 
             shutil.rmtree(directory)
         parallelism.barrier()
         has_optimizer_state = any(opt.state for opt in optimizers)  # none before the first step
-        parallelism.save_sharded(directory, modules, optimizers, with_optimizers=has_optimizer_state)
-        parallelism.barrier()
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:  # every rank writes its shards; DCP tells every rank if any rank's write failed
+            parallelism.save_sharded(directory, modules, optimizers, with_optimizers=has_optimizer_state)
+            problem = None
+        except (OSError, RuntimeError, CheckpointException) as e:
+            problem = f"could not write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
+        agree(problem)
         state.update(dcp=os.path.join("ckpt_dcp", slot), dcp_previous=dcp_slots[1], dcp_optimizers=has_optimizer_state,
                      objective_shapes={k: list(v.shape) for k, v in modules["objective"].state_dict().items()})
-        dcp_slots[:] = [dcp_slots[1], slot]
     else:
         state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict(),
                      optimizers=[opt.state_dict() for opt in optimizers])
-    if master:
-        write(path, state, keep_previous=keep_previous)
-        if parallel == "fsdp":  # shards no checkpoint names any more
+    agree(_write_on(master, path, state, keep_previous))
+    if parallel == "fsdp":
+        dcp_slots[:] = [dcp_slots[1], slot]
+        if master:  # shards no checkpoint names any more
             for slot in DCP_SLOTS:
                 if slot not in dcp_slots:
                     shutil.rmtree(os.path.join(out_dir, "ckpt_dcp", slot), ignore_errors=True)
 
 
+def _write_on(master, path, state, keep_previous=False):
+    """write() on rank 0; what went wrong (a full disk) as a message, None if nothing did."""
+    try:
+        if master:
+            write(path, state, keep_previous=keep_previous)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def agree(problem):
+    """Raise CheckpointError on every rank if any rank had a problem (its message, or None): all
+    ranks end together, with the previous checkpoint intact, instead of the others waiting in
+    their next collective for the one that failed. One small collective per save."""
+    problem = parallelism.first_error(problem)
+    if problem is not None:
+        raise CheckpointError(problem)
+
+
 def save_weights(path, state, modules, parallel, master):
     """best.pt: the whole weights (gathered onto rank 0 under FSDP) in the single-process format,
-    so evaluate.py reads it unchanged. Collective under FSDP."""
+    so evaluate.py reads it unchanged. Collective; the outcome is agreed over all ranks."""
     state = dict(state)
     if parallel == "fsdp":
         state.update(model=parallelism.full_state_dict(modules["model"]),
                      objective=parallelism.full_state_dict(modules["objective"]))
     else:
         state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict())
-    if master:
-        write(path, state)
+    agree(_write_on(master, path, state))
 
 
 def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots):

@@ -188,9 +188,9 @@ def check_train_config(config, world_size):
                                        or c["cwt_weight"] > 0),
          "log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
          "(it splits the tied embedding's cross-entropy gradient)"),
-        (c["init_from"] not in ("scratch", "resume") and not os.path.isfile(c["init_from"]),
-         f"key 'init_from' must be 'scratch', 'resume' or an existing checkpoint file, got {c['init_from']!r}"),
-        (c["head_from_embedding"] and c["init_from"] not in ("scratch", "resume") and c["tie_weights"],
+        (c["init_from"] not in ("scratch", "resume", "auto") and not os.path.isfile(c["init_from"]),
+         f"key 'init_from' must be 'scratch', 'resume', 'auto' or an existing checkpoint file, got {c['init_from']!r}"),
+        (c["head_from_embedding"] and c["init_from"] not in ("scratch", "resume", "auto") and c["tie_weights"],
          "head_from_embedding=True needs tie_weights=False (a tied head is the embedding)"),
         (c["lr_schedule"] == "cosine" and c["lr_decay_iters"] <= c["warmup_iters"],
          f"key 'lr_decay_iters' ({c['lr_decay_iters']}) must be above warmup_iters ({c['warmup_iters']}) with the "

@@ -288,6 +288,23 @@ def evaluate_checkpoint(path, device="cpu", data_dir=None):
     return result
 
 
+def write_run_metrics(out_dir, run_flops, device):
+    """The end of a finished train.py run: score its best.pt, add the FLOPs the whole run executed
+    (all processes, evaluations included: tools/runner.py sums them over a grid), write
+    out_dir/metrics.json and print the table. Ctrl-C here leaves training complete: say how to
+    write metrics.json later, exit 130."""
+    best_path, metrics_path = os.path.join(out_dir, "best.pt"), os.path.join(out_dir, "metrics.json")
+    try:
+        result = evaluate_checkpoint(best_path, device=device)
+    except KeyboardInterrupt:
+        print(f"interrupted during the final evaluation; training is complete ({os.path.join(out_dir, 'ckpt.pt')}, "
+              f"{best_path}): python evaluate.py {best_path} --out={metrics_path} writes metrics.json", file=sys.stderr)
+        sys.exit(130)
+    result = with_run_flops(result, run_flops)
+    save_json(result, metrics_path)
+    print(format_metrics(result))
+
+
 def marginalization_report(parts, train_data, shift, itos):
     """Stop Jostling's gradient ratios for the low-resource rows, rarest first.
     parts (S, 3, V): per training step, the norms of each embedding row's gradient from its use

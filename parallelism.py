@@ -177,6 +177,24 @@ def mean_over_processes(values):
     return values / dist.get_world_size()
 
 
+def all_finite(parameters, device):
+    """Whether every weight on every rank is finite (each rank looks at its own shards); one
+    all-reduce."""
+    local = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all()) for p in parameters)
+    return mean_over_processes(torch.tensor([0.0 if local else 1.0], device=device)).item() == 0
+
+
+def first_error(message):
+    """The first rank's message among every rank's (None where a rank found nothing wrong), on every
+    rank: what one rank found (a failed write, a lock rank 0 could not take) that all must act on
+    together, or the others would wait in their next collective. One all_gather_object."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return message
+    messages = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, message)
+    return next((m for m in messages if m is not None), None)
+
+
 def barrier():
     if dist.is_initialized():
         dist.barrier()

@@ -370,6 +370,19 @@ def format_plan(p):
     return "\n".join(lines)
 
 
+def print_plan_and_exit(config, processes):
+    """train.py --dry_run=True: the plan of this run on these processes (nothing allocated, no data
+    read, out_dir untouched), printed by rank 0; a config the plan cannot take is one line, exit 2."""
+    from configurator import exit_config_error
+    try:
+        text = format_plan(make_plan(config, processes))
+    except ConfigError as e:
+        exit_config_error(e)
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(text)
+    sys.exit(0)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))

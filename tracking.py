@@ -12,6 +12,7 @@ out_dir/wandb_id.txt (one of the run's files, so --overwrite=True removes it and
 new id); --init_from=resume reads it back and passes it to wandb.init with resume="allow".
 """
 
+import json
 import os
 import secrets
 import sys
@@ -50,3 +51,17 @@ def start_wandb(config, out_dir, resuming):
                  f"log in with `wandb login`, or record locally with WANDB_MODE=offline")
     save_text(wandb_id + "\n", os.path.join(out_dir, ID_FILE))
     return run
+
+
+def append_record(log_path, record, wandb_run=None):
+    """Append one record to log.jsonl (and send it to W&B when a run is tracked). A failed append
+    (a full disk) is returned as one line, None otherwise: ckpt.pt stays whole (its writes are
+    atomic), so the run can be resumed once there is space."""
+    try:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError as e:
+        return f"could not append to {log_path}: {e.strerror}; resume with --init_from=resume once there is space"
+    if wandb_run is not None:
+        wandb_run.log(record, step=record["iter"])
+    return None

@@ -15,10 +15,8 @@ state is sharded (ckpt_dcp/). Ctrl-C, `kill` or a scheduler's SIGUSR1 finishes t
 ckpt.pt and prints the command that resumes; a non-finite loss stops the run before anything is saved.
 """
 
-import json
 import math
 import os
-import shlex
 import sys
 import time
 
@@ -33,7 +31,7 @@ import parallelism
 import plan
 import prepare_shakespeare
 import tracking
-from configurator import TRAIN_RULES, ConfigError, check_train_config, exit_config_error, parse_config_or_exit
+from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import build_model
@@ -48,7 +46,8 @@ from utils import (StopRequest, autocast_context, choose_device, choose_dtype, k
 out_dir = "out/lowres_baseline"
 data_dir = "data/shakespeare_char"   # holds train.bin, val.bin, meta.json (prepare_shakespeare.py)
 data_source = ""                     # if data_dir is tiny Shakespeare's and empty: prepare it from this URL / file
-init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), or a checkpoint path to start from
+init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if out_dir holds a
+                                     # checkpoint, else scratch: a requeued job's one command), or a checkpoint path
 overwrite = False                    # a fresh run may replace a run already in out_dir (else it refuses)
 head_from_embedding = False          # with a checkpoint path: the (untied) LM head starts as a copy of wte
 eval_interval = 250
@@ -141,13 +140,7 @@ stop = StopRequest()  # from here on Ctrl-C / kill / SIGUSR1 end the run at the 
 
 world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; a plain `python train.py` is one process
 if dry_run:  # the plan of this run (plan.py) on these processes: nothing allocated, no data read, out_dir untouched
-    try:
-        plan_text = plan.format_plan(plan.make_plan(config, world_size))
-    except ConfigError as e:
-        exit_config_error(e)
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(plan_text)
-    sys.exit(0)
+    plan.print_plan_and_exit(config, world_size)
 problem = check_train_config(config, world_size)  # keys that must agree with each other
 if problem:
     exit_config_error(problem)
@@ -209,7 +202,7 @@ except ValueError as e:
     exit_config_error(e)
 objective.init_weights()  # trainable parts of the losses (NITP's head), if any
 
-if init_from not in ("scratch", "resume"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
+if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
     try:
         model.load_state_dict(checkpoint.starting_weights(init_from, model_config, head_from_embedding, device))
     except checkpoint.CheckpointError as e:
@@ -248,73 +241,42 @@ grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log
 ckpt_path, best_path, log_path = (os.path.join(out_dir, n) for n in ("ckpt.pt", "best.pt", "log.jsonl"))
 checkpointed = torch.nn.ModuleDict({"model": model, "objective": objective})  # the keys of FSDP's sharded checkpoints
 dcp_slots = [None, None]  # FSDP: the ckpt_dcp/ folders that ckpt_prev.pt and ckpt.pt name
-keep_previous = True      # False while ckpt.pt is the unreadable file a resume fell back from
-# a fresh run never replaces a run in out_dir by accident (a forgotten --init_from=resume would
-# otherwise lose it): only with overwrite=True, and then none of the old run's files are kept
-existing = checkpoint.existing_run(out_dir) if init_from != "resume" else []
-if existing and not overwrite:
-    sys.exit(f"error: {out_dir} already holds a run ({', '.join(existing)}). Continue it with --init_from=resume, "
-             f"start it over on purpose with --overwrite=True, or give another --out_dir.")
-if master:
-    if existing:
-        checkpoint.clear_run(out_dir)
-    checkpoint.remove_temporaries(out_dir)  # of a write that was killed
-    os.makedirs(out_dir, exist_ok=True)
-if init_from == "resume":
-    try:
-        resumed, resumed_path = checkpoint.load_latest(out_dir, device, master)
-        checkpoint.check_resumable(resumed, config, data_dir)
-        checkpoint.restore(resumed, resumed_path, out_dir, checkpointed, optimizers, parallel, dcp_slots)
-        # drop log lines from iter_num on: the loop re-runs the evaluation at iter_num (same value)
-        # and the steps an interrupted run logged after its last checkpoint
-        if master:
-            checkpoint.trim_log(log_path, resumed["iter_num"])
-    except checkpoint.CheckpointError as e:
-        sys.exit(f"error: {e}")
-    keep_previous = resumed_path == ckpt_path
-    iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
-    # RNG states must be CPU tensors, whatever map_location moved them to
-    data_generator.set_state(resumed["data_rng"].cpu())
-    torch.set_rng_state(resumed["torch_rng"].cpu())
-    if on_cuda and resumed.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(resumed["cuda_rng"].cpu())
-    if clipper is not None and resumed.get("adagc") is not None:
-        clipper.load_state_dict(resumed["adagc"])
-    if resumed.get("grad_scaler"):  # a float16 run's loss scale
-        scaler.load_state_dict(resumed["grad_scaler"])
-    grad_parts = resumed.get("grad_parts", [])
-    if master:
-        print(f"resumed from {resumed_path} at iter {iter_num}")
+# one run at a time (rank 0 holds out_dir/run.lock for every rank); 'auto' becomes 'resume' or 'scratch';
+# a fresh run refuses a run already in out_dir unless overwrite=True
+try:
+    run_lock, init_from = checkpoint.open_run(out_dir, init_from, overwrite, master, sys.orig_argv)
+    if init_from == "resume":
+        resumed, resumed_path = checkpoint.resume(out_dir, config, device, master, checkpointed, optimizers, parallel,
+                                                  dcp_slots, data_generator, clipper, scaler)
+        iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
+        grad_parts = resumed.get("grad_parts", [])
+except checkpoint.CheckpointError as e:
+    sys.exit(f"error: {e}" if master else 1)
+keep_previous = init_from != "resume" or resumed_path == ckpt_path  # False: ckpt.pt is the unreadable file resumed past
 # Weights & Biases gets a copy of every log record (log below); a resume continues the same W&B run
 wandb_run = tracking.start_wandb(config, out_dir, resuming=init_from == "resume") if wandb_log and master else None
 
 
 def run_state(full):
-    """What a checkpoint holds besides the weights (checkpoint.py adds those): config, step and
-    losses; the dataset's meta and resolved path (evaluate.py and sample.py run from anywhere);
-    full=True adds what continuing exactly needs: data and RNG states, FLOPs so far, AdaGC's
-    EMAs. Every rank draws the same random numbers, so rank 0's RNG states are everyone's."""
-    state = {"model_config": model_config.__dict__, "config": config, "iter_num": iter_num,
-             "best_val_loss": best_val_loss, "last_eval": last_eval, "meta": meta,
-             "data_dir_resolved": os.path.realpath(data_dir)}
-    if full:
-        state.update(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
-                     cuda_rng=torch.cuda.get_rng_state() if on_cuda else None, flops_done=dict(flops_done),
-                     adagc=clipper.state_dict() if clipper is not None else None, grad_scaler=scaler.state_dict())
-    return state
+    """What a checkpoint holds besides the weights; full=True: all that continuing exactly needs."""
+    training = full and checkpoint.training_state(data_generator, clipper, scaler, grad_parts, flops_done, device)
+    return checkpoint.run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, training)
 
 
-def save_latest():
-    """ckpt.pt (the previous one kept as ckpt_prev.pt), after checking that no weight is
-    non-finite; a failed write (a full disk) ends the run with the previous checkpoint intact."""
+def save_latest(best=False):
+    """ckpt.pt (the previous one kept as ckpt_prev.pt), and best=True also best.pt, after checking
+    that no weight is non-finite; a failed write (a full disk) ends the run on every rank with the
+    previous checkpoint intact."""
     global keep_previous, last_saved_step
     stop_if_diverged({}, "before writing a checkpoint", check_weights=True)
     try:
+        if best:
+            checkpoint.save_weights(best_path, run_state(full=False), checkpointed, parallel, master)
         checkpoint.save_full(out_dir, run_state(full=True), checkpointed, optimizers, parallel, master, dcp_slots,
                              keep_previous)
-    except checkpoint.CheckpointError as e:
+    except checkpoint.CheckpointError as e:  # on every rank (checkpoint.agree)
         bar.close()
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: {e}" if master else 1)
     keep_previous, last_saved_step = True, iter_num
 
 
@@ -325,11 +287,8 @@ def stop_if_diverged(values, where, check_weights=False):
     at every weight, agreed over all ranks. Names the step, the non-finite terms and the last
     checkpoint that is still good; exits with status 1 and writes no metrics.json."""
     bad = [name for name, value in values.items() if isinstance(value, float) and not math.isfinite(value)]
-    if check_weights:
-        local_ok = all(bool(torch.isfinite(p.to_local() if hasattr(p, "to_local") else p).all())
-                       for p in model.parameters())
-        if parallelism.mean_over_processes(torch.tensor([0.0 if local_ok else 1.0], device=device)).item() > 0:
-            bad.append("weights")
+    if check_weights and not parallelism.all_finite(model.parameters(), device):
+        bad.append("weights")
     if bad:
         bar.close()
         sys.exit(f"error: training diverged at step {iter_num}: non-finite {', '.join(bad)} ({where}). Nothing from "
@@ -339,17 +298,9 @@ def stop_if_diverged(values, where, check_weights=False):
 
 
 def log(record):
-    if not master:
-        return
-    try:
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as e:  # a full disk: say so in one line (ckpt.pt is whole: writes are atomic)
+    if master and (problem := tracking.append_record(log_path, record, wandb_run)):
         bar.close()
-        sys.exit(f"error: could not append to {log_path}: {e.strerror}; resume with --init_from=resume once "
-                 f"there is space")
-    if wandb_run is not None:
-        wandb_run.log(record, step=record["iter"])
+        sys.exit(f"error: {problem}")
 
 
 # training loop ---------------------------------------------------------------
@@ -387,14 +338,10 @@ while True:
         flops_done["eval"] += flops_per_eval * world_size  # every rank evaluates the same batches
         log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
-        stop_if_diverged(last_eval, "validation", check_weights=True)  # no checkpoint holds a NaN
-        if last_eval["val"] < best_val_loss:
-            best_val_loss = last_eval["val"]
-            try:
-                checkpoint.save_weights(best_path, run_state(full=False), checkpointed, parallel, master)
-            except checkpoint.CheckpointError as e:
-                sys.exit(f"error: {e}")
-        save_latest()
+        stop_if_diverged(last_eval, "validation")  # no checkpoint holds a NaN (save_latest checks the weights)
+        best = last_eval["val"] < best_val_loss
+        best_val_loss = min(best_val_loss, last_eval["val"])
+        save_latest(best)
         t_window, window_iters = time.perf_counter(), 0  # keep evaluation out of the speed figures
     elif checkpoint_interval and iter_num % checkpoint_interval == 0:
         save_latest()  # between evaluations: what a preempted long run loses at most
@@ -405,12 +352,9 @@ while True:
         if last_saved_step != iter_num:
             save_latest()
         bar.close()
-        resume_args = [a for a in sys.argv[1:] if not a.startswith(("--init_from=", "--overwrite="))]
-        launcher = f"torchrun --nproc_per_node={world_size}" if world_size > 1 else "python"
         if master:
             print(f"stopped by {stop.name or 'a stop signal on another rank'} at step {iter_num}; the full state is "
-                  f"in {ckpt_path}. Resume with:\n  {launcher} train.py {shlex.join(resume_args)} --init_from=resume",
-                  flush=True)
+                  f"in {ckpt_path}. Resume with:\n  {checkpoint.resume_command(sys.argv, world_size)}", flush=True)
         stopped = True
         break
 
@@ -486,22 +430,11 @@ if stopped:
     sys.exit(128 + (stop.signum or 15))
 
 if log_marginalization and grad_parts:  # (parallel='none' only: one process)
-    parts = torch.stack(grad_parts)  # (steps, 3, V)
-    ratios = evaluate.marginalization_report(parts, torch.from_numpy(train_data.astype(np.int64)), shift, meta["itos"])
-    save_json(ratios, os.path.join(out_dir, "marginalization.json"))
+    save_json(evaluate.marginalization_report(torch.stack(grad_parts), torch.from_numpy(train_data.astype(np.int64)),
+                                              shift, meta["itos"]), os.path.join(out_dir, "marginalization.json"))
 
 stop.release()  # the run is complete: from here Ctrl-C interrupts the final evaluation at once
 if final_eval and master:  # one process: best.pt holds the whole weights in any mode
-    try:
-        metrics = evaluate.evaluate_checkpoint(best_path, device=device)
-    except KeyboardInterrupt:
-        print(f"interrupted during the final evaluation; training is complete ({ckpt_path}, {best_path}): "
-              f"python evaluate.py {best_path} --out={os.path.join(out_dir, 'metrics.json')} writes metrics.json",
-              file=sys.stderr)
-        sys.exit(130)
-    # FLOPs of the whole run (all processes), evaluation included: tools/runner.py sums them over a grid
-    metrics = evaluate.with_run_flops(metrics, flops_done)
-    save_json(metrics, os.path.join(out_dir, "metrics.json"))
-    print(evaluate.format_metrics(metrics))
+    evaluate.write_run_metrics(out_dir, flops_done, device)
 if wandb_run is not None:
     wandb_run.finish()

@@ -29,11 +29,14 @@ def command(out_dir, data, *args):
 
 
 def snapshot(*directories):
-    """Every file under the directories, path -> bytes."""
+    """Every file under the directories, path -> bytes; not run.lock, which names the last run that
+    held out_dir (a run that refuses after taking the lock names itself there)."""
     files = {}
     for directory in directories:
         for root, _, names in os.walk(directory):
             for name in names:
+                if name == "run.lock":
+                    continue
                 path = os.path.join(root, name)
                 with open(path, "rb") as f:
                     files[path] = f.read()

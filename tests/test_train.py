@@ -45,7 +45,7 @@ def test_run_writes_log_checkpoints_and_metrics(baseline_run):
     out, result = baseline_run
     assert "params:" in result.stdout and re.search(r"^metric +high +low$", result.stdout, re.M)  # both languages scored
     assert sorted(f for f in os.listdir(out)) == ["best.json", "best.pt", "ckpt.json", "ckpt.pt", "ckpt_prev.json",
-                                                  "ckpt_prev.pt", "log.jsonl", "metrics.json"]
+                                                  "ckpt_prev.pt", "log.jsonl", "metrics.json", "run.lock"]
     log = read_log(out)
     assert sorted(train_losses(out)) == list(range(20))
     evals = [r for r in log if "val" in r]
@@ -367,14 +367,15 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, data_dir):
     to go on, and no file of the old run changes; --overwrite=True starts over on purpose."""
     out = tmp_path / "run"
     train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4")
-    names = sorted(os.listdir(out))  # every file of the run
+    names = sorted(n for n in os.listdir(out) if n != "run.lock")  # the run's files (run.lock names its holder)
     before = {name: (out / name).read_bytes() for name in names}
     result = train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", check=False)
     assert result.returncode == 1
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: {out} already holds a run (") and "--init_from=resume" in message
     assert "--overwrite=True" in message
-    assert sorted(os.listdir(out)) == names and {name: (out / name).read_bytes() for name in names} == before
+    assert sorted(os.listdir(out)) == names + ["run.lock"]
+    assert {name: (out / name).read_bytes() for name in names} == before
     (out / ".ckpt.pt.k3j2x.tmp").write_bytes(b"half a checkpoint")  # what a killed write leaves
     train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--overwrite=True", "--seed=7")
     assert not any(name.endswith(".tmp") for name in os.listdir(out))
