@@ -241,7 +241,7 @@ def per_seed_table(g):
             when = departures(g, method, made)
             lines.append(f"| {method} | {len(acc)} | {' '.join(f'{a:.3f}' for a in acc)} | "
                          f"{len(made)} of {len(acc)} | {len(made) / len(acc):.2f} [{low:.2f}, {high:.2f}] | "
-                         f"{', '.join(f'{s} (step {when[s]})' for s in made) or '—'} | "
+                         f"{', '.join(f'{s} (step {when[s]})' if when[s] is not None else f'{s} (never {DEPARTURE_NATS} nats below)' for s in made) or '—'} | "
                          f"{' '.join(f'{t:.3f}' for t in twins)} |")
     return lines
 
