@@ -19,6 +19,7 @@ the file.
 import errno
 import fcntl
 import json
+import math
 import os
 import pickle
 import shlex
@@ -31,7 +32,7 @@ import torch
 
 import parallelism
 import tracking
-from utils import LogError, atomic_write, read_log, save_json, save_text
+from utils import LogError, atomic_write, exit_run, read_log, save_json, save_text
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
@@ -288,6 +289,65 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     if master:
         print(f"resumed from {path} at iter {checkpoint['iter_num']}")
     return checkpoint, path
+
+
+class RunFiles:
+    """What a run writes in out_dir while it trains, every failure ending the run on every rank
+    with one line (utils.exit_run) and ckpt.pt intact: log.jsonl (and W&B), ckpt.pt with the
+    previous one kept as ckpt_prev.pt (FSDP: shards in ckpt_dcp/), best.pt. A non-finite loss or
+    weight ends the run before anything from it is written, naming the last good checkpoint.
+    modules: ModuleDict {'model', 'objective'}; under torchrun only rank 0 (master) writes files."""
+
+    def __init__(self, out_dir, modules, optimizers, parallel, master, device, learning_rate):
+        self.out_dir, self.modules, self.optimizers, self.parallel, self.master = (out_dir, modules, optimizers,
+                                                                                  parallel, master)
+        self.device, self.learning_rate = device, learning_rate  # the divergence message suggests a smaller one
+        self.dcp_slots = [None, None]  # FSDP: the ckpt_dcp/ folders that ckpt_prev.pt and ckpt.pt name
+        self.keep_previous = True  # False: ckpt.pt is the unreadable file a resume fell back from
+        self.saved_step = None  # the step ckpt.pt holds
+        self.wandb_run = None
+
+    def resume(self, config, data_generator, clipper, scaler):
+        """resume() into this run's modules: the checkpoint it continues from."""
+        state, path = resume(self.out_dir, config, self.device, self.master, self.modules, self.optimizers,
+                             self.parallel, self.dcp_slots, data_generator, clipper, scaler)
+        self.keep_previous = path == os.path.join(self.out_dir, "ckpt.pt")
+        self.saved_step = state["iter_num"]
+        return state
+
+    def log(self, record):
+        if self.master and (problem := tracking.append_record(os.path.join(self.out_dir, "log.jsonl"), record,
+                                                              self.wandb_run)):
+            exit_run(problem)
+
+    def stop_if_diverged(self, values, where, step, check_weights=False):
+        """End the run when training has diverged, before anything is written from it: values
+        {name: float} are numbers already on the host (the logged losses, the evaluation), so this
+        adds no device sync to a training step; check_weights also looks at every weight, agreed
+        over all ranks. Exits with status 1 naming the step, the non-finite terms and the last
+        checkpoint that is still good."""
+        bad = [name for name, value in values.items() if isinstance(value, float) and not math.isfinite(value)]
+        if check_weights and not parallelism.all_finite(self.modules["model"].parameters(), self.device):
+            bad.append("weights")
+        if bad:
+            last = os.path.join(self.out_dir, "ckpt.pt" if self.keep_previous else "ckpt_prev.pt")
+            exit_run(f"training diverged at step {step}: non-finite {', '.join(bad)} ({where}). Nothing from this "
+                     f"step on was saved; the last good checkpoint is {last} (step {self.saved_step}). Resume from it "
+                     f"with a smaller learning_rate (now {self.learning_rate:g}): --init_from=resume "
+                     f"--learning_rate=...", self.master)
+
+    def save(self, state, training, best=False):
+        """ckpt.pt from run_state() + training_state(), and best=True also best.pt (weights only),
+        once every weight is checked finite. Collective."""
+        self.stop_if_diverged({}, "before writing a checkpoint", state["iter_num"], check_weights=True)
+        try:
+            if best:
+                save_weights(os.path.join(self.out_dir, "best.pt"), state, self.modules, self.parallel, self.master)
+            save_full(self.out_dir, {**state, **training}, self.modules, self.optimizers, self.parallel, self.master,
+                      self.dcp_slots, self.keep_previous)
+        except CheckpointError as e:  # on every rank (agree)
+            exit_run(str(e), self.master)
+        self.keep_previous, self.saved_step = True, state["iter_num"]
 
 
 def resume_command(argv, world_size):

@@ -364,6 +364,8 @@ class Objective(nn.Module):
       nitp_layer           target block k; 0 = max(1, round(0.2 L)) (~20 % depth)
       nitp_prenorm         predict from the last block's output instead of the final normed state
       nitp_hidden          head width; 0 = 4C
+      moe_aux              weight of a mixture of experts' router load-balancing loss, which the
+                           model computes (model.aux_loss) and forward() takes as router_loss
     """
 
     SETTINGS = ("margin", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau", "dispersion_variant",
@@ -373,12 +375,14 @@ class Objective(nn.Module):
     def from_config(cls, config):
         """The objective train.py's keys describe: `<loss>_weight` for each loss, SETTINGS by name."""
         weights = {name: config[f"{name}_weight"] for name in ("ce", "simreg", "dispersion", "nitp", "cwt")}
-        return cls(config["n_layer"], config["n_embd"], **weights, **{key: config[key] for key in cls.SETTINGS})
+        moe_aux = config["moe_aux_weight"] if config.get("n_expert", 1) > 1 else 0.0
+        return cls(config["n_layer"], config["n_embd"], **weights, **{key: config[key] for key in cls.SETTINGS},
+                   moe_aux=moe_aux)
 
     def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
                  simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
                  dispersion_layers="all", dispersion_positions=0, nitp=0.0, nitp_layer=0, nitp_prenorm=False,
-                 nitp_hidden=0, cwt=0.0):
+                 nitp_hidden=0, cwt=0.0, moe_aux=0.0):
         super().__init__()
         self.weights = {"ce": ce, "simreg": simreg, "dispersion": dispersion, "nitp": nitp, "cwt": cwt}
         for name, weight in self.weights.items():
@@ -393,6 +397,7 @@ class Objective(nn.Module):
         if not -1 <= simreg_layer <= n_layer:
             raise ValueError(f"simreg_layer must be -1 (final normed state) or 0..{n_layer}, got {simreg_layer}")
         self.n_layer = n_layer
+        self.moe_aux = moe_aux  # not in weights: a term of the router, not of the representations
         self.margin = margin
         self.simreg_tau, self.simreg_chunk_size, self.simreg_layer = simreg_tau, simreg_chunk_size or None, simreg_layer
         self.dispersion_tau, self.dispersion_variant = dispersion_tau, dispersion_variant
@@ -412,8 +417,10 @@ class Objective(nn.Module):
         for p in self.parameters():
             nn.init.normal_(p, mean=0.0, std=std)
 
-    def forward(self, logits, hidden_states, targets, wte, ignore_index=-1):
-        """-> (total, terms): the weighted sum and a dict of each active term's unweighted value."""
+    def forward(self, logits, hidden_states, targets, wte, ignore_index=-1, router_loss=None):
+        """-> (total, terms): the weighted sum and a dict of each active term's unweighted value.
+        router_loss: a mixture of experts' load-balancing loss of this forward (Mixtral; model.aux_loss),
+        added with weight moe_aux (computed per micro-batch like every term)."""
         terms = {}
         final = hidden_states[-1]
         if self.weights["ce"]:
@@ -433,5 +440,8 @@ class Objective(nn.Module):
             terms["nitp"] = nitp(self.nitp_head(source), hidden_states[self.nitp_layer])
         if self.weights["cwt"]:
             terms["cwt"] = cwt(final, targets, wte, ignore_index)
-        total = sum(self.weights[name] * value for name, value in terms.items())
+        if self.moe_aux and router_loss is not None:
+            terms["moe_aux"] = router_loss
+        weights = {**self.weights, "moe_aux": self.moe_aux}
+        total = sum(weights[name] * value for name, value in terms.items())
         return total, terms

@@ -365,6 +365,41 @@ def embedding_gradient_part_vectors(idx, targets, hidden, grad_logits, grad_embe
     return g_input, g_target, g_nontarget
 
 
+class EmbeddingGradientRecorder:
+    """Stop Jostling's marginalization record (log_marginalization): for every optimizer step the
+    norms of each embedding row's raw gradient (before clipping) split into its three parts,
+    a (3, V) tensor in `steps`. The training step calls watch() after the forward, add() after each
+    backward and end_step() after the optimizer; a disabled recorder does nothing. One process only
+    (the parts are summed over this process's micro-steps)."""
+
+    def __init__(self, enabled, vocab_size, steps=()):
+        self.enabled, self.vocab_size, self.steps = enabled, vocab_size, list(steps)
+        self.parts = 0
+
+    def watch(self, logits, hidden_states):
+        if self.enabled:  # keep the gradients that backward computes for the logits and the embedding output
+            logits.retain_grad()
+            hidden_states[0].retain_grad()
+
+    def add(self, idx, targets, logits, hidden_states, scaler):
+        """One micro-step's parts, summed into the step's before norms are taken; float16's loss
+        scale divided out (the same for every micro-step of a step)."""
+        if self.enabled:
+            C = hidden_states[0].size(-1)
+            parts = embedding_gradient_part_vectors(
+                idx.reshape(-1), targets.reshape(-1), hidden_states[-1].detach().reshape(-1, C).float(),
+                logits.grad.reshape(-1, self.vocab_size).float(), hidden_states[0].grad.reshape(-1, C).float(),
+                self.vocab_size)
+            self.parts = self.parts + torch.stack(parts) / scaler.get_scale()
+
+    def end_step(self, stepped):
+        """Keep the step's norms if the optimizer stepped (float16 skips steps with inf/NaN gradients)."""
+        if self.enabled:
+            if stepped:
+                self.steps.append(self.parts.norm(dim=-1).cpu())
+            self.parts = 0
+
+
 def marginalization_ratios(g_input, g_target, g_nontarget):
     """
     How strongly does the non-target push dominate each embedding row?

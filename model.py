@@ -15,9 +15,9 @@ hidden states that representation-level losses work on:
     hidden_states[-1]     the final state after ln_f, the one that feeds the LM head
 
 A mixture-of-experts model also leaves its router's load-balancing loss of the last forward
-pass in `model.aux_loss` (train.py adds it with its coefficient). train.py turns these into
-weighted losses (see losses.py). Parallelism, optimizers and the
-Stop Jostling "separated embeddings" (an optimizer-side property, see optim.py) live outside.
+pass in `model.aux_loss`. losses.Objective turns these into weighted losses, the router's
+included. Parallelism, optimizers and the Stop Jostling "separated embeddings" (an
+optimizer-side property, see optim.py) live outside.
 """
 
 import contextlib

@@ -162,9 +162,7 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
     x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
     with PeakTensorBytes() as counter, flash_attention_on_meta():
         logits, hidden = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
-        loss, _ = objective(logits, hidden, x, model.input_embedding())
-        if model_config.n_expert > 1:
-            loss = loss + config["moe_aux_weight"] * model.aux_loss
+        loss, _ = objective(logits, hidden, x, model.input_embedding(), router_loss=model.aux_loss)
         loss.backward()
         del loss, logits, hidden
     return counter.peak

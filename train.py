@@ -15,7 +15,6 @@ state is sharded (ckpt_dcp/). Ctrl-C, `kill` or a scheduler's SIGUSR1 finishes t
 ckpt.pt and prints the command that resumes; a non-finite loss stops the run before anything is saved.
 """
 
-import math
 import os
 import sys
 import time
@@ -36,8 +35,8 @@ from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import build_model
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
-from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
-                   save_json)
+from utils import (StopRequest, autocast_context, choose_device, choose_dtype, exit_run, keep_freed_memory,
+                   peak_flops, save_json)
 
 
 # -----------------------------------------------------------------------------
@@ -166,7 +165,7 @@ try:
     # train.bin / val.bin as read-only uint16 memmaps: only the sampled windows are ever read
     train_data, val_data = (load_tokens(data_dir, split, block_size, base_vocab) for split in ("train", "val"))
 except DataError as e:
-    sys.exit(f"error: {e}")
+    exit_run(e)
 vocab_size = vocab_size or dataset_vocab
 shift = base_vocab if low_resource else 0   # id offset of the low-resource language
 rank, local_rank = 0, 0
@@ -190,13 +189,10 @@ data_generator = torch.Generator().manual_seed(seed if data_seed is None else da
 # model, parallelism and optimizer --------------------------------------------
 # the plan's memory for this process (plan.py) against what the device has, before anything is allocated
 if check_memory and (problem := plan.device_memory_problem({**config, "dtype": dtype}, world_size, vocab_size, device)):
-    sys.exit(f"error: {problem}" if master else 1)
+    exit_run(problem, master)
 try:
     model_config = plan.model_config(config, vocab_size)
-except ValueError as e:
-    exit_config_error(e)
-model = build_model(model_config, device)
-try:
+    model = build_model(model_config, device)
     objective = Objective.from_config(config).to(device)
 except ValueError as e:
     exit_config_error(e)
@@ -206,7 +202,7 @@ if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fre
     try:
         model.load_state_dict(checkpoint.starting_weights(init_from, model_config, head_from_embedding, device))
     except checkpoint.CheckpointError as e:
-        sys.exit(f"error: {e}")
+        exit_run(e)
     except ValueError as e:
         exit_config_error(e)
     if master:
@@ -235,72 +231,25 @@ clip = clipper.clip_ if clipper is not None else None if grad_clip <= 0 else \
 # float16 only: loss scaling (optim.apply_gradients), a pass-through in every other dtype
 scaler = torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float16")
 iter_num, best_val_loss = 0, float("inf")
-grad_parts = []  # per step: (3, V) norms of the embedding gradient's parts (log_marginalization)
+# Stop Jostling's per-row gradient parts, every step (log_marginalization; metrics.py)
+grad_recorder = metrics.EmbeddingGradientRecorder(log_marginalization, vocab_size)
 
 # out_dir: only now, with every setting and file checked, is anything in it touched ------
-ckpt_path, best_path, log_path = (os.path.join(out_dir, n) for n in ("ckpt.pt", "best.pt", "log.jsonl"))
-checkpointed = torch.nn.ModuleDict({"model": model, "objective": objective})  # the keys of FSDP's sharded checkpoints
-dcp_slots = [None, None]  # FSDP: the ckpt_dcp/ folders that ckpt_prev.pt and ckpt.pt name
 # one run at a time (rank 0 holds out_dir/run.lock for every rank); 'auto' becomes 'resume' or 'scratch';
 # a fresh run refuses a run already in out_dir unless overwrite=True
+run_files = checkpoint.RunFiles(out_dir, torch.nn.ModuleDict({"model": model, "objective": objective}), optimizers,
+                                parallel, master, device, learning_rate)
 try:
     run_lock, init_from = checkpoint.open_run(out_dir, init_from, overwrite, master, sys.orig_argv)
     if init_from == "resume":
-        resumed, resumed_path = checkpoint.resume(out_dir, config, device, master, checkpointed, optimizers, parallel,
-                                                  dcp_slots, data_generator, clipper, scaler)
+        resumed = run_files.resume(config, data_generator, clipper, scaler)
         iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
-        grad_parts = resumed.get("grad_parts", [])
+        grad_recorder.steps = resumed.get("grad_parts", [])
 except checkpoint.CheckpointError as e:
-    sys.exit(f"error: {e}" if master else 1)
-keep_previous = init_from != "resume" or resumed_path == ckpt_path  # False: ckpt.pt is the unreadable file resumed past
-# Weights & Biases gets a copy of every log record (log below); a resume continues the same W&B run
+    exit_run(e, master)
+# Weights & Biases gets a copy of every log record; a resume continues the same W&B run
 wandb_run = tracking.start_wandb(config, out_dir, resuming=init_from == "resume") if wandb_log and master else None
-
-
-def run_state(full):
-    """What a checkpoint holds besides the weights; full=True: all that continuing exactly needs."""
-    training = full and checkpoint.training_state(data_generator, clipper, scaler, grad_parts, flops_done, device)
-    return checkpoint.run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, training)
-
-
-def save_latest(best=False):
-    """ckpt.pt (the previous one kept as ckpt_prev.pt), and best=True also best.pt, after checking
-    that no weight is non-finite; a failed write (a full disk) ends the run on every rank with the
-    previous checkpoint intact."""
-    global keep_previous, last_saved_step
-    stop_if_diverged({}, "before writing a checkpoint", check_weights=True)
-    try:
-        if best:
-            checkpoint.save_weights(best_path, run_state(full=False), checkpointed, parallel, master)
-        checkpoint.save_full(out_dir, run_state(full=True), checkpointed, optimizers, parallel, master, dcp_slots,
-                             keep_previous)
-    except checkpoint.CheckpointError as e:  # on every rank (checkpoint.agree)
-        bar.close()
-        sys.exit(f"error: {e}" if master else 1)
-    keep_previous, last_saved_step = True, iter_num
-
-
-def stop_if_diverged(values, where, check_weights=False):
-    """End the run when training has diverged, before anything is written from it: values
-    {name: float} are numbers already on the host (the logged losses, the evaluation), so this
-    adds no device sync to a training step; check_weights (before every checkpoint) also looks
-    at every weight, agreed over all ranks. Names the step, the non-finite terms and the last
-    checkpoint that is still good; exits with status 1 and writes no metrics.json."""
-    bad = [name for name, value in values.items() if isinstance(value, float) and not math.isfinite(value)]
-    if check_weights and not parallelism.all_finite(model.parameters(), device):
-        bad.append("weights")
-    if bad:
-        bar.close()
-        sys.exit(f"error: training diverged at step {iter_num}: non-finite {', '.join(bad)} ({where}). Nothing from "
-                 f"this step on was saved; the last good checkpoint is "
-                 f"{ckpt_path if keep_previous else ckpt_path[:-3] + '_prev.pt'} (step {last_saved_step}). Resume "
-                 f"from it with a smaller learning_rate (now {learning_rate:g}): --init_from=resume --learning_rate=...")
-
-
-def log(record):
-    if master and (problem := tracking.append_record(log_path, record, wandb_run)):
-        bar.close()
-        sys.exit(f"error: {problem}")
+run_files.wandb_run = wandb_run
 
 
 # training loop ---------------------------------------------------------------
@@ -318,10 +267,9 @@ if master:
           f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s{processes}")
 
 last_eval = None
-last_saved_step = iter_num if init_from == "resume" else None  # the step ckpt.pt holds
 # a stop takes effect between steps; one process reads its own flag every step, under torchrun the
 # ranks agree on it at each logged step through the all-reduce the log makes anyway (no extra sync)
-stopping, stopped = False, False  # stopped: the loop ended on a stop signal, not at max_iters
+stopping = False
 bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True,
            disable=not master)
 t_window, window_iters = time.perf_counter(), 0
@@ -331,31 +279,24 @@ while True:
         for group in opt.param_groups:
             group["lr"] = lr
 
-    if iter_num % eval_interval == 0 or iter_num == max_iters:
-        # the same batches on every rank: the same result everywhere
+    evaluating, best = iter_num % eval_interval == 0 or iter_num == max_iters, False
+    if evaluating:  # the same batches on every rank: the same result everywhere
         last_eval = evaluate.validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift,
                                                low_resource_prob, device, autocast)
         flops_done["eval"] += flops_per_eval * world_size  # every rank evaluates the same batches
-        log({"iter": iter_num, **last_eval})
+        run_files.log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
-        stop_if_diverged(last_eval, "validation")  # no checkpoint holds a NaN (save_latest checks the weights)
-        best = last_eval["val"] < best_val_loss
-        best_val_loss = min(best_val_loss, last_eval["val"])
-        save_latest(best)
-        t_window, window_iters = time.perf_counter(), 0  # keep evaluation out of the speed figures
-    elif checkpoint_interval and iter_num % checkpoint_interval == 0:
-        save_latest()  # between evaluations: what a preempted long run loses at most
-        t_window, window_iters = time.perf_counter(), 0
-    if iter_num >= max_iters:
-        break
-    if stopping:  # a stop signal: the step is finished; save it, say how to go on, exit 128 + signal
-        if last_saved_step != iter_num:
-            save_latest()
-        bar.close()
-        if master:
-            print(f"stopped by {stop.name or 'a stop signal on another rank'} at step {iter_num}; the full state is "
-                  f"in {ckpt_path}. Resume with:\n  {checkpoint.resume_command(sys.argv, world_size)}", flush=True)
-        stopped = True
+        run_files.stop_if_diverged(last_eval, "validation", iter_num)  # no checkpoint holds a NaN
+        best, best_val_loss = last_eval["val"] < best_val_loss, min(best_val_loss, last_eval["val"])
+    # ckpt.pt at every evaluation, every checkpoint_interval steps (what a preempted long run loses at
+    # most) and on a stop signal
+    if evaluating or (checkpoint_interval and iter_num % checkpoint_interval == 0) or \
+            (stopping and run_files.saved_step != iter_num):
+        run_files.save(checkpoint.run_state(config, model_config, meta, iter_num, best_val_loss, last_eval),
+                       checkpoint.training_state(data_generator, clipper, scaler, grad_recorder.steps, flops_done,
+                                                 device), best)
+        t_window, window_iters = time.perf_counter(), 0  # keep evaluation and saving out of the speed figures
+    if iter_num >= max_iters or stopping:
         break
 
     # The step's whole global batch is drawn at once, identically on every rank, and micro-step k
@@ -364,7 +305,7 @@ while True:
     # 4 micro-steps sees exactly what 2 processes with 2 micro-steps each see).
     starts, is_low = sample_windows(len(train_data), block_size, gradient_accumulation_steps * world_size * batch_size,
                                     data_generator, low_resource_prob)
-    step_parts, step_loss, step_terms = 0, 0.0, {}
+    step_loss, step_terms = 0.0, {}
     for micro_step in range(gradient_accumulation_steps):
         rows = slice((micro_step * world_size + rank) * batch_size, (micro_step * world_size + rank + 1) * batch_size)
         x, y = read_windows(train_data, starts[rows], is_low[rows], block_size, shift, device)
@@ -372,32 +313,18 @@ while True:
         with parallelism.gradient_sync((train_model, train_objective), micro_step == gradient_accumulation_steps - 1):
             with autocast:
                 logits, hidden_states = train_model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
-                loss, terms = train_objective(logits, hidden_states, y, model.input_embedding())
-                if n_expert > 1:  # Mixtral: keep the router from sending every token to the same experts
-                    # (computed per micro-batch, like every term: per rank, as with accumulation)
-                    terms["moe_aux"] = model.aux_loss
-                    loss = loss + moe_aux_weight * model.aux_loss
+                loss, terms = train_objective(logits, hidden_states, y, model.input_embedding(),
+                                              router_loss=model.aux_loss)
             loss = loss / gradient_accumulation_steps
-            if log_marginalization:
-                logits.retain_grad()
-                hidden_states[0].retain_grad()
+            grad_recorder.watch(logits, hidden_states)
             scaler.scale(loss).backward()
         step_loss = step_loss + loss.detach()  # the step's loss: the mean over its micro-steps
         for name, value in terms.items():
             step_terms[name] = step_terms.get(name, 0) + value.detach() / gradient_accumulation_steps
-        if log_marginalization:
-            # raw gradient (before clipping) of each embedding row, split into input / target /
-            # non-target parts; summed over micro-steps before taking norms
-            step_parts = step_parts + torch.stack(metrics.embedding_gradient_part_vectors(
-                x.reshape(-1), y.reshape(-1), hidden_states[-1].detach().reshape(-1, n_embd).float(),
-                logits.grad.reshape(-1, vocab_size).float(),
-                hidden_states[0].grad.reshape(-1, n_embd).float(), vocab_size))
+        grad_recorder.add(x, y, logits, hidden_states, scaler)
         del logits, hidden_states  # or they live on into the next forward: one more logits at the peak
-    if log_marginalization:  # the raw gradient's norms: float16's loss scale divided out (1.0 otherwise)
-        step_norms = step_parts.norm(dim=-1).cpu() / scaler.get_scale()
     stepped = apply_gradients(optimizers, scaler, clip)  # float16: unscaled first, skipped if any is inf/NaN
-    if log_marginalization and stepped:
-        grad_parts.append(step_norms)
+    grad_recorder.end_step(stepped)
     iter_num += 1
     window_iters += 1
     flops_done["train"] += flops_per_iter
@@ -418,20 +345,26 @@ while True:
                   "lr": lr, "ms_per_iter": 1000 * dt,
                   "tokens_per_s": tokens_per_iter / dt, "mfu": flops_per_iter / dt / peak,
                   **({"loss_scale": scaler.get_scale()} if scaler.is_enabled() else {})}
-        log(record)
-        stop_if_diverged({"loss": loss_value, **dict(zip(step_terms, term_values))}, "training")
+        run_files.log(record)
+        run_files.stop_if_diverged({"loss": loss_value, **dict(zip(step_terms, term_values))}, "training", iter_num)
         bar.set_postfix(loss=f"{loss_value:.4f}", tok_s=f"{record['tokens_per_s']:.0f}", mfu=f"{record['mfu']:.2f}")
         t_window, window_iters = time.perf_counter(), 0
 bar.close()
+stopped = stopping and iter_num < max_iters  # a stop signal ended the run (at max_iters it is complete)
+if stopped and master:  # the step is finished and saved: say how to go on, then exit 128 + signal
+    print(f"stopped by {stop.name or 'a stop signal on another rank'} at step {iter_num}; the full state is in "
+          f"{os.path.join(out_dir, 'ckpt.pt')}. Resume with:\n  {checkpoint.resume_command(sys.argv, world_size)}",
+          flush=True)
 if parallel != "none":  # nothing below needs the live model: the final evaluation reads best.pt
-    del train_model, train_objective, model, objective, checkpointed, optimizers, clipper, clip
+    del train_model, train_objective, model, objective, run_files, optimizers, clipper, clip
     parallelism.shutdown()
 if stopped:
     sys.exit(128 + (stop.signum or 15))
 
-if log_marginalization and grad_parts:  # (parallel='none' only: one process)
-    save_json(evaluate.marginalization_report(torch.stack(grad_parts), torch.from_numpy(train_data.astype(np.int64)),
-                                              shift, meta["itos"]), os.path.join(out_dir, "marginalization.json"))
+if grad_recorder.steps:  # (log_marginalization, parallel='none' only: one process)
+    save_json(evaluate.marginalization_report(torch.stack(grad_recorder.steps),
+                                              torch.from_numpy(train_data.astype(np.int64)), shift, meta["itos"]),
+              os.path.join(out_dir, "marginalization.json"))
 
 stop.release()  # the run is complete: from here Ctrl-C interrupts the final evaluation at once
 if final_eval and master:  # one process: best.pt holds the whole weights in any mode

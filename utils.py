@@ -13,6 +13,8 @@ import sys
 import tempfile
 import time
 
+from tqdm import tqdm
+
 
 def keep_freed_memory():
     """Tell glibc's malloc to keep freed memory for reuse instead of handing it back to the OS.
@@ -163,6 +165,15 @@ def atomic_write(path, write_fn):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def exit_run(message, master=True):
+    """End the process over a problem the user can act on: `error: message` on stderr and status 1
+    on rank 0, status 1 alone on the other ranks. A progress bar still open is closed first, so
+    the message gets a line of its own."""
+    for bar in list(getattr(tqdm, "_instances", ())):
+        bar.close()
+    sys.exit(f"error: {message}" if master else 1)
 
 
 class StopRequest:

@@ -493,6 +493,37 @@ def test_embedding_gradient_parts_match_loop():
         assert torch.allclose(got, exp, rtol=0, atol=1e-12)
 
 
+def test_recorder_sums_micro_steps_and_divides_out_the_loss_scale():
+    """The recorder as train.py drives it: a tied GPT, two micro-steps of a loss scaled by 4 (as
+    float16's GradScaler would): the three parts summed over micro-steps are the embedding's whole
+    gradient with the scale divided out, the kept norms are theirs, and a skipped step keeps none."""
+    from model import GPT, GPTConfig
+
+    class Scaler:  # GradScaler's one method the recorder reads
+        def get_scale(self):
+            return 4.0
+
+    torch.manual_seed(0)
+    V = 11
+    model = GPT(GPTConfig(vocab_size=V, block_size=6, n_layer=1, n_head=2, n_embd=8)).double()
+    recorder, norms = metrics.EmbeddingGradientRecorder(True, V), []
+    for stepped in (True, False):
+        model.zero_grad()
+        for _ in range(2):
+            x, y = torch.randint(0, V, (3, 6)), torch.randint(0, V, (3, 6))
+            logits, hidden_states = model(x, return_hidden_states=True)
+            recorder.watch(logits, hidden_states)
+            (4.0 * F.cross_entropy(logits.reshape(-1, V), y.reshape(-1)) / 2).backward()
+            recorder.add(x, y, logits, hidden_states, Scaler())
+        torch.testing.assert_close(recorder.parts.sum(0).double(), model.input_embedding().grad / 4.0)
+        norms.append(recorder.parts.norm(dim=-1))
+        recorder.end_step(stepped)
+    assert len(recorder.steps) == 1 and torch.equal(recorder.steps[0], norms[0])
+    disabled = metrics.EmbeddingGradientRecorder(False, V)
+    disabled.watch(None, None), disabled.add(None, None, None, None, None), disabled.end_step(True)
+    assert disabled.steps == []
+
+
 def test_embedding_gradient_parts_ignore_rows_masked():
     # nonzero grad_logits on an ignored row must not leak into (2) or (3)
     d = _tied_model_grads(seed=9)

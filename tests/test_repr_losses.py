@@ -2,6 +2,7 @@
 straight from the formulas in losses.py's docstrings (and the papers they cite), on tiny
 float64 tensors: same value and same autograd gradient."""
 
+import inspect
 import math
 
 import pytest
@@ -361,6 +362,27 @@ def test_objective_is_the_weighted_sum_of_the_plain_functions():
                           + 2 * expected["nitp"], atol=1e-12)
     assert objective.needs_logits and not Objective(L, C, ce=0.0, cwt=1.0).needs_logits
     assert sum(p.numel() for p in objective.parameters()) == 3 * C * 4 * C  # the SwiGLU head C -> 4C -> C
+
+
+def test_objective_adds_the_router_loss_of_a_mixture_of_experts():
+    """Mixtral's load-balancing term comes into the total through Objective, with weight moe_aux,
+    only when the config has experts; a dense model's router_loss (None) changes nothing."""
+    from losses import Objective, cross_entropy
+    torch.manual_seed(0)
+    B, T, C, V, L = 2, 5, 8, 11, 2
+    hidden = [torch.randn(B, T, C, dtype=torch.float64) for _ in range(L + 2)]
+    logits, targets = torch.randn(B, T, V, dtype=torch.float64), torch.randint(0, V, (B, T))
+    router_loss = torch.tensor(1.7, dtype=torch.float64)
+    ce = cross_entropy(logits, targets)
+    total, terms = Objective(L, C, moe_aux=0.02)(logits, hidden, targets, None, router_loss=router_loss)
+    assert terms.keys() == {"ce", "moe_aux"} and torch.equal(total, ce + 0.02 * router_loss)
+    assert Objective(L, C, moe_aux=0.02)(logits, hidden, targets, None)[1].keys() == {"ce"}
+    assert Objective(L, C)(logits, hidden, targets, None, router_loss=router_loss)[1].keys() == {"ce"}
+    defaults = inspect.signature(Objective).parameters
+    config = dict(n_layer=L, n_embd=C, ce_weight=1.0, simreg_weight=0.0, dispersion_weight=0.0, nitp_weight=0.0,
+                  cwt_weight=0.0, moe_aux_weight=0.02, **{key: defaults[key].default for key in Objective.SETTINGS})
+    assert Objective.from_config({**config, "n_expert": 8}).moe_aux == 0.02
+    assert Objective.from_config({**config, "n_expert": 1}).moe_aux == 0.0
 
 
 def test_l2_repel_is_bounded_below_as_states_grow_apart():

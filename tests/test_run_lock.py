@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from test_reliability import (ENV, LONG, assert_same_run, command, logged_step, snapshot, trajectory,
                               uninterrupted, wait_for)  # noqa: F401
 from test_train import REPO, TINY, read_log, train
@@ -97,19 +99,29 @@ def test_a_file_as_out_dir_is_one_line(tmp_path, data_dir):  # noqa: F811
     assert result.returncode == 1
     assert f"out_dir {path} is a file" in one_error_line(result.stderr)
     assert path.read_text() == "not a directory\n"
+    # a directory that cannot be made (under a file; the same branch as one the user may not write)
+    result = subprocess.run(command(str(path / "run"), data_dir, *SHORT), cwd=REPO, env=ENV, capture_output=True,
+                            text=True)
+    assert result.returncode == 1
+    assert f"cannot use {path / 'run'} as a run's directory (Not a directory)" in one_error_line(result.stderr)
+    assert path.read_text() == "not a directory\n"
 
 
-def test_a_failed_save_on_rank_0_ends_every_rank(tmp_path, data_dir):  # noqa: F811
-    """torchrun, 2 gloo processes, DDP: rank 0's checkpoint write fails (a file-size limit, as on
-    a full disk); both ranks exit 1 at once, with the previous checkpoint intact."""
-    out = tmp_path / "ddp"
-    args = ["--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False", "--parallel=ddp"]
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_failed_save_ends_every_rank(tmp_path, data_dir, parallel):  # noqa: F811
+    """torchrun, 2 gloo processes: a checkpoint write fails (a file-size limit, as on a full disk:
+    rank 0's ckpt.pt under DDP, every rank's shards under FSDP); both ranks exit 1 at once with
+    one message, and every file of the previous checkpoints is intact."""
+    out = tmp_path / parallel
+    args = ["--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False", f"--parallel={parallel}"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
                 "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TINY]
     first = subprocess.run([*torchrun, *args], cwd=REPO, env=ENV, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]
-    before = {name: (out / name).read_bytes() for name in ("ckpt.pt", "ckpt_prev.pt", "best.pt")}
-    limit = len(before["ckpt.pt"]) // 2
+    before = {path: path.read_bytes() for path in out.rglob("*") if path.is_file() and path.suffix != ".jsonl"
+              and path.name != "run.lock"}
+    assert {"ckpt.pt", "ckpt_prev.pt", "best.pt"} <= {path.name for path in before}
+    limit = min(len(data) for path, data in before.items() if path.suffix in (".pt", ".distcp")) // 2
 
     def limit_file_size():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
@@ -119,8 +131,9 @@ def test_a_failed_save_on_rank_0_ends_every_rank(tmp_path, data_dir):  # noqa: F
     result = subprocess.run([*torchrun, *args, "--max_iters=8", "--init_from=auto"], cwd=REPO, env=ENV,
                             capture_output=True, text=True, preexec_fn=limit_file_size, timeout=300)
     assert result.returncode != 0
-    assert result.stderr.count(f"error: could not write {out / 'ckpt.pt'}") == 1, result.stderr[-3000:]
+    failed = f"{out / 'ckpt.pt'}" if parallel == "ddp" else f"the shards in {out / 'ckpt_dcp'}"
+    assert result.stderr.count(f"error: could not write {failed}") == 1, result.stderr[-3000:]
     assert "exitcode  : 1" in result.stderr and "exitcode  : -" not in result.stderr, result.stderr[-3000:]
     assert 'train.py", line' not in result.stderr and "checkpoint.py" not in result.stderr  # (torchrun's own)
-    assert {name: (out / name).read_bytes() for name in before} == before
+    assert {path: path.read_bytes() for path in before} == before
     assert time.time() - t0 < 120
