@@ -28,6 +28,7 @@ import torch
 
 import checkpoint as checkpoints
 import metrics
+import parallelism
 from data import DataError, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
@@ -204,7 +205,7 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
 
 @torch.no_grad()
 def validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift, low_resource_prob,
-                      device, autocast):
+                      device, autocast, rank=0, world_size=1):
     """train.py's evaluation during training. Cross-entropy (never thresholded) on the same eval_iters validation batches every time
     (a fixed generator), in both languages. 'val' is the loss on the mixed batches, each window
     in the low-resource language with probability low_resource_prob, as in training; it is
@@ -213,6 +214,11 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     picked per window from the HR and LR passes (windows do not attend to each other). A run
     without CE (headless) keeps the checkpoint with the best weighted sum of its terms instead.
     The RNG is forked so that evaluation never changes the training run's random stream.
+    Under torchrun (rank, world_size) the batches are split over the ranks, batch i to rank
+    i % world_size, and one sum over the ranks puts every batch's losses together: each value
+    comes from one rank, the others add zeros, so the figures are exactly those of one process
+    evaluating every batch (collective: every rank runs the same number of forward passes, a
+    rank whose share is short repeats the last batch and discards it).
     shift > 0: the low-resource language's id offset (0: one language). Returns {"val", "val_high",
     "val_low" (two languages), "val_<term>" (each other active term; "val_ce" when headless),
     "twin_cos", "twin_top3" (two languages, char vocabulary: metrics.twin_alignment)}."""
@@ -221,24 +227,27 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     generator = torch.Generator().manual_seed(0)
     languages = (("high", 0), ("low", shift)) if low_resource else (("high", 0),)
     aux = [name for name, weight in objective.weights.items() if weight and name != "ce"]
-    per_window = {"high": [], "low": []}
-    masks, term_sums = [], dict.fromkeys(aux, 0.0)
+    B = batch_size
+    # every batch's draw on every rank (cheap: window starts and language picks), the same everywhere
+    draws = [(sample_windows(len(val_data), block_size, B, generator),
+              torch.rand(B, generator=generator) < low_resource_prob) for _ in range(eval_iters)]
+    # row i: batch i's window losses in each language and its other terms, from the rank that evaluated it
+    results = torch.zeros(eval_iters, 2 * B + len(aux), device=device)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_cuda else []):
-        for _ in range(eval_iters):
-            x, y = read_windows(val_data, *sample_windows(len(val_data), block_size, batch_size, generator), block_size,
-                                shift, device)
-            is_low = torch.rand(batch_size, generator=generator) < low_resource_prob
-            masks.append(is_low)
+        for i in range(rank, math.ceil(eval_iters / world_size) * world_size, world_size):
+            windows, is_low = draws[min(i, eval_iters - 1)]
+            x, y = read_windows(val_data, *windows, block_size, shift, device)
+            row = torch.zeros(2 * B + len(aux), device=device)
             passes = {}
-            for lang, offset in languages:
+            for k, (lang, offset) in enumerate(languages):
                 with autocast:
                     passes[lang] = model(x + offset, return_hidden_states=bool(aux))
                 logits = passes[lang][0] if aux else passes[lang]
                 # a window at a time: beside the logits only one window's log-softmax is held, not the
                 # batch's (at a 50304-token vocabulary the batch's would make evaluation the run's peak)
-                nll = torch.stack([torch.nn.functional.cross_entropy(window.float(), targets, reduction="none").mean()
-                                   for window, targets in zip(logits, y + offset)])
-                per_window[lang].append(nll.cpu())
+                row[k * B:(k + 1) * B] = torch.stack([
+                    torch.nn.functional.cross_entropy(window.float(), targets, reduction="none").mean()
+                    for window, targets in zip(logits, y + offset)])
             if aux:
                 logits, hidden = passes["high"]
                 if low_resource:
@@ -247,17 +256,22 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
                     hidden = [torch.where(pick, low_h, high_h) for low_h, high_h in zip(passes["low"][1], hidden)]
                 with autocast:
                     _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1), model.input_embedding())
-                for name in aux:
-                    term_sums[name] += terms[name].item() / eval_iters
+                row[2 * B:] = torch.stack([terms[name].float() for name in aux])
+            if i < eval_iters:
+                results[i] = row
     model.train()
-    high = torch.cat(per_window["high"])
+    results = parallelism.sum_over_processes(results).cpu()
+    high, low = results[:, :B].reshape(-1), results[:, B:2 * B].reshape(-1)
     out = {"val_high": high.mean().item()}
     if low_resource:
-        low = torch.cat(per_window["low"])
         out["val_low"] = low.mean().item()
-        out["val"] = torch.where(torch.cat(masks), low, high).mean().item()
+        out["val"] = torch.where(torch.cat([is_low for _, is_low in draws]), low, high).mean().item()
     else:
         out["val"] = out["val_high"]
+    term_sums = dict.fromkeys(aux, 0.0)
+    for batch_terms in results[:, 2 * B:].tolist():  # summed in batch order, as one process adds them
+        for name, value in zip(aux, batch_terms):
+            term_sums[name] += value / eval_iters
     out.update({f"val_{name}": value for name, value in term_sums.items()})
     if low_resource and 2 * shift <= 4096:  # the LR rows' alignment with their HR twins (a char vocabulary's
         embedding = model.input_embedding()  # 2V x 2V cosines are cheap; a BPE table's are not)

@@ -168,13 +168,20 @@ def gradient_sync(modules, enabled):
     return stack
 
 
+def sum_over_processes(values):
+    """The sum of a tensor over all ranks (a copy; the tensor itself on one process)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return values
+    values = values.clone()
+    dist.all_reduce(values)
+    return values
+
+
 def mean_over_processes(values):
     """The mean of a float tensor over all ranks (for logging: the loss of the global batch)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
-    values = values.clone()
-    dist.all_reduce(values)  # SUM: gloo has no AVG
-    return values / dist.get_world_size()
+    return sum_over_processes(values) / dist.get_world_size()  # SUM then divide: gloo has no AVG
 
 
 def all_finite(parameters, device):

@@ -92,10 +92,13 @@ def training_flops_per_token(model, objective, micro_batch_tokens, cwt):
     return model.flops_per_token(with_head=objective.needs_logits) + 6 * head + contrastive
 
 
-def evaluation_flops(model, config):
-    """FLOPs of one evaluation: eval_iters batches, each scored in every language, LM head on."""
+def evaluation_flops(model, config, processes=1):
+    """FLOPs of one evaluation over all processes: eval_iters batches split over them, each batch
+    scored in every language, LM head on; a process whose share is short repeats a batch
+    (evaluate.validation_losses), so every process runs ceil(eval_iters / processes)."""
     languages = 2 if config["low_resource"] else 1
-    tokens = config["eval_iters"] * languages * config["batch_size"] * config["block_size"]
+    batches = math.ceil(config["eval_iters"] / processes) * processes
+    tokens = batches * languages * config["batch_size"] * config["block_size"]
     return tokens * model.flops_per_token(backward=False)
 
 
@@ -324,8 +327,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True):
     tokens_per_step = micro_steps * B * T * processes
     flops_per_step = training_flops_per_token(model, objective, B * T, config["cwt_weight"] > 0) * tokens_per_step
     evaluations = config["max_iters"] // config["eval_interval"] + 1  # at step 0 and every eval_interval
-    # every rank evaluates the same batches
-    flops_per_run = flops_per_step * config["max_iters"] + evaluations * evaluation_flops(model, config) * processes
+    flops_per_run = flops_per_step * config["max_iters"] + evaluations * evaluation_flops(model, config, processes)
     per_gpu, parts = memory(model, config, processes, micro_steps, measure)
     return {"params": model.num_params(), "active_params": model.num_params(active=True),
             "objective_params": sum(p.numel() for p in objective.parameters()),

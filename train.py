@@ -256,7 +256,7 @@ run_files.wandb_run = wandb_run
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size * world_size  # over all processes
 # the FLOPs train.py counts for MFU and the grids' cost (plan.py: 6N + attention + the objective's own)
 flops_per_iter = plan.training_flops_per_token(model, objective, batch_size * block_size, cwt_weight > 0) * tokens_per_iter
-flops_per_eval = plan.evaluation_flops(model, config)
+flops_per_eval = plan.evaluation_flops(model, config, world_size)  # its batches split over the processes
 flops_done = {"train": 0, "eval": 0}  # what this run has executed (the grids' efficiency, tools/report.py)
 if init_from == "resume":
     flops_done = resumed.get("flops_done", flops_done)  # checkpoints from before the count: from 0
@@ -280,10 +280,10 @@ while True:
             group["lr"] = lr
 
     evaluating, best = iter_num % eval_interval == 0 or iter_num == max_iters, False
-    if evaluating:  # the same batches on every rank: the same result everywhere
+    if evaluating:  # the batches split over the ranks, the result the same everywhere
         last_eval = evaluate.validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift,
-                                               low_resource_prob, device, autocast)
-        flops_done["eval"] += flops_per_eval * world_size  # every rank evaluates the same batches
+                                               low_resource_prob, device, autocast, rank, world_size)
+        flops_done["eval"] += flops_per_eval
         run_files.log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
         run_files.stop_if_diverged(last_eval, "validation", iter_num)  # no checkpoint holds a NaN

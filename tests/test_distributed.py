@@ -25,10 +25,10 @@ FSDP_REFUSED = parallelism.fsdp_unavailable("cpu")
 needs_fsdp_on_cpu = pytest.mark.skipif(FSDP_REFUSED is not None, reason=FSDP_REFUSED or "")
 
 # B 2 per process, global batch 8: 4 micro-steps on one process, 2 on each of two; evaluations and
-# checkpoints at 0, 3 and 6. SimReg, NITP (parameters in the objective) and CWT (the input
+# checkpoints at 0, 3 and 6, of 3 batches split over the processes (one rank repeats a batch). SimReg, NITP (parameters in the objective) and CWT (the input
 # embedding used outside the model's forward) on.
 TINY = ["--n_layer=2", "--n_head=2", "--n_embd=16", "--block_size=16", "--batch_size=2", "--global_batch_size=8",
-        "--eval_interval=3", "--eval_iters=2", "--warmup_iters=2", "--lr_decay_iters=20", "--max_iters=6",
+        "--eval_interval=3", "--eval_iters=3", "--warmup_iters=2", "--lr_decay_iters=20", "--max_iters=6",
         "--log_interval=1", "--num_threads=1", "--final_eval=False",
         "--simreg_weight=1.0", "--simreg_tau=0.5", "--nitp_weight=1.0"]  # tau 0.01 gives ~1e-11 at this size
 GPT2 = ["--cwt_weight=0.5", "--grad_clip_mode=adagc", "--adagc_warmup=3"]  # AdaGC: both phases in 6 steps
@@ -75,6 +75,9 @@ def assert_same_run(a, b):
     assert sorted(losses_a) == sorted(losses_b) == list(range(6))
     for it in losses_a:
         assert losses_a[it] == pytest.approx(losses_b[it], rel=1e-6), it
+    # step 0: the same weights everywhere, so the evaluation split over the ranks is one process's, exactly
+    evaluation = [{k: v for k, v in read_log(run)[0].items() if k.startswith(("val", "twin"))} for run in (a, b)]
+    assert evaluation[0] == evaluation[1] and "val_simreg" in evaluation[0]
     terms = [k for k in read_log(a)[-2] if k in ("ce", "simreg", "nitp", "cwt", "moe_aux")]
     for ra, rb in zip(read_log(a), read_log(b)):  # every logged term and every evaluation
         for key in terms + [f"val_{t}" for t in terms] + ["val", "val_high", "val_low"]:
