@@ -8,7 +8,8 @@ A run's out_dir holds
     best.pt / best.json            weights only, the best validation loss so far (what evaluate.py scores)
     run.lock                       flock-ed by the run writing out_dir (lock_run); names it; not a run file
 Every .pt has a readable .json beside it (config, step, losses). Under FSDP the full state is
-sharded into ckpt_dcp/<slot>/ and ckpt.pt names the slot (parallelism.save_sharded).
+sharded into ckpt_dcp/<slot>/ and ckpt.pt names the slot (parallelism.save_sharded); best.pt's
+weights likewise into best_dcp/step_<iter>/.
 
 Writes go to a temporary file that is renamed into place (utils.atomic_write), so a kill at any
 moment leaves either the old or the new file, never half of one. Every function takes what it
@@ -38,7 +39,8 @@ from utils import LogError, atomic_write, exit_run, read_log, save_json, save_te
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
              "metrics.json", "marginalization.json", tracking.ID_FILE)
 LOCK_FILE = "run.lock"  # held (flock) by the one run that writes out_dir; not a run file
-DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders: the latest, the previous, and the one being written
+DCP_SLOTS = ("a", "b", "c")
+BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)  # FSDP shard folders: the latest, the previous, and the one being written
 
 
 class CheckpointError(Exception):
@@ -111,7 +113,8 @@ def run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, tr
     anywhere); training: what continuing exactly needs as well (training_state), for ckpt.pt."""
     return {"model_config": model_config.__dict__, "config": config, "iter_num": iter_num,
             "best_val_loss": best_val_loss, "last_eval": last_eval, "meta": meta,
-            "data_dir_resolved": os.path.realpath(config["data_dir"]), **(training or {})}
+            "data_dir_resolved": os.path.realpath(config["data_dir"]), "processes": parallelism.world_size(),
+            **(training or {})}
 
 
 def training_state(data_generator, clipper, scaler, grad_parts, flops_done, device):
@@ -126,7 +129,8 @@ def training_state(data_generator, clipper, scaler, grad_parts, flops_done, devi
 
 def summary(state):
     """The readable JSON written beside a .pt: config, step and losses."""
-    return {key: state.get(key) for key in ("config", "model_config", "iter_num", "best_val_loss", "last_eval")}
+    return {key: state.get(key) for key in ("config", "model_config", "iter_num", "best_val_loss", "last_eval",
+                                            "config_changes")}
 
 
 def write(path, state, keep_previous=False):
@@ -182,7 +186,8 @@ def clear_run(out_dir):
     """Delete a run on purpose (--overwrite=True): its files and FSDP shards, nothing else."""
     for name in existing_run(out_dir):
         os.remove(os.path.join(out_dir, name))
-    shutil.rmtree(os.path.join(out_dir, "ckpt_dcp"), ignore_errors=True)
+    for shards in ("ckpt_dcp", BEST_DCP):
+        shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)
 
 
 def lock_run(out_dir, command):
@@ -271,9 +276,9 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     checked against config, loaded into modules and optimizers, and the data order, RNG, AdaGC and
     loss-scale states set from it; the log lines from its step on are dropped (the loop logs them
     again: the evaluation at that step, the steps a killed run logged after its checkpoint).
-    Returns (checkpoint, path)."""
+    Returns (checkpoint, path, changes): changes as check_resumable returns them."""
     checkpoint, path = load_latest(out_dir, device, master)
-    check_resumable(checkpoint, config, config["data_dir"])
+    changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
     restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
     if master:
         trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
@@ -287,8 +292,9 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     if checkpoint.get("grad_scaler"):  # a float16 run's loss scale
         scaler.load_state_dict(checkpoint["grad_scaler"])
     if master:
-        print(f"resumed from {path} at iter {checkpoint['iter_num']}")
-    return checkpoint, path
+        print(f"resumed from {path} at iter {checkpoint['iter_num']}"
+              + "".join(f"; {key} {before!r} -> {after!r}" for key, (before, after) in changes.items()))
+    return checkpoint, path, changes
 
 
 class RunFiles:
@@ -306,13 +312,23 @@ class RunFiles:
         self.keep_previous = True  # False: ckpt.pt is the unreadable file a resume fell back from
         self.saved_step = None  # the step ckpt.pt holds
         self.wandb_run = None
+        # the training keys changed on a resume (--resume_changes), in every checkpoint from then on:
+        # [{"iter": step, "changes": {key: [before, after]}}]; the first 'before' of a key is its original value
+        self.config_changes = []
 
     def resume(self, config, data_generator, clipper, scaler):
-        """resume() into this run's modules: the checkpoint it continues from."""
-        state, path = resume(self.out_dir, config, self.device, self.master, self.modules, self.optimizers,
-                             self.parallel, self.dcp_slots, data_generator, clipper, scaler)
+        """resume() into this run's modules: the checkpoint it continues from. The config changes
+        it allowed join the run's history, and the history's events from the resumed step on go
+        (back) into log.jsonl, which resume() cut at that step."""
+        state, path, changes = resume(self.out_dir, config, self.device, self.master, self.modules, self.optimizers,
+                                      self.parallel, self.dcp_slots, data_generator, clipper, scaler)
         self.keep_previous = path == os.path.join(self.out_dir, "ckpt.pt")
         self.saved_step = state["iter_num"]
+        self.config_changes = state.get("config_changes", []) + (
+            [{"iter": state["iter_num"], "changes": changes}] if changes else [])
+        for event in self.config_changes:
+            if event["iter"] >= state["iter_num"]:
+                self.log({"iter": event["iter"], "event": "resume_changes", "changes": event["changes"]})
         return state
 
     def log(self, record):
@@ -340,6 +356,7 @@ class RunFiles:
         """ckpt.pt from run_state() + training_state(), and best=True also best.pt (weights only),
         once every weight is checked finite. Collective."""
         self.stop_if_diverged({}, "before writing a checkpoint", state["iter_num"], check_weights=True)
+        state = {**state, "config_changes": self.config_changes}
         try:
             if best:
                 save_weights(os.path.join(self.out_dir, "best.pt"), state, self.modules, self.parallel, self.master)
@@ -406,23 +423,56 @@ def starting_weights(path, model_config, head_from_embedding, device="cpu"):
     return weights
 
 
-# the config keys a run cannot change on resume (the model's shape and what the data means)
+# the config keys that give the weights their shapes and the data its meaning: never changed on a resume
 RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias", "tie_weights",
-               "low_resource", "separate_embeddings")
+               "vocab_size", "low_resource", "separate_embeddings")
+# the keys a resume may change: how long and how often, where and with what it runs, logging. Every
+# other key changes what is trained or what the run's record means, and must equal the checkpoint's
+# unless --resume_changes names it. The batch may be split differently (batch_size, accumulation,
+# processes) as long as the global batch stays the same: the data order does not depend on the split.
+RESUME_MAY_CHANGE = ("out_dir", "data_dir", "data_source", "init_from", "overwrite", "resume_changes", "max_iters",
+                     "eval_interval", "checkpoint_interval", "log_interval", "final_eval", "dry_run", "check_memory",
+                     "device", "num_threads", "compile", "parallel", "activation_checkpointing", "wandb_log",
+                     "wandb_project", "wandb_run_name", "batch_size", "gradient_accumulation_steps",
+                     "global_batch_size")
 
 
-def check_resumable(checkpoint, config, data_dir):
-    """Refuse to resume with a config that changes what the checkpoint means. data_dir compares
-    resolved paths: the same data named relatively or absolutely is the same data."""
+def global_batch(config, processes):
+    """Sequences per optimizer step over all processes."""
+    return config["global_batch_size"] or config["batch_size"] * config["gradient_accumulation_steps"] * processes
+
+
+def check_resumable(checkpoint, config, data_dir, processes=1):
+    """Refuse to resume with a config that changes what the checkpoint means or how it goes on
+    training, in one line listing every differing key with both values; the keys the user names
+    in config['resume_changes'] (comma-separated) may differ, and are returned as {key: [the
+    checkpoint's value, this config's]} for the run's record. Keys newer than the checkpoint count
+    as their default. data_dir compares resolved paths: the same data named relatively or
+    absolutely is the same data."""
     saved = checkpoint["config"]
     for key in RESUME_KEYS:
-        if saved.get(key, config[key]) != config[key]:  # keys newer than the checkpoint: their default
+        if saved.get(key, config[key]) != config[key]:
             raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was trained "
-                                  f"with {saved[key]!r}")
+                                  f"with {saved[key]!r} (it fixes the weights' shapes or the data's meaning)")
     saved_data = checkpoint.get("data_dir_resolved") or os.path.realpath(saved["data_dir"])
     if os.path.realpath(data_dir) != saved_data:
         raise CheckpointError(f"cannot resume: key 'data_dir' is {data_dir!r} ({os.path.realpath(data_dir)}) but "
                               f"the checkpoint was trained on {saved_data}")
+    differing = {key: [saved[key], value] for key, value in config.items()
+                 if key not in RESUME_MAY_CHANGE and key in saved and saved[key] != value}
+    if "processes" in checkpoint:  # a checkpoint from before the processes were recorded: per key
+        before, after = global_batch(saved, checkpoint["processes"]), global_batch(config, processes)
+        if before != after:
+            differing["global batch (sequences per step)"] = [before, after]
+    allowed = {name.strip() for name in config.get("resume_changes", "").split(",") if name.strip()}
+    refused = {key: values for key, values in differing.items() if key not in allowed}
+    if refused:
+        listed = "; ".join(f"{key}: {before!r} there, {after!r} here" for key, (before, after) in refused.items())
+        raise CheckpointError(f"cannot resume: this command changes how the run trains ({listed}). Resume with the "
+                              f"checkpoint's values, or name what you mean to change: "
+                              f"--resume_changes={','.join(k for k in refused if ' ' not in k)} (recorded in the "
+                              f"log and the checkpoint)")
+    return differing
 
 
 def data_dir_of(checkpoint, path, override=None):
@@ -510,15 +560,34 @@ def agree(problem):
 
 
 def save_weights(path, state, modules, parallel, master):
-    """best.pt: the whole weights (gathered onto rank 0 under FSDP) in the single-process format,
-    so evaluate.py reads it unchanged. Collective; the outcome is agreed over all ranks."""
+    """best.pt: the weights alone. One process and DDP: rank 0 writes them whole into best.pt.
+    FSDP: like ckpt.pt, every rank writes its own shards (no optimizer state, nothing gathered
+    onto one process) into best_dcp/step_<iter>/, and best.pt, written once they are complete,
+    names that folder; the folders best.pt no longer names are removed. load_with_weights reads
+    either kind whole (evaluate.py, sample.py, the HF export, init_from). Collective; the outcome is
+    agreed over all ranks."""
     state = dict(state)
     if parallel == "fsdp":
-        state.update(model=parallelism.full_state_dict(modules["model"]),
-                     objective=parallelism.full_state_dict(modules["objective"]))
+        best_dcp = os.path.join(os.path.dirname(path), BEST_DCP)
+        directory = os.path.join(best_dcp, f"step_{state['iter_num']}")
+        if master and os.path.exists(directory):  # from a killed run that got this far
+            shutil.rmtree(directory)
+        parallelism.barrier()
+        from torch.distributed.checkpoint.api import CheckpointException
+        try:
+            parallelism.save_sharded(directory, modules, [], with_optimizers=False)
+            problem = None
+        except (OSError, RuntimeError, CheckpointException) as e:  # DCP tells every rank if any rank's failed
+            problem = f"could not write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
+        agree(problem)
+        state["dcp"] = os.path.relpath(directory, os.path.dirname(path))
     else:
         state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict())
     agree(_write_on(master, path, state))
+    if parallel == "fsdp" and master:
+        for old in os.listdir(best_dcp):
+            if old != os.path.basename(directory):
+                shutil.rmtree(os.path.join(best_dcp, old), ignore_errors=True)
 
 
 def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots):

@@ -207,6 +207,8 @@ def check_train_config(config, world_size):
         (c["global_batch_size"] % (c["batch_size"] * world_size) if c["global_batch_size"] else False,
          f"key 'global_batch_size' ({c['global_batch_size']}) must be a multiple of batch_size ({c['batch_size']}) x "
          f"processes ({world_size})"),
+        (any(name.strip() not in c for name in c["resume_changes"].split(",") if name.strip()),
+         f"key 'resume_changes' must name keys of train.py, comma-separated, got {c['resume_changes']!r}"),
         (c["wandb_log"] and not _importable("wandb"),
          "wandb_log=True needs `pip install wandb` (an optional extra; WANDB_MODE=offline needs no account)"),
     ):

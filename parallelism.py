@@ -168,6 +168,11 @@ def gradient_sync(modules, enabled):
     return stack
 
 
+def world_size():
+    """The number of processes in the group (1 without one)."""
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
 def sum_over_processes(values):
     """The sum of a tensor over all ranks (a copy; the tensor itself on one process)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -254,10 +259,3 @@ def load_sharded(directory, modules, optimizers, with_optimizers=True):
         state = {"model": get_model_state_dict(modules)}
         dcp.load(state, checkpoint_id=directory)
         set_model_state_dict(modules, state["model"])
-
-
-def full_state_dict(module):
-    """The module's complete state dict on rank 0's CPU (empty on the other ranks), with the keys
-    of the unsharded module: what a single-process checkpoint holds. Collective."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -48,6 +48,8 @@ data_source = ""                     # if data_dir is tiny Shakespeare's and emp
 init_from = "scratch"                # 'scratch', 'resume' (out_dir/ckpt.pt), 'auto' (resume if out_dir holds a
                                      # checkpoint, else scratch: a requeued job's one command), or a checkpoint path
 overwrite = False                    # a fresh run may replace a run already in out_dir (else it refuses)
+resume_changes = ""                  # training keys a resume may change, e.g. "learning_rate,margin" (recorded in
+                                     # log.jsonl and the checkpoint); any other change is refused (docs/runs.md)
 head_from_embedding = False          # with a checkpoint path: the (untied) LM head starts as a copy of wte
 eval_interval = 250
 checkpoint_interval = 0              # also write ckpt.pt every this many steps; 0 = at evaluations only
@@ -367,7 +369,7 @@ if grad_recorder.steps:  # (log_marginalization, parallel='none' only: one proce
               os.path.join(out_dir, "marginalization.json"))
 
 stop.release()  # the run is complete: from here Ctrl-C interrupts the final evaluation at once
-if final_eval and master:  # one process: best.pt holds the whole weights in any mode
+if final_eval and master:  # one process: best.pt is read whole in any mode (FSDP: from its shards)
     evaluate.write_run_metrics(out_dir, flops_done, device)
 if wandb_run is not None:
     wandb_run.finish()

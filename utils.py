@@ -170,10 +170,18 @@ def atomic_write(path, write_fn):
 def exit_run(message, master=True):
     """End the process over a problem the user can act on: `error: message` on stderr and status 1
     on rank 0, status 1 alone on the other ranks. A progress bar still open is closed first, so
-    the message gets a line of its own."""
+    the message gets a line of its own. Under torchrun every rank leaves at once, without the
+    interpreter's teardown (os._exit after flushing): torchrun stops the ranks still running as
+    soon as one has exited, and a rank still tearing down would be reported killed by SIGTERM."""
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
-    sys.exit(f"error: {message}" if master else 1)
+    if master:
+        print(f"error: {message}", file=sys.stderr)
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.exit(1)
 
 
 class StopRequest:

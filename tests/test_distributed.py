@@ -102,9 +102,11 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     # shards on disk: exactly those that ckpt.pt and ckpt_prev.pt name (older ones are removed)
     named = {torch.load(fsdp / name, weights_only=True)["dcp"] for name in ("ckpt.pt", "ckpt_prev.pt")}
     assert {os.path.join("ckpt_dcp", slot) for slot in os.listdir(fsdp / "ckpt_dcp")} == named and len(named) == 2
-    # best.pt holds whole weights in the single-process format: evaluate.py reads it unchanged
+    # best.pt names its shards, written by every rank, one folder kept; evaluate.py reads it whole
     import checkpoint
     import evaluate
+    best = torch.load(fsdp / "best.pt", weights_only=True)
+    assert "model" not in best and os.listdir(fsdp / "best_dcp") == [os.path.basename(best["dcp"])]
     model, _ = evaluate.load_model(str(fsdp / "best.pt"))
     reference, _ = evaluate.load_model(str(single / "best.pt"))
     for (name, p), (_, q) in zip(model.state_dict().items(), reference.state_dict().items()):

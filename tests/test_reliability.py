@@ -251,6 +251,16 @@ BAD_INPUTS = [
      lambda out, data: _write(data + "/val.bin", b"\x01\x00" * 10), 1, "holds 10 tokens, fewer than one window"),
     ("fresh run on a run", [], None, 1, "already holds a run"),
     ("resume with another shape", ["--init_from=resume", "--n_layer=2"], None, 1, "cannot resume: key 'n_layer'"),
+    ("resume with another vocabulary", ["--init_from=resume", "--vocab_size=200"], None, 1,
+     "cannot resume: key 'vocab_size' is 200 but the checkpoint was trained with 0"),
+    ("resume with other training keys", ["--init_from=resume", "--margin=0.6", "--learning_rate=0.5", "--seed=7"],
+     None, 1, "(seed: 1337 there, 7 here; margin: None there, 0.6 here; learning_rate: 0.001 there, 0.5 here). "
+              "Resume with the checkpoint's values, or name what you mean to change: "
+              "--resume_changes=seed,margin,learning_rate"),
+    ("resume with another global batch", ["--init_from=resume", "--batch_size=2"], None, 1,
+     "global batch (sequences per step): 4 there, 2 here"),
+    ("resume_changes naming no key", ["--init_from=resume", "--resume_changes=learning_rat"], None, 2,
+     "key 'resume_changes' must name keys of train.py"),
 ]
 
 
@@ -285,6 +295,32 @@ def test_bad_input_is_one_line_and_changes_nothing(tmp_path, data_dir, finished_
     assert result.returncode == status, result.stderr[-2000:]
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.stderr[-2000:]
     assert snapshot(out, data) == before
+
+
+def test_a_resume_changes_only_what_it_names_and_records_it(tmp_path, data_dir, finished_run):  # noqa: F811
+    """--resume_changes=learning_rate: the run goes on with the new value, log.jsonl gets one event
+    at the resumed step with both values, and every later checkpoint keeps it (the original value
+    stays in the record); the same command again changes nothing more. The global batch split
+    differently (2 x 2 micro-steps for 4 x 1) is no change at all."""
+    import shutil
+    out = str(tmp_path / "run")
+    shutil.copytree(finished_run, out)
+    more = ["--max_iters=8", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False", "--init_from=resume"]
+    changed = [*more, "--resume_changes=learning_rate", "--learning_rate=0.0005"]
+    result = train(out, data_dir, *changed)
+    assert "resumed from" in result.stdout and "learning_rate 0.001 -> 0.0005" in result.stdout
+    events = [r for r in read_log(out) if r.get("event") == "resume_changes"]
+    assert events == [{"iter": 4, "event": "resume_changes", "changes": {"learning_rate": [0.001, 0.0005]}}]
+    with open(os.path.join(out, "ckpt.json")) as f:
+        record = json.load(f)
+    assert record["config"]["learning_rate"] == 0.0005
+    assert record["config_changes"] == [{"iter": 4, "changes": {"learning_rate": [0.001, 0.0005]}}]
+    train(out, data_dir, *changed[:-1], "--max_iters=10", "--learning_rate=0.0005", "--batch_size=2",
+          "--gradient_accumulation_steps=2")
+    assert [r for r in read_log(out) if r.get("event")] == events
+    with open(os.path.join(out, "ckpt.json")) as f:
+        assert json.load(f)["config_changes"] == record["config_changes"]
+    assert max(r["iter"] for r in read_log(out)) == 10
 
 
 def test_starting_from_another_run_checks_shape_and_head(tmp_path, data_dir, finished_run):  # noqa: F811

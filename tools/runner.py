@@ -27,6 +27,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+import checkpoint as checkpoints
 from tools.grids import run_dir, runs_of, stages
 from utils import atomic_write, measure_matmul_flops, read_log, save_json, save_text
 
@@ -277,7 +278,7 @@ def archive_embedding(out_dir, dest):
     source, target = os.path.join(out_dir, "best.pt"), os.path.join(dest, "embedding.npz")
     if os.path.exists(target) or not os.path.exists(source):
         return
-    checkpoint = torch.load(source, map_location="cpu", weights_only=True)
+    checkpoint = checkpoints.load_with_weights(source)  # an FSDP run's best.pt: read back from its shards
     wte, itos = checkpoint["model"]["wte.weight"].float().numpy(), checkpoint["meta"].get("itos")
     if itos is None or wte.size > 2 ** 16:
         return
