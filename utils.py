@@ -188,8 +188,10 @@ class StopRequest:
     """Turn SIGINT (Ctrl-C), SIGTERM (`kill`, torchrun passing on a stop) and SIGUSR1 (what a
     cluster scheduler such as SLURM's --signal sends before preempting a job) into a request the
     training loop reads between steps: it finishes the step, writes a checkpoint and exits with
-    128 + the signal's number, the shell's convention for "ended by a signal". A second Ctrl-C
-    while a stop is pending ends the process at once."""
+    128 + the signal's number, the shell's convention for "ended by a signal". A second SIGINT or
+    SIGTERM while a stop is pending (a step or an evaluation that takes long, a user who means it)
+    ends the process at once with that status, saying so: a checkpoint being written is left as
+    it was (writes are atomic), so the run resumes from its last one."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -199,8 +201,10 @@ class StopRequest:
             signal.signal(signum, self._note)
 
     def _note(self, signum, frame):
-        if self.signum == signal.SIGINT and signum == signal.SIGINT:
-            raise KeyboardInterrupt
+        if self.signum is not None and signum in (signal.SIGINT, signal.SIGTERM):
+            print(f"\n{signal.Signals(signum).name} while a stop was pending: ending now, without saving this step; "
+                  f"the last checkpoint is as it was", file=sys.stderr, flush=True)
+            raise SystemExit(128 + signum)
         self.signum = self.signum or signum
 
     @property

@@ -157,6 +157,25 @@ def test_a_stop_signal_saves_the_step_and_resumes_bit_identically(tmp_path, data
     assert_same_run(out, uninterrupted)
 
 
+def test_a_second_stop_signal_ends_a_long_evaluation_at_once(tmp_path, data_dir):  # noqa: F811
+    """The first SIGTERM waits for the step (here an evaluation of 200,000 batches, hours on this
+    machine); a second one ends the process at once, status 143, one line, nothing saved."""
+    out = str(tmp_path / "long")
+    process = subprocess.Popen(command(out, data_dir, "--eval_iters=200000"), cwd=REPO, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert wait_for(lambda: os.path.exists(os.path.join(out, "run.lock")), process)
+    time.sleep(2)  # in the evaluation at step 0
+    process.send_signal(signal.SIGTERM)
+    time.sleep(1)
+    assert process.poll() is None  # the first one only asks
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 128 + signal.SIGTERM
+    lines = [line for line in stderr.splitlines() if line.strip() and "%|" not in line]
+    assert len(lines) == 1 and "SIGTERM while a stop was pending: ending now" in lines[0], stderr[-2000:]
+    assert sorted(os.listdir(out)) == ["run.lock"]
+
+
 def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, data_dir):  # noqa: F811
     out = tmp_path / "fallback"
     train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False")

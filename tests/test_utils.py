@@ -9,18 +9,24 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from utils import StopRequest  # noqa: E402
 
 
-def test_a_stop_signal_is_noted_not_acted_on_and_a_second_ctrl_c_interrupts():
+def test_a_stop_signal_is_noted_not_acted_on_and_a_second_one_ends_at_once(capsys):
     stop = StopRequest()
     try:
         assert stop.signum is None and stop.name is None
-        os.kill(os.getpid(), signal.SIGTERM)  # the default action would end this process
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert stop.signum == signal.SIGTERM and stop.name == "SIGTERM"  # the first one counts
+        os.kill(os.getpid(), signal.SIGUSR1)  # a scheduler's warning
+        assert stop.signum == signal.SIGUSR1 and stop.name == "SIGUSR1"
+        os.kill(os.getpid(), signal.SIGUSR1)  # a repeated warning is the same request
+        assert stop.signum == signal.SIGUSR1
+        with pytest.raises(SystemExit) as ended:  # then the scheduler's SIGTERM: now
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert ended.value.code == 128 + signal.SIGTERM
+        assert "SIGTERM while a stop was pending: ending now" in capsys.readouterr().err
         stop.signum = None
-        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)  # the default action would interrupt
         assert stop.name == "SIGINT"
-        with pytest.raises(KeyboardInterrupt):  # pressed again: the user means it
+        with pytest.raises(SystemExit) as ended:  # pressed again: the user means it
             os.kill(os.getpid(), signal.SIGINT)
+        assert ended.value.code == 128 + signal.SIGINT
     finally:
         stop.release()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
