@@ -33,6 +33,7 @@ import torch
 
 import parallelism
 import tracking
+from data import DataError, dataset_mismatch, read_meta
 from utils import LogError, atomic_write, exit_run, read_log, save_json, save_text
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
@@ -406,13 +407,15 @@ def load_latest(out_dir, device, master=True):
     raise CheckpointError("cannot resume: " + "; ".join(problems))
 
 
-def starting_weights(path, model_config, head_from_embedding, device="cpu"):
+def starting_weights(path, model_config, head_from_embedding, data_dir, device="cpu"):
     """The weights of another run's checkpoint, to start a new run from (load them before the model
     is parallelized: plain, whole tensors). The model must have the same shape (tie_weights and
     dropout may differ). head_from_embedding: the new untied LM head starts as a copy of the input
     embedding -- CWT's second stage gives a headless model a head that way (headless LM paper,
-    Sec. 4.2). Raises CheckpointError for an unreadable file, ValueError for another shape."""
+    Sec. 4.2). Raises CheckpointError for an unreadable file or other tokens than data_dir's,
+    ValueError for another shape."""
     source = load_with_weights(path, device)
+    check_dataset(source, data_dir, whole=False)
     for key, value in source["model_config"].items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
             raise ValueError(f"cannot start from {path}: model key '{key}' is {getattr(model_config, key)!r} here "
@@ -458,6 +461,7 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
     if os.path.realpath(data_dir) != saved_data:
         raise CheckpointError(f"cannot resume: key 'data_dir' is {data_dir!r} ({os.path.realpath(data_dir)}) but "
                               f"the checkpoint was trained on {saved_data}")
+    check_dataset(checkpoint, data_dir)  # the same folder may hold other data by now
     differing = {key: [saved[key], value] for key, value in config.items()
                  if key not in RESUME_MAY_CHANGE and key in saved and saved[key] != value}
     if "processes" in checkpoint:  # a checkpoint from before the processes were recorded: per key
@@ -475,13 +479,25 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
     return differing
 
 
+def check_dataset(checkpoint, data_dir, whole=True):
+    """Raise CheckpointError when data_dir's dataset is not the one the checkpoint was trained on
+    (data.dataset_mismatch; whole=False: another text with the same tokens is fine)."""
+    try:
+        problem = dataset_mismatch(checkpoint.get("meta", {}), read_meta(data_dir), data_dir, whole)
+    except DataError as e:
+        raise CheckpointError(str(e)) from None
+    if problem:
+        raise CheckpointError(problem)
+
+
 def data_dir_of(checkpoint, path, override=None):
     """Where the checkpoint's dataset is, from wherever evaluate.py or sample.py runs: --data_dir
     if given, else the resolved path the run stored, else its data_dir as written (relative to the
-    working directory); one clear error when none exists."""
+    working directory); one clear error when none exists or when it holds another dataset."""
     candidates = [override] if override else [checkpoint.get("data_dir_resolved"), checkpoint["config"]["data_dir"]]
     for candidate in candidates:
         if candidate and os.path.exists(os.path.join(candidate, "val.bin")):
+            check_dataset(checkpoint, candidate)
             return candidate
     named = " or ".join(repr(c) for c in candidates if c)
     raise CheckpointError(f"the dataset of {path} is not at {named} (no val.bin there); pass --data_dir=...")

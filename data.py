@@ -115,11 +115,32 @@ def read_meta(data_dir):
     return meta
 
 
-def load_tokens(data_dir, split, block_size, vocab_size=None):
+def dataset_mismatch(recorded, meta, data_dir, whole=True):
+    """Why the dataset in data_dir (its meta.json: meta) is not the one a checkpoint recorded
+    (recorded: the meta it saved), in one line, or None. The tokenizer, the vocabulary and a char
+    vocabulary's characters always count; whole=True (evaluation, resume) also the split sizes and
+    the content hashes the preparation recorded; whole=False (starting a new run from a checkpoint)
+    lets the text differ."""
+    keys = ["tokenizer", "vocab_size", "itos"]
+    if whole:
+        keys += ["n_train", "n_val", "sha256", "train_sha256", "val_sha256"]
+    differing = [key for key in keys if key in recorded and key in meta and recorded[key] != meta[key]]
+    if not differing:
+        return None
+
+    def describe(m):
+        sizes = [f"{m[key]:,}" if isinstance(m.get(key), int) else "?" for key in ("n_train", "n_val")]
+        return f"{m.get('tokenizer', 'char')} tokens, vocab_size {m.get('vocab_size')}, {sizes[0]} train / {sizes[1]} val"
+    return (f"the dataset in {data_dir} is not the checkpoint's ({', '.join(differing)} differ): the checkpoint's "
+            f"is {describe(recorded)}; {data_dir} holds {describe(meta)}")
+
+
+def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
     """The split as a read-only uint16 memmap (a C4 shard is ~150M tokens: only the sampled windows
     are ever read and widened). It must hold at least one window of block_size + 1 tokens, and
     (if vocab_size is given) no id at or above vocab_size: an embedding lookup past the table
-    fails far from the cause."""
+    fails far from the cause. n_tokens: the size meta.json records for the split (a bin from
+    another preparation copied in), checked from the file's size alone."""
     path = os.path.join(data_dir, f"{split}.bin")
     if not os.path.isfile(path):
         raise DataError(f"missing {path}; prepare the dataset again")
@@ -129,6 +150,9 @@ def load_tokens(data_dir, split, block_size, vocab_size=None):
     if size // 2 < block_size + 1:
         raise DataError(f"{path} holds {size // 2} tokens, fewer than one window of block_size + 1 = "
                         f"{block_size + 1}; use a smaller block_size or more data")
+    if n_tokens is not None and size // 2 != n_tokens:
+        raise DataError(f"{path} holds {size // 2:,} tokens but meta.json says {n_tokens:,}: the two do not belong "
+                        f"together; prepare the dataset again")
     tokens = np.memmap(path, dtype=np.uint16, mode="r")
     if vocab_size is not None and int(tokens.max()) >= vocab_size:
         raise DataError(f"{path} holds token id {int(tokens.max())} but meta.json's vocab_size is {vocab_size}: the "

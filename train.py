@@ -165,7 +165,8 @@ try:
     if vocab_size and vocab_size < dataset_vocab:
         exit_config_error(f"key 'vocab_size' is {vocab_size} but the dataset in {data_dir} has {dataset_vocab} tokens")
     # train.bin / val.bin as read-only uint16 memmaps: only the sampled windows are ever read
-    train_data, val_data = (load_tokens(data_dir, split, block_size, base_vocab) for split in ("train", "val"))
+    train_data, val_data = (load_tokens(data_dir, split, block_size, base_vocab, meta.get(f"n_{split}"))
+                            for split in ("train", "val"))
 except DataError as e:
     exit_run(e)
 vocab_size = vocab_size or dataset_vocab
@@ -202,7 +203,8 @@ objective.init_weights()  # trainable parts of the losses (NITP's head), if any
 
 if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
     try:
-        model.load_state_dict(checkpoint.starting_weights(init_from, model_config, head_from_embedding, device))
+        model.load_state_dict(checkpoint.starting_weights(init_from, model_config, head_from_embedding, data_dir,
+                                                          device))
     except checkpoint.CheckpointError as e:
         exit_run(e)
     except ValueError as e:

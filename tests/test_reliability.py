@@ -266,6 +266,8 @@ BAD_INPUTS = [
      1, "has no positive integer 'vocab_size'"),
     ("vocabulary too small", [],
      lambda out, data: _meta(data, lambda m: m.update(vocab_size=5, itos=m["itos"][:5])), 1, "holds token id"),
+    ("a bin from another preparation", [], lambda out, data: _write(data + "/train.bin", b"\x01\x00" * 5000), 1,
+     "train.bin holds 5,000 tokens but meta.json says"),
     ("dataset shorter than a window", [],
      lambda out, data: _write(data + "/val.bin", b"\x01\x00" * 10), 1, "holds 10 tokens, fewer than one window"),
     ("fresh run on a run", [], None, 1, "already holds a run"),
@@ -284,7 +286,7 @@ BAD_INPUTS = [
 
 
 DATA_CASES = ("truncated meta.json", "meta.json without vocab_size", "vocabulary too small",
-              "dataset shorter than a window")
+              "a bin from another preparation", "dataset shorter than a window")
 
 
 @pytest.fixture(scope="module")
@@ -370,6 +372,39 @@ def test_evaluate_and_sample_on_broken_paths(tmp_path, script):
         result = run_tool(script, str(path))
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode == 1 and len(lines) == 1 and expected in lines[0], result.stderr[-2000:]
+
+
+def test_a_checkpoint_refuses_data_it_was_not_trained_on(tmp_path, data_dir):  # noqa: F811
+    """The dataset's identity travels in the checkpoint (its meta): evaluate.py on another dataset,
+    and a resume on a data_dir whose dataset was replaced, are one line (exit 1) naming both,
+    with nothing written; starting a new run from the checkpoint needs only the same tokens."""
+    import shutil
+    data, other = str(tmp_path / "data"), str(tmp_path / "other")
+    shutil.copytree(data_dir, data)
+    out = str(tmp_path / "run")
+    train(out, data, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False")
+    shutil.copytree(data_dir, other)
+    _meta(other, lambda m: m.update(n_val=m["n_val"] - 2, sha256="0" * 64))  # another text, the same characters
+    with open(os.path.join(other, "val.bin"), "r+b") as f:
+        f.truncate(os.path.getsize(f.name) - 4)
+    before = snapshot(out)
+    result = run_tool("evaluate.py", os.path.join(out, "best.pt"), f"--data_dir={other}")
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1, result.stderr[-2000:]
+    assert f"the dataset in {other} is not the checkpoint's (n_val, sha256 differ)" in lines[0]
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    assert f"char tokens, vocab_size {meta['vocab_size']}, {meta['n_train']:,} train / {meta['n_val']:,} val" in lines[0]
+    shutil.rmtree(data)
+    shutil.copytree(other, data)  # the run's own data_dir, its dataset replaced
+    result = subprocess.run(command(out, data, "--max_iters=6", "--eval_interval=2", "--lr_decay_iters=4",
+                                    "--final_eval=False", "--init_from=resume"), cwd=REPO, env=ENV,
+                            capture_output=True, text=True)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 1 and len(lines) == 1 and "is not the checkpoint's" in lines[0], result.stderr[-2000:]
+    assert snapshot(out) == before
+    train(str(tmp_path / "next"), data, f"--init_from={os.path.join(out, 'best.pt')}", "--max_iters=2",
+          "--final_eval=False")  # the same characters: a new run may start from it
 
 
 def test_checkpoints_work_from_any_directory_and_evaluate_keeps_what_a_run_wrote(tmp_path, data_dir):  # noqa: F811
