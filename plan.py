@@ -414,20 +414,26 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
     hours = flops_per_run / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes) / 3600
     compute_s = flops_per_step / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes)
 
-    def communication(micro_steps):  # bytes, and seconds at the link's Gb/s
+    def communication(micro_steps, processes=processes):  # bytes, and seconds at the link's Gb/s
         moved = communication_bytes(model, objective, config["parallel"], processes, micro_steps,
                                     gathered_bytes(config))
-        return {**moved, "seconds": moved["total"] * 8 / (link * 1e9),
-                "exposed_seconds": moved["exposed"] * 8 / (link * 1e9)}
+        gbps = link_of(gpu, processes, link_gbps)[0]
+        return {**moved, "seconds": moved["total"] * 8 / (gbps * 1e9),
+                "exposed_seconds": moved["exposed"] * 8 / (gbps * 1e9)}
     moved = communication(micro_steps)
     step_s = step_seconds(compute_s, moved["seconds"], moved["exposed_seconds"])
     # fewer micro-steps (a larger batch_size, the same tokens per step) gather FSDP's units fewer times:
-    # the most micro-steps whose communication compute would hide (None if not even one micro-step's)
+    # the most micro-steps whose communication compute would hide; failing that, the most processes
+    # (fewer than now, one micro-step each) on which the step's compute would hide it
     fewer = next(({"micro_steps": k, "seconds": communication(k)["seconds"],
                    "keys": f"--batch_size={B * micro_steps // k}"
                    + ("" if config["global_batch_size"] else f" --gradient_accumulation_steps={k}")}
                   for k in range(micro_steps - 1, 0, -1) if micro_steps % k == 0
                   and communication(k)["seconds"] <= compute_s), None)
+    sequences = config["global_batch_size"]
+    fewer_processes = next(({"processes": n, "keys": f"--batch_size={sequences // n}"}
+                            for n in range(processes - 1, 0, -1) if sequences and sequences % n == 0
+                            and communication(1, n)["seconds"] <= compute_s * processes / n), None)
     return {"params": model.num_params(), "active_params": model.num_params(active=True),
             "objective_params": sum(p.numel() for p in objective.parameters()),
             "processes": processes, "micro_batch": B, "seq_len": T, "micro_steps": micro_steps,
@@ -436,7 +442,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
             "gpu": gpu, "mfu": mfu, "hours": hours, "compute_seconds": compute_s,
             "communication": moved, "link_gbps": link, "link": link_name, "step_seconds": step_s,
             "hours_with_communication": hours + config["max_iters"] * (step_s - compute_s) / 3600,
-            "fewer_micro_steps": fewer,
+            "fewer_micro_steps": fewer, "fewer_processes": fewer_processes,
             "memory": per_gpu, "memory_parts": parts, "parallel": config["parallel"],
             "activation_checkpointing": config["activation_checkpointing"],
             "data": data_needed(config, tokens_per_step * config["max_iters"])}
@@ -488,10 +494,12 @@ def communication_lines(p):
         if fewer:
             fix = (f"{fewer['keys']} ({fewer['micro_steps']} micro-step(s)) would bring it to {fewer['seconds']:.2f} s "
                    f"(check its memory with {fewer['keys']}), as would a faster link")
-        elif regathers:
-            fix = "not even one micro-step would fix it: fewer processes (a larger batch_size each) or a faster link"
+        elif p["fewer_processes"]:
+            f = p["fewer_processes"]
+            fix = (f"on {f['processes']} processes, one micro-step of {f['keys']} each, compute would hide it (check "
+                   f"their memory), as would a faster link")
         else:
-            fix = "a larger global_batch_size (more compute per step), fewer processes or a faster link would fix it"
+            fix = "a larger global_batch_size (more compute per step) or a faster link would fix it"
         why = " (FSDP gathers the weights twice in every micro-step)" if regathers else ""
         lines.append(f"warning: communication ({c['seconds']:.2f} s/step) exceeds compute ({compute:.2f} s/step)"
                      f"{why}; {fix}")

@@ -220,6 +220,15 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
     finer = plan.make_plan({**config, "batch_size": batch // 2}, 64, measure=False)
     assert finer["communication"]["seconds"] > finer["compute_seconds"]
     assert "exceeds compute" not in plan.format_plan(plan.make_plan(config, 64, measure=False, link_gbps=3200))
+    # the mixture of experts gathers all 8 experts: not even one micro-step is enough on 64 processes, and
+    # the warning names the most processes whose one micro-step computes longer than it communicates
+    config = config_of("config/baseline_moe_8x1b.py")
+    warning = plan.format_plan(plan.make_plan(config, 64, measure=False)).split("warning: ")[1].split("\n")[0]
+    n = int(warning.split(" processes, one micro-step")[0].split("on ")[-1])
+    assert f"--batch_size={512 // n} each" in warning
+    for processes, hidden in ((n, True), (next(m for m in range(n + 1, 65) if 512 % m == 0), False)):
+        p = plan.make_plan({**config, "batch_size": 512 // processes}, processes, measure=False)
+        assert p["micro_steps"] == 1 and (p["communication"]["seconds"] <= p["compute_seconds"]) == hidden
 
 
 def test_plan_communication_is_what_a_real_step_moves():

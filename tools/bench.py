@@ -450,16 +450,17 @@ COMM_RUNS = {
 
 class CollectiveBytes(TorchDispatchMode):
     """Sums, by kind, the buffer of every collective the operations run under it call (c10d's ops,
-    which DDP's reducer and FSDP2 call, and the functional ones of DTensor): the whole tensor
-    gathered (all-gather), scattered (reduce-scatter's input) or reduced (all-reduce). Calls of
-    other collectives are counted by name."""
+    which DDP's reducer and FSDP2 call, and the functional ones): the whole tensor gathered
+    (all-gather), scattered (reduce-scatter's input) or reduced (all-reduce). Calls of other
+    collectives are counted by name. Not seen: what a DTensor runs inside the dispatch of an
+    operation on it (under FSDP, clipping's all-reduce of the gradient norm, one scalar)."""
 
     KINDS = {"gather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
              "all_reduce": "all_reduce"}
 
     def __init__(self):
         super().__init__()
-        self.buffers = {kind: 0 for kind in set(self.KINDS.values())}
+        self.buffers = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0)
         self.calls, self.other = {}, {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -530,18 +531,19 @@ def plan_comm(args, device, dtype):
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(command)} failed: {result.stderr[-2000:]}")
     rows = []
-    for record in map(json.loads, result.stdout.splitlines()):
+    for record in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")):
         if "skipped" in record:
-            rows.append((record["run"], "skipped: " + record["skipped"], "", "", ""))
+            rows.append((record["run"], "skipped: " + record["skipped"], "", "", "", ""))
             continue
         config = parse_config([*COMM_MODEL, *COMM_RUNS[record["run"]]], train_defaults())
         planned = plan.make_plan(config, record["processes"], measure=False)["communication"]
         counted = sum(record["sent"].values())
-        rows.append((record["run"], ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in record["sent"].items() if v),
+        rows.append((record["run"], ", ".join(f"{n} {op.split('.')[1]}" for op, n in record["calls"].items()),
+                     ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in record["sent"].items() if v),
                      f"{counted / 1e6:,.1f}", f"{planned['total'] / 1e6:,.1f}",
                      f"{100 * (planned['total'] - counted) / counted:+.1f} %"))
     table("The plan's communication per optimizer step and process against the collectives of a real step "
-          "(2 gloo processes)", ["run", "counted MB, by kind", "counted MB", "plan MB", "plan error"], rows,
+          "(2 gloo processes)", ["run", "calls", "counted MB, by kind", "counted MB", "plan MB", "plan error"], rows,
           intro="MB sent per process (1e6 bytes), ring convention: all-gather and reduce-scatter (N-1)/N of the "
                 "whole buffer, all-reduce twice that (plan.py). The 350M width at 2 blocks, vocabulary 4096, "
                 "NITP's head, T = 64, batch 1 per process.")
