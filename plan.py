@@ -43,7 +43,8 @@ bandwidth each way per GPU (LINK_GBPS, or --link_gbps).
            head) and the objective's parameters once (a root stays gathered from forward to
            backward); then one fp32 reduce-scatter of every gradient in the last micro-step (in the
            others set_requires_gradient_sync(False) accumulates whole gradients locally)
-Left out: scalars (the loss's and the gradient norm's all-reduces) and evaluations' all-gathers.
+Left out: scalars and small vectors (the loss's and the gradient norms' all-reduces, DDP's map of
+unused parameters) and evaluations' all-gathers.
 tools/bench.py --section plan_comm counts every collective's buffer in a real 2-process step of
 each (tests/test_plan.py: within 10 %).
 Overlap: a unit's collective runs while another unit computes (FSDP2 gathers block i+1 during block
@@ -488,7 +489,7 @@ def communication_lines(p):
                       for kind in ("all_gather", "reduce_scatter", "all_reduce") if c[kind])
     lines = [f"communication: {c['total'] / 1e9:,.1f} GB/step sent per process ({mode}: {kinds}) = {c['seconds']:.2f} "
              f"s at {p['link_gbps']:,g} Gb/s ({p['link']}) against {compute:.2f} s of compute; a step "
-             f"{p['step_seconds']:.2f} s with overlap = {p['hours_with_communication']:,.1f} h"]
+             f"{p['step_seconds']:.2f} s with overlap: {p['hours_with_communication']:,.1f} h for the run"]
     if c["seconds"] > compute:
         fewer, regathers = p["fewer_micro_steps"], mode == "fsdp" and p["micro_steps"] > 1
         if fewer:

@@ -206,6 +206,14 @@ def test_every_gpu_has_a_link_and_link_gbps_overrides_it():
         plan.make_plan(config, 64, measure=False, link_gbps=0)
 
 
+def test_plan_cli_takes_link_gbps(capsys):
+    plan.main([os.path.join(REPO, "config/baseline_350m.py"), "--processes", "16", "--link_gbps", "800"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("communication:"))
+    assert "(ddp: all-reduce " in line and " at 800 Gb/s (--link_gbps) against " in line
+    with pytest.raises(SystemExit, match="^error: link_gbps must be > 0, got -1.0$"):
+        plan.main([os.path.join(REPO, "config/baseline_350m.py"), "--processes", "16", "--link_gbps", "-1"])
+
+
 def test_plan_warns_in_one_line_when_communication_exceeds_compute():
     """The 7B config on 64 H100s at one sequence per micro-step: FSDP gathers the weights in each of 32
     micro-steps, longer than the step computes; the warning names the most micro-steps that would not,
