@@ -3,7 +3,7 @@ The plan of a run, before it starts: what train.py would do with a config on a n
 processes, and whether it fits and how long it takes.
 
     python train.py config/baseline_7b.py --dry_run=True       # the plan for the processes as launched
-    python plan.py config/baseline_7b.py --processes 64 --gpu H100 --mfu 0.4 [--key=value ...]
+    python plan.py config/baseline_7b.py --processes 64 --gpu H100 --mfu 0.4 [--link_gbps 400] [--key=value ...]
 
 Nothing is allocated for the run: the model and the objective are built on the meta device, so
 a 7B plan takes seconds. The plan holds
@@ -12,6 +12,8 @@ a 7B plan takes seconds. The plan holds
     batch     tokens per optimizer step and per run, micro-steps per process (global_batch_size)
     compute   FLOPs per step and per run (the ones train.py counts for MFU: 6 per matmul weight
               and token plus attention; evaluations added), and the time at a stated MFU
+    communication  bytes each process sends per optimizer step for DDP or FSDP, their time at the
+              link's bandwidth, and the run's time with compute and communication overlapped
     memory    per GPU for DDP and for FSDP, with and without activation checkpointing
     data      the tokens the run reads against the tokens prepared in data_dir (C4: shards), with
               a warning when it would pass over its data more than once
@@ -27,6 +29,29 @@ it creates is extrapolated to the run's depth (activation_gib).
 They are float32 figures, an upper bound for bf16 autocast. train.py compares this plan with the
 device's memory before it allocates anything (memory_problem); tools/bench.py --section
 plan_memory sets it against the measured peak of real runs (docs/performance.md).
+
+Communication (communication_bytes), in the convention of ring collectives and of nccl-tests'
+"bus bandwidth": the bytes one process sends in an optimizer step (it receives as many). An
+all-gather or a reduce-scatter of a buffer of S bytes (the whole gathered tensor) sends
+S (N-1)/N from each of N processes, an all-reduce twice that; the time is bytes / the link's
+bandwidth each way per GPU (LINK_GBPS, or --link_gbps).
+    ddp    one all-reduce of every fp32 gradient per optimizer step (gradient sync only in the last
+           micro-step: parallelism.gradient_sync)
+    fsdp   in every micro-step an all-gather of each unit in the dtype it computes in (bf16 on a GPU,
+           FSDP's param_dtype; fp32 with dtype=float32): every block twice (forward, and again in
+           backward: FSDP2 reshards a block after its forward), the root (embeddings, final norm, LM
+           head) and the objective's parameters once (a root stays gathered from forward to
+           backward); then one fp32 reduce-scatter of every gradient in the last micro-step (in the
+           others set_requires_gradient_sync(False) accumulates whole gradients locally)
+Left out: scalars and small vectors (the loss's and the gradient norms' all-reduces, DDP's map of
+unused parameters) and evaluations' all-gathers.
+tools/bench.py --section plan_comm counts every collective's buffer in a real 2-process step of
+each (tests/test_plan.py: within 10 %).
+Overlap: a unit's collective runs while another unit computes (FSDP2 gathers block i+1 during block
+i; DDP all-reduces a bucket during the backward of the next), except what nothing can hide: FSDP's
+all-gathers of the root and the first block at each micro-step's start and their reduce-scatters at
+the step's end, DDP's all-reduce of the embeddings' gradient, which backward makes last. A step
+takes exposed + max(compute, communication - exposed).
 """
 
 import argparse
@@ -57,6 +82,21 @@ GiB = 2 ** 30
 # caching allocator's own margin is not measured here.
 CPU_HEAP_ALLOWANCE = {"one process": 0.2, "torchrun": 0.8}
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
+# The link a process's collectives run over, per GPU, in gigabits per second each way: the datasheet
+# figures the plan assumes without --link_gbps (nccl-tests reach 70-90 % of them: pass a measured busbw x 8).
+# Up to GPUS_PER_NODE processes share a node and its NVLink (PCIe where there is none); beyond that every
+# ring crosses the network, one NIC per GPU as in DGX/HGX nodes.
+GPUS_PER_NODE = 8
+LINK_GBPS = {  # gpu: (Gb/s within a node, Gb/s between nodes, the link within, the link between)
+    "H100": (3600, 400, "NVLink 4, 450 GB/s each way", "InfiniBand NDR"),
+    "H200": (3600, 400, "NVLink 4, 450 GB/s each way", "InfiniBand NDR"),
+    "H800": (1600, 400, "NVLink, 200 GB/s each way", "InfiniBand NDR"),
+    "A100": (2400, 200, "NVLink 3, 300 GB/s each way", "InfiniBand HDR"),
+    "A800": (1600, 200, "NVLink, 200 GB/s each way", "InfiniBand HDR"),
+    "L40S": (256, 200, "PCIe 4.0 x16, 32 GB/s each way", "200 Gb/s Ethernet"),
+    "A10G": (256, 100, "PCIe 4.0 x16, 32 GB/s each way", "100 Gb/s Ethernet"),
+    "4090": (256, 100, "PCIe 4.0 x16, 32 GB/s each way", "100 Gb/s Ethernet"),
+}
 
 
 def run_vocab(config):
@@ -198,6 +238,11 @@ def activation_gib(config, model_config, batch_size, seq_len, device="meta"):
             "act_ckpt": (rest + model_config.n_layer * block_input + block) / GiB, "block": block / GiB}
 
 
+def gathered_bytes(config):
+    """Bytes per parameter FSDP gathers: train.py's param_dtype, bf16 (fp16) on a GPU, fp32 with dtype=float32."""
+    return 4 if config["dtype"] == "float32" else 2
+
+
 def memory(model, config, processes, micro_steps, measure=True):
     """GiB per GPU: {ddp, fsdp} x {plain, checkpointed}, and the parts they are made of.
     DDP (one process: the same without buckets) holds everything on every GPU. FSDP holds 1/N of
@@ -207,7 +252,7 @@ def memory(model, config, processes, micro_steps, measure=True):
     n = model.num_params()
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
     root = n - sum(blocks)  # embedding, head, final norm: FSDP's root unit
-    param_bytes = 4 if config["dtype"] == "float32" else 2  # what FSDP gathers (its mixed-precision policy)
+    param_bytes = gathered_bytes(config)  # what FSDP gathers (its mixed-precision policy)
     parts = {"ddp": (16 + (4 if processes > 1 else 0)) * n / GiB,
              "fsdp": (16 * n / processes + max(max(blocks), root) * (param_bytes + 4)
                       + (4 * n if micro_steps > 1 else 0)) / GiB}
@@ -217,6 +262,42 @@ def memory(model, config, processes, micro_steps, measure=True):
     table = {mode: {"plain": parts[mode] + parts["act"], "checkpointed": parts[mode] + parts["act_ckpt"]}
              for mode in ("ddp", "fsdp")}
     return table, parts
+
+
+def communication_bytes(model, objective, parallel, processes, micro_steps, param_bytes):
+    """Bytes one process sends in one optimizer step (it receives as many), by collective: the
+    buffer of each (the whole tensor gathered, scattered or reduced) x (N-1)/N, x 2 for an
+    all-reduce (ring algorithms; the module's docstring). exposed: the part that no compute hides.
+    param_bytes: what FSDP gathers per parameter (gathered_bytes); gradients are reduced in fp32."""
+    share = (processes - 1) / processes
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
+    root = model.num_params() - sum(blocks)  # embeddings, final norm, LM head
+    head = sum(p.numel() for p in objective.parameters())  # the objective's own unit (NITP's head)
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0}
+    if parallel == "ddp":
+        out["all_reduce"] = 2 * share * 4 * (root + sum(blocks) + head)
+        embeddings = sum(m.weight.numel() for m in (model.wte, model.wpe) if m is not None)
+        out["exposed"] = 2 * share * 4 * embeddings
+    elif parallel == "fsdp":
+        # every block twice per micro-step (forward, backward), each root once
+        out["all_gather"] = micro_steps * share * param_bytes * (2 * sum(blocks) + root + head)
+        out["reduce_scatter"] = share * 4 * (root + sum(blocks) + head)  # the last micro-step only
+        out["exposed"] = share * (root + blocks[0]) * (micro_steps * param_bytes + 4)
+    out["total"] = out["all_gather"] + out["reduce_scatter"] + out["all_reduce"]
+    return out
+
+
+def link_of(gpu, processes, link_gbps=None):
+    """(Gb/s each way per GPU, what the link is) for `processes` processes of `gpu` (LINK_GBPS)."""
+    if link_gbps:
+        return link_gbps, "--link_gbps"
+    within, between, inside, outside = LINK_GBPS[gpu]
+    return (within, inside) if processes <= GPUS_PER_NODE else (between, f"{outside}, between nodes")
+
+
+def step_seconds(compute, communication, exposed):
+    """Seconds of an optimizer step: the exposed communication, then the rest overlapped with compute."""
+    return exposed + max(compute, communication - exposed)
 
 
 def micro_steps_of(config, processes):
@@ -313,14 +394,17 @@ def data_needed(config, tokens_per_run):
     return out
 
 
-def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True):
-    """The plan of `config` (a dict of train.py's keys) on `processes` processes, as a dict."""
+def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=None):
+    """The plan of `config` (a dict of train.py's keys) on `processes` processes, as a dict.
+    link_gbps: the link's Gb/s each way per GPU; None = LINK_GBPS's figure for gpu and processes."""
     # a plan needs no checkpoint, and it is for GPUs (not the device it is made on)
     problem = check_train_config({**config, "init_from": "scratch", "device": "cuda"}, processes)
     if problem:
         raise ConfigError(problem)
     if gpu not in GPU_PEAK_BF16_FLOPS:
         raise ConfigError(f"unknown gpu {gpu!r}: expected one of {', '.join(GPU_PEAK_BF16_FLOPS)}")
+    if link_gbps is not None and not link_gbps > 0:
+        raise ConfigError(f"link_gbps must be > 0, got {link_gbps}")
     model, objective = meta_model(config, run_vocab(config))
     B, T = config["batch_size"], config["block_size"]
     micro_steps = micro_steps_of(config, processes)
@@ -329,12 +413,39 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True):
     evaluations = config["max_iters"] // config["eval_interval"] + 1  # at step 0 and every eval_interval
     flops_per_run = flops_per_step * config["max_iters"] + evaluations * evaluation_flops(model, config, processes)
     per_gpu, parts = memory(model, config, processes, micro_steps, measure)
+    link, link_name = link_of(gpu, processes, link_gbps)
+    hours = flops_per_run / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes) / 3600
+    compute_s = flops_per_step / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes)
+
+    def communication(micro_steps, processes=processes):  # bytes, and seconds at the link's Gb/s
+        moved = communication_bytes(model, objective, config["parallel"], processes, micro_steps,
+                                    gathered_bytes(config))
+        gbps = link_of(gpu, processes, link_gbps)[0]
+        return {**moved, "seconds": moved["total"] * 8 / (gbps * 1e9),
+                "exposed_seconds": moved["exposed"] * 8 / (gbps * 1e9)}
+    moved = communication(micro_steps)
+    step_s = step_seconds(compute_s, moved["seconds"], moved["exposed_seconds"])
+    # fewer micro-steps (a larger batch_size, the same tokens per step) gather FSDP's units fewer times:
+    # the most micro-steps whose communication compute would hide; failing that, the most processes
+    # (fewer than now, one micro-step each) on which the step's compute would hide it
+    fewer = next(({"micro_steps": k, "seconds": communication(k)["seconds"],
+                   "keys": f"--batch_size={B * micro_steps // k}"
+                   + ("" if config["global_batch_size"] else f" --gradient_accumulation_steps={k}")}
+                  for k in range(micro_steps - 1, 0, -1) if micro_steps % k == 0
+                  and communication(k)["seconds"] <= compute_s), None)
+    sequences = config["global_batch_size"]
+    fewer_processes = next(({"processes": n, "keys": f"--batch_size={sequences // n}"}
+                            for n in range(processes - 1, 0, -1) if sequences and sequences % n == 0
+                            and communication(1, n)["seconds"] <= compute_s * processes / n), None)
     return {"params": model.num_params(), "active_params": model.num_params(active=True),
             "objective_params": sum(p.numel() for p in objective.parameters()),
             "processes": processes, "micro_batch": B, "seq_len": T, "micro_steps": micro_steps,
             "tokens_per_step": tokens_per_step, "tokens_per_run": tokens_per_step * config["max_iters"],
             "steps": config["max_iters"], "flops_per_step": flops_per_step, "flops_per_run": flops_per_run,
-            "gpu": gpu, "mfu": mfu, "hours": flops_per_run / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes) / 3600,
+            "gpu": gpu, "mfu": mfu, "hours": hours, "compute_seconds": compute_s,
+            "communication": moved, "link_gbps": link, "link": link_name, "step_seconds": step_s,
+            "hours_with_communication": hours + config["max_iters"] * (step_s - compute_s) / 3600,
+            "fewer_micro_steps": fewer, "fewer_processes": fewer_processes,
             "memory": per_gpu, "memory_parts": parts, "parallel": config["parallel"],
             "activation_checkpointing": config["activation_checkpointing"],
             "data": data_needed(config, tokens_per_step * config["max_iters"])}
@@ -349,6 +460,7 @@ def format_plan(p):
              f"{p['tokens_per_run']:,} tokens",
              f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run (evaluations "
              f"included) = {p['hours']:,.1f} h on {p['processes']} x {p['gpu']} at MFU {p['mfu']:.0%}",
+             *communication_lines(p),
              "memory per GPU (GiB; activations fp32, an upper bound under bf16):"]
     chosen = p["parallel"] if p["parallel"] != "none" else "ddp"
     for mode in ("ddp", "fsdp"):
@@ -370,6 +482,33 @@ def format_plan(p):
     return "\n".join(lines)
 
 
+def communication_lines(p):
+    """The plan's communication line, and one warning line when communication takes longer than compute."""
+    c, mode, compute = p["communication"], p["parallel"], p["compute_seconds"]
+    if c["total"] == 0:
+        return [f"communication: none ({'one process' if p['processes'] == 1 else mode})"]
+    kinds = ", ".join(f"{kind.replace('_', '-')} {c[kind] / 1e9:,.1f}"
+                      for kind in ("all_gather", "reduce_scatter", "all_reduce") if c[kind])
+    lines = [f"communication: {c['total'] / 1e9:,.1f} GB/step sent per process ({mode}: {kinds}) = {c['seconds']:.2f} "
+             f"s at {p['link_gbps']:,g} Gb/s ({p['link']}) against {compute:.2f} s of compute; a step "
+             f"{p['step_seconds']:.2f} s with overlap: {p['hours_with_communication']:,.1f} h for the run"]
+    if c["seconds"] > compute:
+        fewer, regathers = p["fewer_micro_steps"], mode == "fsdp" and p["micro_steps"] > 1
+        if fewer:
+            fix = (f"{fewer['keys']} ({fewer['micro_steps']} micro-step(s)) would bring it to {fewer['seconds']:.2f} s "
+                   f"(check its memory with {fewer['keys']}), as would a faster link")
+        elif p["fewer_processes"]:
+            f = p["fewer_processes"]
+            fix = (f"on {f['processes']} processes, one micro-step of {f['keys']} each, compute would hide it (check "
+                   f"their memory), as would a faster link")
+        else:
+            fix = "a larger global_batch_size (more compute per step) or a faster link would fix it"
+        why = " (FSDP gathers the weights twice in every micro-step)" if regathers else ""
+        lines.append(f"warning: communication ({c['seconds']:.2f} s/step) exceeds compute ({compute:.2f} s/step)"
+                     f"{why}; {fix}")
+    return lines
+
+
 def print_plan_and_exit(config, processes):
     """train.py --dry_run=True: the plan of this run on these processes (nothing allocated, no data
     read, out_dir untouched), printed by rank 0; a config the plan cannot take is one line, exit 2."""
@@ -388,10 +527,12 @@ def main(argv=None):
     parser.add_argument("--processes", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
     parser.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPU_PEAK_BF16_FLOPS)} (bf16 datasheet peak)")
     parser.add_argument("--mfu", type=float, default=0.4, help="the model FLOPs utilisation assumed for the time")
+    parser.add_argument("--link_gbps", type=float, default=None,
+                        help="Gb/s each way per GPU of the collectives' link (default: LINK_GBPS's for --gpu)")
     args, config_args = parser.parse_known_args(argv)
     try:
         config = parse_config(config_args, train_defaults())
-        print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu)))
+        print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu, link_gbps=args.link_gbps)))
     except ConfigError as e:
         sys.exit(f"error: {e}")
 

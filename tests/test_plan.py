@@ -1,7 +1,8 @@
 """plan.py (train.py --dry_run): every figure of a run's plan against its closed form, computed
 here from the config's numbers alone: parameters of a GPT-2 / LLaMA / Mixtral stack, tokens and
 micro-steps of a step, FLOPs (6 per matmul weight and token + 12 L C T), bytes of the states
-under DDP and FSDP, passes over the data, and hours at a given MFU."""
+under DDP and FSDP, passes over the data, hours at a given MFU, and the bytes DDP and FSDP send
+per step, against the closed form and against the collectives of a real 2-process step."""
 
 import json
 import os
@@ -11,7 +12,9 @@ import sys
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import parallelism  # noqa: E402
 import plan  # noqa: E402
+from tools import bench  # noqa: E402
 from configurator import ConfigError, parse_config, train_defaults  # noqa: E402
 from utils import GPU_PEAK_BF16_FLOPS  # noqa: E402
 
@@ -75,6 +78,18 @@ def test_7b_plan_on_many_gpus(processes, tmp_path):
     parts = p["memory_parts"]
     assert parts["ddp"] * GiB == pytest.approx(20 * N)
     assert parts["fsdp"] * GiB == pytest.approx(16 * N / processes + max(block, root) * 6 + 4 * N)
+    # FSDP, bf16 all-gathers, ring convention: each of 32 micro-steps gathers every block twice and
+    # the root once, (N-1)/N of each; one fp32 reduce-scatter of everything
+    share, micro_steps = (processes - 1) / processes, 2048 // processes
+    c = p["communication"]
+    assert c["all_gather"] == pytest.approx(micro_steps * share * 2 * (2 * L * block + root))
+    assert c["reduce_scatter"] == pytest.approx(share * 4 * N) and c["all_reduce"] == 0
+    link = 2400 if processes <= 8 else 200  # A100: NVLink 3 within a node, InfiniBand HDR between nodes
+    assert p["link_gbps"] == link and c["seconds"] == pytest.approx(c["total"] * 8 / (link * 1e9))
+    compute = p["flops_per_step"] / (0.5 * GPU_PEAK_BF16_FLOPS["A100"] * processes)
+    assert p["compute_seconds"] == pytest.approx(compute)
+    exposed = share * (root + block) * (micro_steps * 2 + 4) * 8 / (link * 1e9)  # root and first block
+    assert p["step_seconds"] == pytest.approx(exposed + max(compute, c["seconds"] - exposed))
     # 52B tokens: about 350 C4 shards of ~150M tokens, and nothing prepared yet
     assert p["data"]["shards_needed"] == -(-12500 * 2048 * T // int(plan.C4_TOKENS_PER_SHARD))
     assert "prepare_c4.py --shards 350" in plan.format_plan(p)
@@ -119,6 +134,7 @@ def test_train_dry_run_prints_the_plan(name):
                             cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("params: ") and "FLOPs/step" in result.stdout and "fsdp:" in result.stdout
+    assert "communication: none (one process)" in result.stdout
 
 
 def test_memory_problem_passes_what_fits_and_names_what_would():
@@ -166,3 +182,82 @@ def test_memory_problem_of_experts_whose_states_cannot_fit_counts_states_alone()
     n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp"}
     assert plan.process_gib(fsdp, n, 50304, measure=False)[1] <= 24.0 < \
         plan.process_gib(fsdp, n // 2, 50304, measure=False)[1]
+
+
+def test_ddp_communication_is_one_all_reduce_per_step():
+    """DDP on 8 processes: 2 (N-1)/N x 4 bytes per parameter of the model and the objective (NITP's
+    head), whatever the micro-steps; nothing on one process."""
+    config = config_of("config/baseline_350m.py", "--parallel=ddp", "--nitp_weight=1.0")
+    by_micro_steps = [plan.make_plan({**config, "global_batch_size": 8 * k}, 8, measure=False) for k in (1, 4)]
+    C, H = 1024, 2371
+    params = llama_params(50304, 24, C, H) + 3 * C * 4 * C  # NITP's SwiGLU head: gate, up, down
+    for p in by_micro_steps:
+        assert p["communication"]["all_reduce"] == p["communication"]["total"] == pytest.approx(2 * 7 / 8 * 4 * params)
+    alone = plan.make_plan({**config, "parallel": "none", "global_batch_size": 8}, 1, measure=False)
+    assert alone["communication"]["total"] == 0 and alone["step_seconds"] == alone["compute_seconds"]
+
+
+def test_every_gpu_has_a_link_and_link_gbps_overrides_it():
+    assert plan.LINK_GBPS.keys() == GPU_PEAK_BF16_FLOPS.keys()
+    config = config_of("config/baseline_7b.py")
+    p = plan.make_plan(config, 64, measure=False, link_gbps=800)
+    assert p["link_gbps"] == 800 and p["communication"]["seconds"] == pytest.approx(p["communication"]["total"] * 8 / 800e9)
+    with pytest.raises(ConfigError, match="link_gbps"):
+        plan.make_plan(config, 64, measure=False, link_gbps=0)
+
+
+def test_plan_cli_takes_link_gbps(capsys):
+    plan.main([os.path.join(REPO, "config/baseline_350m.py"), "--processes", "16", "--link_gbps", "800"])
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("communication:"))
+    assert "(ddp: all-reduce " in line and " at 800 Gb/s (--link_gbps) against " in line
+    with pytest.raises(SystemExit, match="^error: link_gbps must be > 0, got -1.0$"):
+        plan.main([os.path.join(REPO, "config/baseline_350m.py"), "--processes", "16", "--link_gbps", "-1"])
+
+
+def test_plan_warns_in_one_line_when_communication_exceeds_compute():
+    """The 7B config on 64 H100s at one sequence per micro-step: FSDP gathers the weights in each of 32
+    micro-steps, longer than the step computes; the warning names the most micro-steps that would not,
+    and that plan indeed has its communication within its compute. At 8x the link: no warning."""
+    config = config_of("config/baseline_7b.py")
+    text = plan.format_plan(plan.make_plan(config, 64, measure=False))
+    warnings = [line for line in text.splitlines() if "exceeds compute" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("warning: communication")
+    batch = int(warnings[0].split("--batch_size=")[1].split()[0])
+    fixed = plan.make_plan({**config, "batch_size": batch}, 64, measure=False)
+    assert fixed["communication"]["seconds"] <= fixed["compute_seconds"]
+    finer = plan.make_plan({**config, "batch_size": batch // 2}, 64, measure=False)
+    assert finer["communication"]["seconds"] > finer["compute_seconds"]
+    assert "exceeds compute" not in plan.format_plan(plan.make_plan(config, 64, measure=False, link_gbps=3200))
+    # the mixture of experts gathers all 8 experts: not even one micro-step is enough on 64 processes, and
+    # the warning names the most processes whose one micro-step computes longer than it communicates
+    config = config_of("config/baseline_moe_8x1b.py")
+    warning = plan.format_plan(plan.make_plan(config, 64, measure=False)).split("warning: ")[1].split("\n")[0]
+    n = int(warning.split(" processes, one micro-step")[0].split("on ")[-1])
+    assert f"--batch_size={512 // n} each" in warning
+    for processes, hidden in ((n, True), (next(m for m in range(n + 1, 65) if 512 % m == 0), False)):
+        p = plan.make_plan({**config, "batch_size": 512 // processes}, processes, measure=False)
+        assert p["micro_steps"] == 1 and (p["communication"]["seconds"] <= p["compute_seconds"]) == hidden
+
+
+def test_plan_communication_is_what_a_real_step_moves():
+    """The plan's bytes per optimizer step and process against the buffer of every collective of
+    one real step on 2 gloo processes (tools/bench.py's comm_child counts them with a dispatch mode):
+    DDP with 2 and 4 micro-steps, FSDP with 4 (fp32, activation checkpointing) and with 2 (bf16
+    all-gathers), the 350M width at 2 blocks; within 10 % for each kind of collective."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "tools.bench", "--comm_child"], cwd=REPO, capture_output=True, text=True,
+                            timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+    assert [r["run"] for r in records] == list(bench.COMM_RUNS)
+    for record in records:
+        if "skipped" in record:
+            assert record["skipped"] == parallelism.fsdp_unavailable("cpu")
+            continue
+        config = config_of(*bench.COMM_MODEL, *bench.COMM_RUNS[record["run"]])
+        planned = plan.make_plan(config, 2, measure=False)["communication"]
+        assert record["other"] == {}, record["other"]
+        for kind, sent in record["sent"].items():
+            assert sent == pytest.approx(planned[kind], rel=0.1, abs=0.01 * planned["total"]), (record["run"], kind)
+    if parallelism.fsdp_unavailable("cpu"):
+        pytest.skip(f"DDP matched; the FSDP runs: {parallelism.fsdp_unavailable('cpu')}")

@@ -4,7 +4,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
     python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory | compile
-                                          # | plan_memory
+                                          # | plan_memory | plan_comm
     python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
@@ -27,6 +27,8 @@ switched on, as ratios to the cross-entropy step measured in the same process:
   compile the lowres CE step with every block compiled (train.py's compile key) vs eager, alternating
   plan_memory  plan.py's memory per process (train.py's memory check) against the measured peak of
           real short runs: c4_tiny, the 350M width at 2 blocks, FSDP on 2 gloo processes
+  plan_comm  plan.py's bytes sent per optimizer step and process against every collective's buffer
+          in a real step of DDP and FSDP on 2 gloo processes (the 350M width at 2 blocks)
 
 Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
 model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
@@ -42,6 +44,8 @@ import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 import parallelism
 import plan
@@ -429,9 +433,125 @@ def plan_memory(args, device, dtype):
                 f"{plan.CPU_HEAP_ALLOWANCE}, as fractions of the step's transient tensors.")
 
 
+# plan_comm: the runs whose collectives are counted, on 2 gloo processes in one process group: the 350M
+# width (d = 1024, 16 heads, SwiGLU 2371) cut to 2 blocks with a 4096-token vocabulary, so that the blocks
+# and the roots (embedding and head; NITP's head, the objective's own unit) weigh alike, 64-token sequences
+COMM_MODEL = ["config/baseline_350m.py", "--n_layer=2", "--vocab_size=4096", "--block_size=64", "--batch_size=1",
+              "--nitp_weight=1.0", "--grad_clip_mode=norm"]
+# (the FSDP runs differ in micro-steps and in the all-gathers' dtype, and neither product is the other's)
+COMM_RUNS = {
+    "DDP, 2 micro-steps": ["--parallel=ddp", "--global_batch_size=4", "--dtype=float32"],
+    "DDP, 4 micro-steps": ["--parallel=ddp", "--global_batch_size=8", "--dtype=float32"],
+    "FSDP, 4 micro-steps, activation checkpointing": ["--parallel=fsdp", "--global_batch_size=8", "--dtype=float32",
+                                                      "--activation_checkpointing=True"],
+    "FSDP, 2 micro-steps, bf16 all-gathers": ["--parallel=fsdp", "--global_batch_size=4", "--dtype=bfloat16"],
+}
+
+
+class CollectiveBytes(TorchDispatchMode):
+    """Sums, by kind, the buffer of every collective the operations run under it call (c10d's ops,
+    which DDP's reducer and FSDP2 call, and the functional ones): the whole tensor gathered
+    (all-gather), scattered (reduce-scatter's input) or reduced (all-reduce). Calls of other
+    collectives are counted by name. Not seen: what a DTensor runs inside the dispatch of an
+    operation on it (under FSDP, clipping's all-reduce of the gradient norm, one scalar)."""
+
+    KINDS = {"gather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
+             "all_reduce": "all_reduce"}
+
+    def __init__(self):
+        super().__init__()
+        self.buffers = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0)
+        self.calls, self.other = {}, {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace in ("c10d", "_c10d_functional") and func._opname != "wait_tensor":
+            kind = next((k for name, k in self.KINDS.items() if name in func._opname), None)
+            functional = func.namespace == "_c10d_functional"
+            if kind is None:
+                self.other[str(func)] = self.other.get(str(func), 0) + 1
+                return out
+            # c10d's in-place ops name the gathered tensor first and the tensor to scatter second
+            buffer = {"all_gather": out if functional else args[0],
+                      "reduce_scatter": args[0] if functional else args[1], "all_reduce": args[0]}[kind]
+            self.buffers[kind] += sum(t.numel() * t.element_size() for t in tree_flatten(buffer)[0]
+                                      if isinstance(t, torch.Tensor))
+            self.calls[str(func)] = self.calls.get(str(func), 0) + 1
+        return out
+
+
+def comm_child():
+    """Under torchrun: one optimizer step of each of COMM_RUNS, counted (CollectiveBytes), as train.py
+    steps: gradient sync in the last micro-step only, then its global-norm clipping and AdamW. Rank 0
+    prints a JSON line per run: the bytes each process sent by plan.py's ring convention, the calls
+    counted, and the calls of other collectives."""
+    from configurator import parse_config, train_defaults
+    from optim import apply_gradients
+    rank, _, world = parallelism.init_distributed("cpu")
+    for name, keys in COMM_RUNS.items():
+        config = parse_config([*COMM_MODEL, *keys], train_defaults())
+        if config["parallel"] == "fsdp" and parallelism.fsdp_unavailable("cpu"):
+            if rank == 0:
+                print(json.dumps({"run": name, "skipped": parallelism.fsdp_unavailable("cpu")}), flush=True)
+            continue
+        torch.manual_seed(0)
+        model = build_model(plan.model_config(config, plan.run_vocab(config)))
+        objective = Objective.from_config(config)
+        objective.init_weights()
+        if config["activation_checkpointing"]:
+            parallelism.apply_activation_checkpointing(model)
+        param_dtype = None if config["dtype"] == "float32" else getattr(torch, config["dtype"])
+        train_model, train_objective = parallelism.parallelize(model, objective, config["parallel"], "cpu", param_dtype)
+        optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
+        micro_steps = plan.micro_steps_of(config, world)
+        x = torch.randint(0, model.config.vocab_size, (config["batch_size"], config["block_size"]))
+        with CollectiveBytes() as counter:
+            for micro_step in range(micro_steps):
+                with parallelism.gradient_sync((train_model, train_objective), micro_step == micro_steps - 1):
+                    logits, hidden = train_model(x, return_hidden_states=True)
+                    loss, _ = train_objective(logits, hidden, x, model.input_embedding())
+                    (loss / micro_steps).backward()
+            apply_gradients(optimizers, torch.amp.GradScaler("cpu", enabled=False),
+                            lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), config["grad_clip"]))
+        share = (world - 1) / world
+        sent = {kind: buffer * share * (2 if kind == "all_reduce" else 1) for kind, buffer in counter.buffers.items()}
+        if rank == 0:
+            print(json.dumps({"run": name, "processes": world, "micro_steps": micro_steps, "sent": sent,
+                              "calls": counter.calls, "other": counter.other}), flush=True)
+    parallelism.shutdown()
+
+
+def plan_comm(args, device, dtype):
+    """plan.py's bytes per optimizer step and process (plan.communication_bytes) against the bytes every
+    collective of a real step moved (comm_child, 2 gloo processes)."""
+    from configurator import parse_config, train_defaults
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tools.bench",
+               "--comm_child"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if result.returncode != 0:
+        sys.exit(f"error: {' '.join(command)} failed: {result.stderr[-2000:]}")
+    rows = []
+    for record in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")):
+        if "skipped" in record:
+            rows.append((record["run"], "skipped: " + record["skipped"], "", "", "", ""))
+            continue
+        config = parse_config([*COMM_MODEL, *COMM_RUNS[record["run"]]], train_defaults())
+        planned = plan.make_plan(config, record["processes"], measure=False)["communication"]
+        counted = sum(record["sent"].values())
+        rows.append((record["run"], ", ".join(f"{n} {op.split('.')[1]}" for op, n in record["calls"].items()),
+                     ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in record["sent"].items() if v),
+                     f"{counted / 1e6:,.1f}", f"{planned['total'] / 1e6:,.1f}",
+                     f"{100 * (planned['total'] - counted) / counted:+.1f} %"))
+    table("The plan's communication per optimizer step and process against the collectives of a real step "
+          "(2 gloo processes)", ["run", "calls", "counted MB, by kind", "counted MB", "plan MB", "plan error"], rows,
+          intro="MB sent per process (1e6 bytes), ring convention: all-gather and reduce-scatter (N-1)/N of the "
+                "whole buffer, all-reduce twice that (plan.py). The 350M width at 2 blocks, vocabulary 4096, "
+                "NITP's head, T = 64, batch 1 per process.")
+
+
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
             "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory, "compile": compile_step,
-            "plan_memory": plan_memory}
+            "plan_memory": plan_memory, "plan_comm": plan_comm}
 
 
 def write_report(path, argv):
@@ -456,7 +576,10 @@ def main():
     parser.add_argument("--out", default=None, help="also write the report there (e.g. results/bench.md)")
     parser.add_argument("--memory_child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--efficiency_child", choices=sorted(EFFICIENCY_SETTINGS), default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--comm_child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.comm_child:
+        return comm_child()
     if args.memory_child is not None:
         return memory_child(args.memory_child)
     if args.efficiency_child is not None:
