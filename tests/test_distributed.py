@@ -70,6 +70,14 @@ def final_weights(out_dir):
     return torch.load(target, weights_only=True)["model"]
 
 
+def assert_same_weights(a, b):
+    """The latest checkpoints of runs a and b hold the same weights, model and objective, bit for bit."""
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys() and any(k.startswith("objective.nitp_head") for k in wa)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), (name, (wa[name] - wb[name]).abs().max())
+
+
 def assert_same_run(a, b):
     losses_a, losses_b = train_losses(a), train_losses(b)
     assert sorted(losses_a) == sorted(losses_b) == list(range(6))
@@ -88,14 +96,27 @@ def assert_same_run(a, b):
 
 def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     single, ddp, fsdp = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp"
+    # *0: the same runs stopped at step 0 (ckpt.pt: the initial weights; FSDP's sharded initialisation)
+    single0, fsdp0 = tmp_path / "single0", tmp_path / "fsdp0"
     _, result, *_ = finish(launch(single, data_dir, *GPT2),
                            launch(ddp, data_dir, *GPT2, "--parallel=ddp", "--activation_checkpointing=True", processes=2),
-                           *([] if FSDP_REFUSED else [launch(fsdp, data_dir, *GPT2, "--parallel=fsdp", processes=2)]))
+                           *([] if FSDP_REFUSED else [launch(fsdp, data_dir, *GPT2, "--parallel=fsdp", processes=2),
+                                                      launch(single0, data_dir, *GPT2, "--max_iters=0"),
+                                                      launch(fsdp0, data_dir, *GPT2, "--parallel=fsdp", "--max_iters=0",
+                                                             processes=2)]))
     assert "2 processes, ddp" in result.stdout and result.stdout.count("params:") == 1  # rank 0 prints
     assert_same_run(single, ddp)
     if FSDP_REFUSED:
         pytest.skip(f"DDP matched; the FSDP half: {FSDP_REFUSED}")
+    assert_same_weights(single0, fsdp0)  # initialised shard by shard: the one-process model, bit for bit
     assert_same_run(single, fsdp)
+    # init_from under FSDP: each rank copies its rows of the tied wte / lm_head from the mapped file
+    start = tmp_path / "start"
+    finish(launch(start, data_dir, *GPT2, "--parallel=fsdp", "--max_iters=0", f"--init_from={single / 'ckpt.pt'}",
+                  processes=2))
+    source = final_weights(single)
+    assert all(torch.equal(value, source[name]) for name, value in final_weights(start).items()
+               if name.startswith("model."))
     # shards on disk: exactly those that ckpt.pt and ckpt_prev.pt name (older ones are removed)
     named = {torch.load(fsdp / name, weights_only=True)["dcp"] for name in ("ckpt.pt", "ckpt_prev.pt")}
     assert {os.path.join("ckpt_dcp", slot) for slot in os.listdir(fsdp / "ckpt_dcp")} == named and len(named) == 2
@@ -125,10 +146,13 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
 @needs_fsdp_on_cpu
 def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_dir):
     single, full, part = tmp_path / "single", tmp_path / "full", tmp_path / "part"
+    single0, full0 = tmp_path / "single0", tmp_path / "full0"  # stopped at step 0: the initial weights
     fsdp = [*LLAMA, "--parallel=fsdp", "--activation_checkpointing=True"]
     # part saves at step 3 on 2 processes; resumed there, its later steps are the uninterrupted run's, bit for bit
     finish(launch(single, data_dir, *LLAMA), launch(full, data_dir, *fsdp, processes=2),
-           launch(part, data_dir, *fsdp, "--max_iters=3", processes=2))
+           launch(part, data_dir, *fsdp, "--max_iters=3", processes=2),
+           launch(single0, data_dir, *LLAMA, "--max_iters=0"), launch(full0, data_dir, *fsdp, "--max_iters=0", processes=2))
+    assert_same_weights(single0, full0)
     assert_same_run(single, full)
     assert "moe_aux" in read_log(full)[-2]
     result = finish(launch(part, data_dir, *fsdp, "--init_from=resume", processes=2))
