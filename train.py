@@ -219,7 +219,7 @@ train_model, train_objective = parallelism.parallelize(
     model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # parameters without a gradient on some rank: experts that got no token; a headless run's untied LM head
     unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights), weights=start_weights)
-# after parallelize: initialised (then start_weights); FSDP2 has replaced every parameter by its shard
+del start_weights  # copied in (whole in memory if read from FSDP shards); parameters are now shards under fsdp
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
                                   separate_embeddings, extra_modules=[objective],
                                   embedding_weight_decay=None if embedding_weight_decay < 0 else embedding_weight_decay)
