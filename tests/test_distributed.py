@@ -96,13 +96,15 @@ def assert_same_run(a, b):
 
 def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     single, ddp, fsdp = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp"
-    # *0: the same runs stopped at step 0 (ckpt.pt: the initial weights; FSDP's sharded initialisation)
+    # *0: the runs stopped at step 0 (ckpt.pt: the initial weights; FSDP's sharded initialisation), with
+    # an odd vocabulary: the embedding's rows split 43 / 42 between the ranks
     single0, fsdp0 = tmp_path / "single0", tmp_path / "fsdp0"
+    odd = ["--max_iters=0", "--vocab_size=85"]
     _, result, *_ = finish(launch(single, data_dir, *GPT2),
                            launch(ddp, data_dir, *GPT2, "--parallel=ddp", "--activation_checkpointing=True", processes=2),
                            *([] if FSDP_REFUSED else [launch(fsdp, data_dir, *GPT2, "--parallel=fsdp", processes=2),
-                                                      launch(single0, data_dir, *GPT2, "--max_iters=0"),
-                                                      launch(fsdp0, data_dir, *GPT2, "--parallel=fsdp", "--max_iters=0",
+                                                      launch(single0, data_dir, *GPT2, *odd),
+                                                      launch(fsdp0, data_dir, *GPT2, "--parallel=fsdp", *odd,
                                                              processes=2)]))
     assert "2 processes, ddp" in result.stdout and result.stdout.count("params:") == 1  # rank 0 prints
     assert_same_run(single, ddp)
@@ -152,7 +154,8 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
     # part saves at step 3 on 2 processes; resumed there, its later steps are the uninterrupted run's, bit for bit
     finish(launch(single, data_dir, *LLAMA), launch(full, data_dir, *fsdp, processes=2),
            launch(part, data_dir, *fsdp, "--max_iters=3", processes=2),
-           launch(single0, data_dir, *LLAMA, "--max_iters=0"), launch(full0, data_dir, *fsdp, "--max_iters=0", processes=2))
+           launch(single0, data_dir, *LLAMA, "--max_iters=0", "--vocab_size=87"),
+           launch(full0, data_dir, *fsdp, "--max_iters=0", "--vocab_size=87", processes=2))
     assert_same_weights(single0, full0)
     assert_same_run(single, full)
     assert "moe_aux" in read_log(full)[-2]
