@@ -283,9 +283,9 @@ class GPT(nn.Module):
     def initializers(self):
         """(name, fill) for every parameter, in the order the init draws its random numbers (the
         global generator of the parameter's device): fill(t) writes the initial value into a
-        tensor of the parameter's full shape. init_weights fills the parameters themselves;
-        parallelism.py fills one full tensor at a time and keeps each process's shard, drawing
-        the same numbers. nanoGPT/GPT-2 init: N(0, 0.02) everywhere, residual projections scaled
+        tensor of the parameter's full shape. init_weights fills the parameters themselves; a
+        caller that fills other tensors of these shapes, in this order, gets the same numbers.
+        nanoGPT/GPT-2 init: N(0, 0.02) everywhere, residual projections scaled
         by 1/sqrt(2 n_layer) so the residual stream's variance does not grow with depth."""
         if self.config.arch == "llama":  # N(0, init_std) for every matrix, ones for the norms
             normal = lambda t: nn.init.normal_(t, 0.0, self.config.init_std)  # noqa: E731
