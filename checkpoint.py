@@ -48,15 +48,16 @@ class CheckpointError(Exception):
     pass
 
 
-def load(path, device="cpu", need=("model_config", "config", "iter_num")):
+def load(path, device="cpu", need=("model_config", "config", "iter_num"), mmap=False):
     """torch.load with weights_only=True (our checkpoints hold only tensors and plain containers),
-    and one clear error for a missing, truncated, empty or foreign file."""
+    and one clear error for a missing, truncated, empty or foreign file. mmap: the tensors stay in
+    the file, mapped into memory (on the CPU), and only the pages a reader touches are read."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
     if os.path.isdir(path):
         raise CheckpointError(f"{path} is a directory, not a checkpoint file (e.g. {os.path.join(path, 'best.pt')})")
     try:
-        checkpoint = torch.load(path, map_location=device, weights_only=True)
+        checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
         raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path):,} bytes, {type(e).__name__}): "
                               f"it is truncated, empty or not a PyTorch checkpoint") from None
@@ -66,12 +67,12 @@ def load(path, device="cpu", need=("model_config", "config", "iter_num")):
     return checkpoint
 
 
-def load_with_weights(path, device="cpu"):
+def load_with_weights(path, device="cpu", mmap=False):
     """load(path), with the whole weights under 'model' (and 'objective' where the run had
     parameters there) whichever way it was written: best.pt and a one-process or DDP ckpt.pt hold
     them; an FSDP run's ckpt.pt names the folder of shards, read back here in this one process
     (no process group: evaluate.py, sample.py, the HF export and init_from run anywhere)."""
-    checkpoint = load(path, device)
+    checkpoint = load(path, device, mmap=mmap)
     if "model" in checkpoint:
         return checkpoint
     if "dcp" not in checkpoint:
@@ -413,8 +414,11 @@ def starting_weights(path, model_config, head_from_embedding, data_dir, device="
     dropout may differ). head_from_embedding: the new untied LM head starts as a copy of the input
     embedding -- CWT's second stage gives a headless model a head that way (headless LM paper,
     Sec. 4.2). Raises CheckpointError for an unreadable file or other tokens than data_dir's,
-    ValueError for another shape."""
-    source = load_with_weights(path, device)
+    ValueError for another shape. On the CPU a single-file checkpoint (a one-process or DDP run's)
+    is memory-mapped: under FSDP each rank reads only its shards' rows (parallelism.copy_shards);
+    an FSDP run's best.pt or ckpt.pt is read back whole from its shards, the whole model in each
+    process's CPU memory (not on its device)."""
+    source = load_with_weights(path, device, mmap=device == "cpu")
     check_dataset(source, data_dir, whole=False)
     for key, value in source["model_config"].items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:

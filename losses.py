@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 # NITP's projection head is the same C -> hidden -> C block as a LLaMA MLP; at_least_fp32 is the
 # repository's one upcast (half precision -> float32, float64 kept), full_fp32 its no-autocast, no-TF32 region
-from model import SwiGLU, at_least_fp32, full_fp32
+from model import SwiGLU, at_least_fp32, fill_parameters, full_fp32
 
 
 def threshold_logits(logits, targets, margin, ignore_index=-1):
@@ -412,10 +412,14 @@ class Objective(nn.Module):
     def needs_logits(self):
         return self.weights["ce"] > 0
 
+    def initializers(self, std=0.02):
+        """(name, fill) for every parameter in the order init_weights draws them (model.GPT.initializers)."""
+        for name, _ in self.named_parameters():
+            yield name, lambda t: nn.init.normal_(t, mean=0.0, std=std)
+
     @torch.no_grad()
     def init_weights(self, std=0.02):
-        for p in self.parameters():
-            nn.init.normal_(p, mean=0.0, std=std)
+        fill_parameters(self, self.initializers(std))
 
     def forward(self, logits, hidden_states, targets, wte, ignore_index=-1, router_loss=None):
         """-> (total, terms): the weighted sum and a dict of each active term's unweighted value.

@@ -280,27 +280,35 @@ class GPT(nn.Module):
         if self.config.tie_weights:
             self.lm_head.weight = self.wte.weight
 
-    @torch.no_grad()
-    def init_weights(self):
-        """nanoGPT/GPT-2 init: N(0, 0.02) everywhere, residual projections scaled by
-        1/sqrt(2 n_layer) so the residual stream's variance does not grow with depth.
-        Separate from __init__ so a model built on the meta device can be materialised
-        cheaply with to_empty() and then initialised once."""
-        self.tie_weights()  # to_empty() may have un-shared the tied tensor
+    def initializers(self):
+        """(name, fill) for every parameter, in the order the init draws its random numbers (the
+        global generator of the parameter's device): fill(t) writes the initial value into a
+        tensor of the parameter's full shape. init_weights fills the parameters themselves; a
+        caller that fills other tensors of these shapes, in this order, gets the same numbers.
+        nanoGPT/GPT-2 init: N(0, 0.02) everywhere, residual projections scaled
+        by 1/sqrt(2 n_layer) so the residual stream's variance does not grow with depth."""
         if self.config.arch == "llama":  # N(0, init_std) for every matrix, ones for the norms
-            for p in self.parameters():
-                nn.init.normal_(p, 0.0, self.config.init_std) if p.dim() == 2 else nn.init.ones_(p)
+            normal = lambda t: nn.init.normal_(t, 0.0, self.config.init_std)  # noqa: E731
+            for name, p in self.named_parameters():
+                yield name, normal if p.dim() == 2 else nn.init.ones_
             return
         std = 0.02
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+                yield name, lambda t: nn.init.normal_(t, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
             elif p.dim() == 2:
-                nn.init.normal_(p, mean=0.0, std=std)
+                yield name, lambda t: nn.init.normal_(t, mean=0.0, std=std)
             elif name.endswith("bias"):
-                nn.init.zeros_(p)
+                yield name, nn.init.zeros_
             else:  # LayerNorm weights
-                nn.init.ones_(p)
+                yield name, nn.init.ones_
+
+    @torch.no_grad()
+    def init_weights(self):
+        """Separate from __init__ so a model built on the meta device can be materialised
+        cheaply with to_empty() and then initialised once."""
+        self.tie_weights()  # to_empty() may have un-shared the tied tensor
+        fill_parameters(self, self.initializers())
 
     def input_embedding(self):
         """(V, C) rows looked up for input tokens."""
@@ -373,6 +381,13 @@ class GPT(nn.Module):
             idx_next = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, idx_next), dim=1)
         return idx
+
+
+def fill_parameters(module, initializers):
+    """Apply (name, fill) pairs to module's parameters in place, in their order."""
+    parameters = dict(module.named_parameters())
+    for name, fill in initializers:
+        fill(parameters[name])
 
 
 def build_model(config, device="cpu"):

@@ -7,7 +7,7 @@ know nothing about it. train.py launched by torchrun (which sets RANK, LOCAL_RAN
 uses these pieces in this order:
 
     rank, local_rank, world_size = init_distributed(device_type)
-    train_model, train_objective = parallelize(model, objective, parallel, ...)
+    train_model, train_objective = parallelize(model, objective, parallel, ...)   # built on meta
     with gradient_sync((train_model, train_objective), enabled=last_micro_step): forward, backward
 
     ddp    every rank holds the whole model; gradients are averaged by all-reduce in backward
@@ -15,6 +15,15 @@ uses these pieces in this order:
            parameters are all-gathered just before it runs and its gradients reduce-scattered
            right after its backward, so each rank keeps 1/world of the weights, gradients and
            AdamW moments
+
+Sharded initialisation (torchtitan's recipe, made exact): train.py builds the model and the
+objective on the meta device and parallelize materialises them. Under fsdp, fully_shard goes on
+the meta modules and to_empty allocates only each rank's shards; then every parameter, in the
+order the one-process init draws its random numbers (GPT.initializers), is filled as a whole
+tensor on the device with the same calls and this rank's rows are kept. No process holds more
+than its shards plus one parameter's full weights, and the gathered model is the one-process
+model bit for bit. Starting weights (init_from) are copied the same way, shard by shard, from a
+checkpoint mapped into memory.
 
 Only data is split across ranks; every loss in losses.py is computed per rank on its own
 micro-batch and the gradients are averaged, exactly like gradient accumulation. SimReg and
@@ -30,6 +39,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from model import fill_parameters
 
 
 def init_distributed(device_type):
@@ -63,11 +74,15 @@ def compile_blocks(model, backend="inductor"):
         block.compile(backend=backend)
 
 
-def parallelize(model, objective, parallel, device, param_dtype=None, unused_parameters=False):
+def parallelize(model, objective, parallel, device, param_dtype=None, unused_parameters=False, weights=None):
     """Apply `parallel` ('none' | 'ddp' | 'fsdp') to the model and to the objective if it has
     parameters (NITP's head). Returns (train_model, train_objective): the callables the training
     step runs forward through. Everything else (evaluation, the optimizer, checkpoints) uses
     `model` and `objective` themselves, which FSDP2 shards in place and DDP leaves as they are.
+
+    Modules built on the meta device are materialised on `device` and initialised here (whole, or
+    shard by shard under fsdp), then given `weights` ({name: tensor} of the whole model, e.g.
+    checkpoint.starting_weights) if not None; modules already materialised are kept as they are.
 
     param_dtype: FSDP2 all-gathers the weights in this dtype for compute (bf16 on GPU) and
         reduces gradients in float32; None = float32 throughout.
@@ -76,6 +91,9 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
         DDP and FSDP must be told, or the ranks wait on each other forever. FSDP then reduces
         zeros for them: a parameter that no rank used gets a zero gradient rather than none
         (AdamW still decays it), unlike in a single process."""
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and parallel != "fsdp":
+        materialize(model, objective, device, weights)
     if parallel == "none":
         return model, objective
     has_params = any(p.requires_grad for p in objective.parameters())
@@ -99,6 +117,8 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
         fully_shard(objective, mesh=mesh,
                     mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False))
+    if on_meta:
+        materialize(model, objective, device, weights)
     if unused_parameters:
         from torch.distributed.fsdp import FSDPModule
         if hasattr(FSDPModule, "set_reduce_scatter_unused_params"):  # torch >= 2.13
@@ -107,6 +127,71 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
         else:
             zero_gradients_for_unused(model, objective if has_params else None)
     return model, objective
+
+
+@torch.no_grad()
+def materialize(model, objective, device, weights=None):
+    """Allocate the meta-built model and objective on `device` and initialise them as a one-process
+    run does: the model's draws, then those an eagerly built objective made in its constructor,
+    then the objective's init; then copy in `weights`. Plain modules are filled whole, FSDP2
+    modules (parameters that are DTensors) one full parameter at a time, keeping this rank's shard."""
+    model.to_empty(device=device)
+    objective.to_empty(device=device)
+    sharded = any(hasattr(p, "to_local") for p in model.parameters())
+    fill = fill_sharded if sharded else fill_parameters
+    if not sharded:
+        model.tie_weights()  # to_empty() un-shares the tied tensor of a plain module
+    fill(model, model.initializers())
+    draw_constructor_defaults(objective)
+    fill(objective, objective.initializers())
+    if weights is not None:
+        if sharded:
+            copy_shards(model, weights)
+        else:
+            model.load_state_dict(weights)
+
+
+def draw_constructor_defaults(module):
+    """Draw, and drop, the random numbers that building module's nn.Linear layers off the meta device
+    draws (their default init, on the CPU generator), one layer at a time: the objective was built
+    on the CPU before sharded initialisation, so its init and every later random number stay what
+    they were (archived CPU runs with a NITP head reproduce)."""
+    for layer in module.modules():
+        if isinstance(layer, nn.Linear):  # a plain twin: the layer itself may hold DTensors by now
+            nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="cpu")
+
+
+def fill_sharded(module, initializers):
+    """model.fill_parameters for an FSDP2 module: each parameter's full tensor is filled on its
+    device by the same call, its rows of this rank kept, and freed before the next one."""
+    parameters = dict(module.named_parameters())
+    for name, fill in initializers:
+        p = parameters[name]
+        full = torch.empty(p.shape, dtype=p.dtype, device=p.device)
+        fill(full)
+        p.to_local().copy_(local_rows(full, p))
+        del full
+
+
+def copy_shards(module, weights):
+    """load_state_dict(weights) for an FSDP2 module: each rank copies only its rows of each whole
+    tensor (of a memory-mapped checkpoint: only those pages are read), in state-dict order."""
+    state = module.state_dict()
+    if state.keys() != weights.keys():
+        raise ValueError(f"the starting weights do not fit the model: missing {sorted(state.keys() - weights.keys())}, "
+                         f"unexpected {sorted(weights.keys() - state.keys())}")
+    for name, p in state.items():
+        p.to_local().copy_(local_rows(weights[name], p))
+
+
+def local_rows(full, sharded):
+    """This rank's part of the whole tensor `full` as FSDP2 lays out the DTensor `sharded`: dim 0 cut
+    as torch.chunk cuts it (ceil(n / world) rows each, the last ranks' fewer or none)."""
+    (placement,) = sharded.placements
+    assert placement.is_shard(0), placement
+    rows = -(-full.size(0) // sharded.device_mesh.size())
+    start = sharded.device_mesh.get_local_rank() * rows
+    return full[start:start + rows]
 
 
 def fsdp_unavailable(device):

@@ -33,7 +33,7 @@ import tracking
 from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
-from model import build_model
+from model import GPT
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, exit_run, keep_freed_memory,
                    peak_flops, save_json)
@@ -195,16 +195,15 @@ if check_memory and (problem := plan.device_memory_problem({**config, "dtype": d
     exit_run(problem, master)
 try:
     model_config = plan.model_config(config, vocab_size)
-    model = build_model(model_config, device)
-    objective = Objective.from_config(config).to(device)
+    with torch.device("meta"):  # nothing allocated: parallelism.parallelize materialises each process's part
+        model, objective = GPT(model_config), Objective.from_config(config)  # objective: NITP's head, if any
 except ValueError as e:
     exit_config_error(e)
-objective.init_weights()  # trainable parts of the losses (NITP's head), if any
 
+start_weights = None  # memory-mapped on the CPU; parallelize copies them in (under FSDP only each rank's shards)
 if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
     try:
-        model.load_state_dict(checkpoint.starting_weights(init_from, model_config, head_from_embedding, data_dir,
-                                                          device))
+        start_weights = checkpoint.starting_weights(init_from, model_config, head_from_embedding, data_dir)
     except checkpoint.CheckpointError as e:
         exit_run(e)
     except ValueError as e:
@@ -222,8 +221,8 @@ if compile == "True" or (compile == "auto" and on_cuda):
 train_model, train_objective = parallelism.parallelize(
     model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # parameters without a gradient on some rank: experts that got no token; a headless run's untied LM head
-    unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights))
-# after parallelize: FSDP2 has replaced every parameter by its shard
+    unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights), weights=start_weights)
+del start_weights  # copied in (whole in memory if read from FSDP shards); parameters are now shards under fsdp
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
                                   separate_embeddings, extra_modules=[objective],
                                   embedding_weight_decay=None if embedding_weight_decay < 0 else embedding_weight_decay)

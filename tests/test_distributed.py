@@ -70,6 +70,14 @@ def final_weights(out_dir):
     return torch.load(target, weights_only=True)["model"]
 
 
+def assert_same_weights(a, b):
+    """The latest checkpoints of runs a and b hold the same weights, model and objective, bit for bit."""
+    wa, wb = final_weights(a), final_weights(b)
+    assert wa.keys() == wb.keys() and any(k.startswith("objective.nitp_head") for k in wa)
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), (name, (wa[name] - wb[name]).abs().max())
+
+
 def assert_same_run(a, b):
     losses_a, losses_b = train_losses(a), train_losses(b)
     assert sorted(losses_a) == sorted(losses_b) == list(range(6))
@@ -91,14 +99,30 @@ def assert_same_run(a, b):
 
 def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     single, ddp, fsdp = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp"
+    # *0: the runs stopped at step 0 (ckpt.pt: the initial weights; FSDP's sharded initialisation), with
+    # an odd vocabulary: the embedding's rows split 43 / 42 between the ranks
+    single0, fsdp0 = tmp_path / "single0", tmp_path / "fsdp0"
+    odd = ["--max_iters=0", "--vocab_size=85"]
     _, result, *_ = finish(launch(single, data_dir, *GPT2),
                            launch(ddp, data_dir, *GPT2, "--parallel=ddp", "--activation_checkpointing=True", processes=2),
-                           *([] if FSDP_REFUSED else [launch(fsdp, data_dir, *GPT2, "--parallel=fsdp", processes=2)]))
+                           *([] if FSDP_REFUSED else [launch(fsdp, data_dir, *GPT2, "--parallel=fsdp", processes=2),
+                                                      launch(single0, data_dir, *GPT2, *odd),
+                                                      launch(fsdp0, data_dir, *GPT2, "--parallel=fsdp", *odd,
+                                                             processes=2)]))
     assert "2 processes, ddp" in result.stdout and result.stdout.count("params:") == 1  # rank 0 prints
     assert_same_run(single, ddp)
     if FSDP_REFUSED:
         pytest.skip(f"DDP matched; the FSDP half: {FSDP_REFUSED}")
+    assert_same_weights(single0, fsdp0)  # initialised shard by shard: the one-process model, bit for bit
     assert_same_run(single, fsdp)
+    # init_from under FSDP: each rank copies its rows of the tied wte / lm_head from the mapped file
+    # (state-dict names: the checkpointing wrapper's prefix is not in them)
+    start = tmp_path / "start"
+    finish(launch(start, data_dir, *GPT2, "--parallel=fsdp", "--activation_checkpointing=True", "--max_iters=0",
+                  f"--init_from={single / 'ckpt.pt'}", processes=2))
+    source = final_weights(single)
+    assert all(torch.equal(value, source[name]) for name, value in final_weights(start).items()
+               if name.startswith("model."))
     # shards on disk: exactly those that ckpt.pt and ckpt_prev.pt name (older ones are removed)
     named = {torch.load(fsdp / name, weights_only=True)["dcp"] for name in ("ckpt.pt", "ckpt_prev.pt")}
     assert {os.path.join("ckpt_dcp", slot) for slot in os.listdir(fsdp / "ckpt_dcp")} == named and len(named) == 2
@@ -130,10 +154,14 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
 @needs_fsdp_on_cpu
 def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_dir):
     single, full, part = tmp_path / "single", tmp_path / "full", tmp_path / "part"
+    single0, full0 = tmp_path / "single0", tmp_path / "full0"  # stopped at step 0: the initial weights
     fsdp = [*LLAMA, "--parallel=fsdp", "--activation_checkpointing=True"]
     # part saves at step 3 on 2 processes; resumed there, its later steps are the uninterrupted run's, bit for bit
     finish(launch(single, data_dir, *LLAMA), launch(full, data_dir, *fsdp, processes=2),
-           launch(part, data_dir, *fsdp, "--max_iters=3", processes=2))
+           launch(part, data_dir, *fsdp, "--max_iters=3", processes=2),
+           launch(single0, data_dir, *LLAMA, "--max_iters=0", "--vocab_size=87"),
+           launch(full0, data_dir, *fsdp, "--max_iters=0", "--vocab_size=87", processes=2))
+    assert_same_weights(single0, full0)
     assert_same_run(single, full)
     assert "moe_aux" in read_log(full)[-2]
     result = finish(launch(part, data_dir, *fsdp, "--init_from=resume", processes=2))
@@ -144,6 +172,28 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
     result = finish(launch(part, data_dir, *LLAMA, "--init_from=resume"), check=False)
     assert result.returncode != 0 and "resume with --parallel=fsdp" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@needs_fsdp_on_cpu
+def test_fsdp_set_up_holds_shards_not_the_whole_model(tmp_path, data_dir):
+    """Sharded initialisation: each of 2 FSDP processes sets up a 2.8 GB model (float32; 1.3B's width,
+    12 blocks) without holding it whole. Its resident peak at the end of set-up (tests/setup_peak.py)
+    is its shards (1.4 GB), one parameter's whole tensor (wte, 0.4 GB) and the interpreter's ~0.35 GB:
+    2.2-2.3 GB measured, where materialising the whole model before sharding it peaked at 3.3-3.5 GB."""
+    from model import GPT, GPTConfig
+    shape = dict(vocab_size=50304, block_size=16, n_layer=12, n_head=16, n_embd=2048)
+    with torch.device("meta"):
+        size = sum(p.numel() * p.element_size() for p in GPT(GPTConfig(**shape)).parameters())
+    assert size > 2.5e9
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/setup_peak.py",
+         "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
+         "--parallel=fsdp", "--batch_size=2", "--check_memory=False", "--num_threads=1",
+         *(f"--{key}={value}" for key, value in shape.items())],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peaks = [int(line.split()[-2]) for line in result.stdout.splitlines() if line.startswith("setup peak rss")]
+    assert len(peaks) == 2 and max(peaks) < size, (peaks, size)
 
 
 @needs_fsdp_on_cpu

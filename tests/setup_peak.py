@@ -1,0 +1,29 @@
+"""Run train.py through its set-up and stop there: right after parallelism.parallelize returns (the
+model built, initialised and sharded), each process prints the peak of its resident memory so far
+(VmHWM) and every process exits 0. Under torchrun, from the repository root:
+
+    python -m torch.distributed.run --standalone --nproc_per_node=2 tests/setup_peak.py train.py ARGS
+"""
+
+import os
+import runpy
+import sys
+
+sys.path.insert(0, os.getcwd())  # train.py's modules (the script's own folder is tests/)
+import parallelism  # noqa: E402
+
+parallelize = parallelism.parallelize
+
+
+def parallelize_then_stop(*args, **kwargs):
+    parallelize(*args, **kwargs)
+    with open("/proc/self/status") as status:
+        peak_kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    print(f"setup peak rss rank {os.environ.get('RANK', 0)}: {peak_kib * 1024} bytes", flush=True)
+    parallelism.shutdown()
+    sys.exit(0)
+
+
+parallelism.parallelize = parallelize_then_stop
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
