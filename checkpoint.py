@@ -437,11 +437,11 @@ RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", 
 # other key changes what is trained or what the run's record means, and must equal the checkpoint's
 # unless --resume_changes names it. The batch may be split differently (batch_size, accumulation,
 # processes) as long as the global batch stays the same: the data order does not depend on the split.
-RESUME_MAY_CHANGE = ("out_dir", "data_dir", "data_source", "init_from", "overwrite", "resume_changes", "max_iters",
-                     "eval_interval", "checkpoint_interval", "log_interval", "final_eval", "dry_run", "check_memory",
-                     "device", "num_threads", "compile", "parallel", "activation_checkpointing", "wandb_log",
-                     "wandb_project", "wandb_run_name", "batch_size", "gradient_accumulation_steps",
-                     "global_batch_size")
+RESUME_MAY_CHANGE = ("out_dir", "data_dir", "data_source", "init_from", "head_from_embedding", "overwrite",
+                     "resume_changes", "max_iters", "eval_interval", "checkpoint_interval", "log_interval",
+                     "final_eval", "dry_run", "check_memory", "device", "num_threads", "compile", "parallel",
+                     "activation_checkpointing", "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
+                     "gradient_accumulation_steps", "global_batch_size")
 
 
 def global_batch(config, processes):

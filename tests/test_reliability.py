@@ -434,3 +434,40 @@ def test_checkpoints_work_from_any_directory_and_evaluate_keeps_what_a_run_wrote
                                     "--lr_decay_iters=4", "--init_from=resume", "--final_eval=False"),
                             cwd=REPO, env=ENV, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
+    """check_resumable against a checkpoint of train.py's defaults: each key outside the stated list
+    (checkpoint.RESUME_MAY_CHANGE) changed alone is refused in one line naming it with both values,
+    and accepted, with the change returned for the record, when --resume_changes names it. The keys
+    that may change, changed all at once (the global batch kept), pass."""
+    import checkpoint
+    from configurator import train_defaults
+    defaults = {**train_defaults(), "data_dir": data_dir}
+    saved = {"config": dict(defaults), "meta": {}, "processes": 1, "data_dir_resolved": os.path.realpath(data_dir)}
+
+    def other(value):
+        if isinstance(value, bool):
+            return not value
+        if isinstance(value, (int, float)):
+            return value + 1
+        return (value or "x") + "_other" if isinstance(value, str) else 7
+    checked = [key for key in defaults if key not in checkpoint.RESUME_MAY_CHANGE]
+    assert {"seed", "data_seed", "learning_rate", "margin", "dispersion_weight", "low_resource_prob", "dropout",
+            "grad_clip_mode", "eval_iters", "dtype"} <= set(checked)
+    for key in checked:
+        config = {**defaults, key: other(defaults[key])}
+        with pytest.raises(checkpoint.CheckpointError, match=f"key '{key}'|{key}: ") as refused:
+            checkpoint.check_resumable(saved, config, defaults["data_dir"])
+        assert "\n" not in str(refused.value)
+        if key not in checkpoint.RESUME_KEYS:  # the weights' shapes and the data's meaning never change
+            changes = checkpoint.check_resumable(saved, {**config, "resume_changes": key}, defaults["data_dir"])
+            assert changes == {key: [defaults[key], config[key]]}
+    free = {"max_iters": 9, "eval_interval": 7, "log_interval": 3, "checkpoint_interval": 5, "device": "cpu",
+            "num_threads": 2, "compile": "False", "parallel": "ddp", "activation_checkpointing": True,
+            "wandb_log": True, "final_eval": False, "batch_size": defaults["batch_size"] // 2,
+            "gradient_accumulation_steps": 2 * defaults["gradient_accumulation_steps"]}
+    assert checkpoint.check_resumable(saved, {**defaults, **free}, defaults["data_dir"]) == {}
+    # the same split on 2 processes is twice the global batch: refused by name
+    with pytest.raises(checkpoint.CheckpointError, match=r"global batch \(sequences per step\): 12 there, 24 here"):
+        checkpoint.check_resumable(saved, {**defaults, **free}, defaults["data_dir"], processes=2)
