@@ -201,6 +201,8 @@ def check_train_config(config, world_size):
         (c["parallel"] != "none" and c["log_marginalization"],
          "log_marginalization needs parallel='none' (it reads one process's gradients)"),
         (fsdp_problem is not None, fsdp_problem),
+        (c["fsdp_keep_gathered"] and c["parallel"] != "fsdp",
+         "fsdp_keep_gathered=True needs parallel='fsdp' (it changes when FSDP reshards the weights)"),
         (c["parallel"] == "fsdp" and c["separate_embeddings"],
          "separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps per-row state as "
          "plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),

@@ -74,7 +74,8 @@ def compile_blocks(model, backend="inductor"):
         block.compile(backend=backend)
 
 
-def parallelize(model, objective, parallel, device, param_dtype=None, unused_parameters=False, weights=None):
+def parallelize(model, objective, parallel, device, param_dtype=None, unused_parameters=False, weights=None,
+                keep_gathered=False):
     """Apply `parallel` ('none' | 'ddp' | 'fsdp') to the model and to the objective if it has
     parameters (NITP's head). Returns (train_model, train_objective): the callables the training
     step runs forward through. Everything else (evaluation, the optimizer, checkpoints) uses
@@ -90,7 +91,11 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
         routes no token to an expert; a headless untied run never uses its LM head), which
         DDP and FSDP must be told, or the ranks wait on each other forever. FSDP then reduces
         zeros for them: a parameter that no rank used gets a zero gradient rather than none
-        (AdamW still decays it), unlike in a single process."""
+        (AdamW still decays it), unlike in a single process.
+    keep_gathered (fsdp): a block's weights, once gathered in its forward, stay gathered through its
+        backward and the step's later micro-steps (gradient_sync reshards them after the last
+        backward): one all-gather per block per optimizer step instead of two per micro-step, for
+        the whole model's weights in the compute dtype on every GPU (plan.memory counts both)."""
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and parallel != "fsdp":
         materialize(model, objective, device, weights)
@@ -108,7 +113,7 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
     mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)
     # the root holds the embeddings, ln_f and the LM head; FSDP2 keeps a root's parameters
     # unsharded from its forward to its backward, which is why losses.cwt can use
     # model.input_embedding() (the gathered wte) after the forward pass
@@ -238,11 +243,12 @@ def add_zero_term(module, parameters):
     module.register_forward_hook(hook, prepend=True)
 
 
-def gradient_sync(modules, enabled):
+def gradient_sync(modules, enabled, keep_gathered=False):
     """Context for one micro-step's forward and backward: with enabled=False gradients only
     accumulate locally (no communication); the last micro-step of an optimizer step syncs.
     FSDP2 then holds full-size (unsharded) float32 gradients between micro-steps: it trades
-    memory for communication."""
+    memory for communication. keep_gathered (parallelize's): FSDP2 reshards the weights only
+    after the last micro-step's backward, so the others gather nothing."""
     stack = contextlib.ExitStack()
     for module in modules:
         if isinstance(module, nn.parallel.DistributedDataParallel):
@@ -250,6 +256,8 @@ def gradient_sync(modules, enabled):
                 stack.enter_context(module.no_sync())
         elif hasattr(module, "set_requires_gradient_sync"):  # an FSDP2 module
             module.set_requires_gradient_sync(enabled)
+            if keep_gathered:
+                module.set_reshard_after_backward(enabled)
     return stack
 
 

@@ -246,15 +246,17 @@ def gathered_bytes(config):
 def memory(model, config, processes, micro_steps, measure=True):
     """GiB per GPU: {ddp, fsdp} x {plain, checkpointed}, and the parts they are made of.
     DDP (one process: the same without buckets) holds everything on every GPU. FSDP holds 1/N of
-    the states, plus the largest unit it gathers whole while that unit runs, plus, with several
-    micro-steps, the whole fp32 gradient between them (gradient sync is off until the last).
+    the states, plus the largest unit it gathers whole while that unit runs (fsdp_keep_gathered:
+    every unit, for the whole step), plus, with several micro-steps, the whole fp32 gradient
+    between them (gradient sync is off until the last).
     measure: True (step_peak_bytes' device), False (activations NaN) or a device to measure them on."""
     n = model.num_params()
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
     root = n - sum(blocks)  # embedding, head, final norm: FSDP's root unit
     param_bytes = gathered_bytes(config)  # what FSDP gathers (its mixed-precision policy)
+    gathered = n * param_bytes if config.get("fsdp_keep_gathered") else max(max(blocks), root) * param_bytes
     parts = {"ddp": (16 + (4 if processes > 1 else 0)) * n / GiB,
-             "fsdp": (16 * n / processes + max(max(blocks), root) * (param_bytes + 4)
+             "fsdp": (16 * n / processes + gathered + max(max(blocks), root) * 4
                       + (4 * n if micro_steps > 1 else 0)) / GiB}
     parts.update(activation_gib(config, model.config, config["batch_size"], config["block_size"],
                                 **({} if measure is True else {"device": measure})) if measure
@@ -264,11 +266,12 @@ def memory(model, config, processes, micro_steps, measure=True):
     return table, parts
 
 
-def communication_bytes(model, objective, parallel, processes, micro_steps, param_bytes):
+def communication_bytes(model, objective, parallel, processes, micro_steps, param_bytes, keep_gathered=False):
     """Bytes one process sends in one optimizer step (it receives as many), by collective: the
     buffer of each (the whole tensor gathered, scattered or reduced) x (N-1)/N, x 2 for an
     all-reduce (ring algorithms; the module's docstring). exposed: the part that no compute hides.
-    param_bytes: what FSDP gathers per parameter (gathered_bytes); gradients are reduced in fp32."""
+    param_bytes: what FSDP gathers per parameter (gathered_bytes); gradients are reduced in fp32.
+    keep_gathered (fsdp_keep_gathered): every unit gathered once per step."""
     share = (processes - 1) / processes
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
     root = model.num_params() - sum(blocks)  # embeddings, final norm, LM head
@@ -279,10 +282,11 @@ def communication_bytes(model, objective, parallel, processes, micro_steps, para
         embeddings = sum(m.weight.numel() for m in (model.wte, model.wpe) if m is not None)
         out["exposed"] = 2 * share * 4 * embeddings
     elif parallel == "fsdp":
-        # every block twice per micro-step (forward, backward), each root once
-        out["all_gather"] = micro_steps * share * param_bytes * (2 * sum(blocks) + root + head)
+        # every block twice per micro-step (forward, backward), each root once; kept gathered: once per step
+        gathers = 1 if keep_gathered else micro_steps
+        out["all_gather"] = gathers * share * param_bytes * ((1 if keep_gathered else 2) * sum(blocks) + root + head)
         out["reduce_scatter"] = share * 4 * (root + sum(blocks) + head)  # the last micro-step only
-        out["exposed"] = share * (root + blocks[0]) * (micro_steps * param_bytes + 4)
+        out["exposed"] = share * (root + blocks[0]) * (gathers * param_bytes + 4)
     out["total"] = out["all_gather"] + out["reduce_scatter"] + out["all_reduce"]
     return out
 
@@ -344,15 +348,21 @@ def memory_problem(config, processes, vocab, available_gib, where, heap=0.0):
                 and fits(batch_size=batch):
             options.append(f"--batch_size={batch}")
         batch //= 2
+    # FSDP on more processes: as configured, with activation checkpointing, and without keeping the
+    # weights gathered over the step (the whole model per GPU, however many processes there are)
+    variants = [{}, {"activation_checkpointing": True}]
+    if config.get("fsdp_keep_gathered"):
+        variants += [{**v, "fsdp_keep_gathered": False} for v in variants]
+
+    def fsdp_fits(n):
+        return next((v for v in variants if fits(parallel="fsdp", processes=n, **v)), None)
     n = 2 * processes
     while n <= 4096 and ((config["global_batch_size"] or 1) % (config["batch_size"] * n if config["global_batch_size"]
-                                                               else 1)
-                         or not (fits(parallel="fsdp", processes=n)
-                                 or fits(parallel="fsdp", processes=n, activation_checkpointing=True))):
+                                                               else 1) or fsdp_fits(n) is None):
         n *= 2
     if n <= 4096:
-        ckpt = "" if fits(parallel="fsdp", processes=n) else " --activation_checkpointing=True"
-        options.append(f"--parallel=fsdp{ckpt} on {n} processes (torchrun) of {available_gib:.1f} GiB each"
+        flags = "".join(f" --{key}={value}" for key, value in fsdp_fits(n).items())
+        options.append(f"--parallel=fsdp{flags} on {n} processes (torchrun) of {available_gib:.1f} GiB each"
                        + ("" if measure else " (for the states; plan.py --processes N adds the activations)"))
     would = ("; it would fit with " + ", or with ".join(options)) if options else "; nothing the plan tries fits"
     what = "weights, gradients, AdamW states and activations" if measure else "weights, gradients and AdamW states alone"
@@ -417,9 +427,10 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
     hours = flops_per_run / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes) / 3600
     compute_s = flops_per_step / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes)
 
-    def communication(micro_steps, processes=processes):  # bytes, and seconds at the link's Gb/s
+    def communication(micro_steps, processes=processes, keep=config.get("fsdp_keep_gathered", False)):
+        """bytes, and seconds at the link's Gb/s"""
         moved = communication_bytes(model, objective, config["parallel"], processes, micro_steps,
-                                    gathered_bytes(config))
+                                    gathered_bytes(config), keep)
         gbps = link_of(gpu, processes, link_gbps)[0]
         return {**moved, "seconds": moved["total"] * 8 / (gbps * 1e9),
                 "exposed_seconds": moved["exposed"] * 8 / (gbps * 1e9)}
@@ -433,6 +444,13 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
                    + ("" if config["global_batch_size"] else f" --gradient_accumulation_steps={k}")}
                   for k in range(micro_steps - 1, 0, -1) if micro_steps % k == 0
                   and communication(k)["seconds"] <= compute_s), None)
+    # FSDP: the weights kept gathered over the step (fsdp_keep_gathered): its time, and its memory per GPU
+    kept = None
+    if config["parallel"] == "fsdp" and not config.get("fsdp_keep_gathered"):
+        extra = memory(model, {**config, "fsdp_keep_gathered": True}, processes, micro_steps, False)[1]["fsdp"] \
+            - parts["fsdp"]
+        mode = "checkpointed" if config["activation_checkpointing"] else "plain"
+        kept = {"seconds": communication(micro_steps, keep=True)["seconds"], "gib": per_gpu["fsdp"][mode] + extra}
     sequences = config["global_batch_size"]
     fewer_processes = next(({"processes": n, "keys": f"--batch_size={sequences // n}"}
                             for n in range(processes - 1, 0, -1) if sequences and sequences % n == 0
@@ -445,7 +463,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
             "gpu": gpu, "mfu": mfu, "hours": hours, "compute_seconds": compute_s,
             "communication": moved, "link_gbps": link, "link": link_name, "step_seconds": step_s,
             "hours_with_communication": hours + config["max_iters"] * (step_s - compute_s) / 3600,
-            "fewer_micro_steps": fewer, "fewer_processes": fewer_processes,
+            "fewer_micro_steps": fewer, "fewer_processes": fewer_processes, "keep_gathered": kept,
+            "fsdp_keep_gathered": config.get("fsdp_keep_gathered", False),
             "memory": per_gpu, "memory_parts": parts, "parallel": config["parallel"],
             "activation_checkpointing": config["activation_checkpointing"],
             "data": data_needed(config, tokens_per_step * config["max_iters"])}
@@ -493,7 +512,7 @@ def communication_lines(p):
              f"s at {p['link_gbps']:,g} Gb/s ({p['link']}) against {compute:.2f} s of compute; a step "
              f"{p['step_seconds']:.2f} s with overlap: {p['hours_with_communication']:,.1f} h for the run"]
     if c["seconds"] > compute:
-        fewer, regathers = p["fewer_micro_steps"], mode == "fsdp" and p["micro_steps"] > 1
+        fewer, regathers = p["fewer_micro_steps"], mode == "fsdp" and not p["fsdp_keep_gathered"]
         if fewer:
             fix = (f"{fewer['keys']} ({fewer['micro_steps']} micro-step(s)) would bring it to {fewer['seconds']:.2f} s "
                    f"(check its memory with {fewer['keys']}), as would a faster link")
@@ -503,6 +522,10 @@ def communication_lines(p):
                    f"their memory), as would a faster link")
         else:
             fix = "a larger global_batch_size (more compute per step) or a faster link would fix it"
+        if p.get("keep_gathered"):
+            k = p["keep_gathered"]
+            fix += (f"; or --fsdp_keep_gathered=True: {k['seconds']:.2f} s, the weights gathered once per step, "
+                    f"{k['gib']:.1f} GiB per GPU")
         why = " (FSDP gathers the weights twice in every micro-step)" if regathers else ""
         lines.append(f"warning: communication ({c['seconds']:.2f} s/step) exceeds compute ({compute:.2f} s/step)"
                      f"{why}; {fix}")

@@ -119,6 +119,8 @@ log_marginalization = False          # record Stop Jostling's per-row gradient p
 # system
 parallel = "none"                    # none | ddp | fsdp (FSDP2): under torchrun --nproc_per_node=N (parallelism.py)
 activation_checkpointing = False     # recompute each block's activations in backward: memory for ~1/3 more compute
+fsdp_keep_gathered = False           # fsdp: gather each block once per step, not twice per micro-step (memory: the
+                                     # whole model in the compute dtype; parallelism.parallelize, plan.py)
 check_memory = True                  # refuse, before allocating, a run the plan says cannot fit in the device's memory
 compile = "auto"                     # torch.compile each block: auto = on CUDA only (True / False to choose)
 dry_run = False                      # print the run's plan (size, FLOPs, memory, data, time: plan.py) and exit
@@ -221,7 +223,8 @@ if compile == "True" or (compile == "auto" and on_cuda):
 train_model, train_objective = parallelism.parallelize(
     model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # parameters without a gradient on some rank: experts that got no token; a headless run's untied LM head
-    unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights), weights=start_weights)
+    unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights), weights=start_weights,
+    keep_gathered=fsdp_keep_gathered)
 del start_weights  # copied in (whole in memory if read from FSDP shards); parameters are now shards under fsdp
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
                                   separate_embeddings, extra_modules=[objective],
@@ -313,7 +316,8 @@ while True:
         rows = slice((micro_step * world_size + rank) * batch_size, (micro_step * world_size + rank + 1) * batch_size)
         x, y = read_windows(train_data, starts[rows], is_low[rows], block_size, shift, device)
         # gradients are averaged over the processes only in the step's last backward
-        with parallelism.gradient_sync((train_model, train_objective), micro_step == gradient_accumulation_steps - 1):
+        with parallelism.gradient_sync((train_model, train_objective), micro_step == gradient_accumulation_steps - 1,
+                                       fsdp_keep_gathered):
             with autocast:
                 logits, hidden_states = train_model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
                 loss, terms = train_objective(logits, hidden_states, y, model.input_embedding(),

@@ -9,3 +9,4 @@ global_batch_size = 2048      # sequences of 2048 per optimizer step
 learning_rate = 3e-4
 min_lr = 3e-4 / 10
 parallel = "fsdp"             # FSDP2: weights, gradients and AdamW state (16 B per parameter) sharded over the GPUs
+fsdp_keep_gathered = True     # gather each block once per optimizer step, not twice per micro-step (--dry_run: the bytes)

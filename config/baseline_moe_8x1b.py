@@ -12,3 +12,4 @@ min_lr = 3e-4 / 10
 max_iters = 50000
 lr_decay_iters = 50000
 parallel = "fsdp"             # FSDP2: 7.3B parameters in all (2.3B active), sharded over the GPUs
+fsdp_keep_gathered = True     # gather each block once per optimizer step, not twice per micro-step (--dry_run: the bytes)

@@ -98,7 +98,7 @@ def assert_same_run(a, b):
 
 
 def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
-    single, ddp, fsdp = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp"
+    single, ddp, fsdp, kept = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "kept"
     # *0: the runs stopped at step 0 (ckpt.pt: the initial weights; FSDP's sharded initialisation), with
     # an odd vocabulary: the embedding's rows split 43 / 42 between the ranks
     single0, fsdp0 = tmp_path / "single0", tmp_path / "fsdp0"
@@ -106,6 +106,8 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     _, result, *_ = finish(launch(single, data_dir, *GPT2),
                            launch(ddp, data_dir, *GPT2, "--parallel=ddp", "--activation_checkpointing=True", processes=2),
                            *([] if FSDP_REFUSED else [launch(fsdp, data_dir, *GPT2, "--parallel=fsdp", processes=2),
+                                                      launch(kept, data_dir, *GPT2, "--parallel=fsdp",
+                                                             "--fsdp_keep_gathered=True", processes=2),
                                                       launch(single0, data_dir, *GPT2, *odd),
                                                       launch(fsdp0, data_dir, *GPT2, "--parallel=fsdp", *odd,
                                                              processes=2)]))
@@ -115,6 +117,7 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
         pytest.skip(f"DDP matched; the FSDP half: {FSDP_REFUSED}")
     assert_same_weights(single0, fsdp0)  # initialised shard by shard: the one-process model, bit for bit
     assert_same_run(single, fsdp)
+    assert_same_run(single, kept)  # the weights kept gathered over each step (one all-gather): the same run
     # init_from under FSDP: each rank copies its rows of the tied wte / lm_head from the mapped file
     # (state-dict names: the checkpointing wrapper's prefix is not in them)
     start = tmp_path / "start"

@@ -75,21 +75,26 @@ def test_7b_plan_on_many_gpus(processes, tmp_path):
     assert p["hours"] == pytest.approx(p["flops_per_run"] / (0.5 * GPU_PEAK_BF16_FLOPS["A100"] * processes) / 3600)
     block = 2 * C + 4 * C * C + 3 * C * H
     root = N - L * block
-    parts = p["memory_parts"]
-    assert parts["ddp"] * GiB == pytest.approx(20 * N)
-    assert parts["fsdp"] * GiB == pytest.approx(16 * N / processes + max(block, root) * 6 + 4 * N)
-    # FSDP, bf16 all-gathers, ring convention: each of 32 micro-steps gathers every block twice and
-    # the root once, (N-1)/N of each; one fp32 reduce-scatter of everything
     share, micro_steps = (processes - 1) / processes, 2048 // processes
-    c = p["communication"]
-    assert c["all_gather"] == pytest.approx(micro_steps * share * 2 * (2 * L * block + root))
-    assert c["reduce_scatter"] == pytest.approx(share * 4 * N) and c["all_reduce"] == 0
     link = 2400 if processes <= 8 else 200  # A100: NVLink 3 within a node, InfiniBand HDR between nodes
-    assert p["link_gbps"] == link and c["seconds"] == pytest.approx(c["total"] * 8 / (link * 1e9))
     compute = p["flops_per_step"] / (0.5 * GPU_PEAK_BF16_FLOPS["A100"] * processes)
     assert p["compute_seconds"] == pytest.approx(compute)
-    exposed = share * (root + block) * (micro_steps * 2 + 4) * 8 / (link * 1e9)  # root and first block
-    assert p["step_seconds"] == pytest.approx(exposed + max(compute, c["seconds"] - exposed))
+    assert config["fsdp_keep_gathered"]  # the recipe keeps the weights gathered over each step
+    for keep in (True, False):
+        p = plan.make_plan({**config, "fsdp_keep_gathered": keep}, processes, gpu="A100", mfu=0.5, measure=False)
+        parts = p["memory_parts"]
+        assert parts["ddp"] * GiB == pytest.approx(20 * N)
+        gathered = N * 2 if keep else max(block, root) * 2  # bf16: the whole model, or the largest unit
+        assert parts["fsdp"] * GiB == pytest.approx(16 * N / processes + gathered + max(block, root) * 4 + 4 * N)
+        # FSDP, bf16 all-gathers, ring convention: each of 32 micro-steps gathers every block twice and
+        # the root once, (N-1)/N of each (kept gathered: every unit once per step); one fp32 reduce-scatter
+        gathers = 1 if keep else micro_steps
+        c = p["communication"]
+        assert c["all_gather"] == pytest.approx(gathers * share * 2 * ((1 if keep else 2) * L * block + root))
+        assert c["reduce_scatter"] == pytest.approx(share * 4 * N) and c["all_reduce"] == 0
+        assert p["link_gbps"] == link and c["seconds"] == pytest.approx(c["total"] * 8 / (link * 1e9))
+        exposed = share * (root + block) * (gathers * 2 + 4) * 8 / (link * 1e9)  # root and first block
+        assert p["step_seconds"] == pytest.approx(exposed + max(compute, c["seconds"] - exposed))
     # 52B tokens: about 350 C4 shards of ~150M tokens, and nothing prepared yet
     assert p["data"]["shards_needed"] == -(-12500 * 2048 * T // int(plan.C4_TOKENS_PER_SHARD))
     assert "prepare_c4.py --shards 350" in plan.format_plan(p)
@@ -168,7 +173,10 @@ def test_memory_problem_of_a_7b_model_suggests_the_smallest_fsdp_that_fits():
     need = plan.process_gib(config, 1, 50304)[0]
     assert message.startswith(f"this run needs {need:.1f} GiB per process (weights, gradients, AdamW states and "
                               "activations")
-    n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp"}
+    # the recipe keeps the weights gathered over each step: 27.6 GB in fp32 on every process, whatever
+    # the number of processes, so the suggestion also turns that off
+    assert "--parallel=fsdp --fsdp_keep_gathered=False on " in message
+    n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp", "fsdp_keep_gathered": False}
     assert plan.process_gib(fsdp, n, 50304)[0] <= 24.0 < plan.process_gib(fsdp, n // 2, 50304)[0]
 
 
@@ -179,7 +187,8 @@ def test_memory_problem_of_experts_whose_states_cannot_fit_counts_states_alone()
     message = plan.memory_problem(config, 1, 50304, 24.0, "cpu")
     states = plan.process_gib(config, 1, 50304, measure=False)[1]
     assert message.startswith(f"this run needs {states:.1f} GiB per process (weights, gradients and AdamW states alone")
-    n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp"}
+    assert "--parallel=fsdp --fsdp_keep_gathered=False on " in message  # (see the 7B test above)
+    n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp", "fsdp_keep_gathered": False}
     assert plan.process_gib(fsdp, n, 50304, measure=False)[1] <= 24.0 < \
         plan.process_gib(fsdp, n // 2, 50304, measure=False)[1]
 
@@ -215,10 +224,14 @@ def test_plan_cli_takes_link_gbps(capsys):
 
 
 def test_plan_warns_in_one_line_when_communication_exceeds_compute():
-    """The 7B config on 64 H100s at one sequence per micro-step: FSDP gathers the weights in each of 32
-    micro-steps, longer than the step computes; the warning names the most micro-steps that would not,
-    and that plan indeed has its communication within its compute. At 8x the link: no warning."""
-    config = config_of("config/baseline_7b.py")
+    """The 7B config on 64 H100s at one sequence per micro-step, its weights gathered anew in each of
+    32 micro-steps (fsdp_keep_gathered=False): longer than the step computes; the warning names the
+    most micro-steps that would not, and that plan indeed has its communication within its compute,
+    and keeping the weights gathered with its time and memory. At 8x the link: no warning. The
+    recipe as shipped (kept gathered): no warning."""
+    assert "exceeds compute" not in plan.format_plan(plan.make_plan(config_of("config/baseline_7b.py"), 64,
+                                                                    measure=False))
+    config = config_of("config/baseline_7b.py", "--fsdp_keep_gathered=False")
     text = plan.format_plan(plan.make_plan(config, 64, measure=False))
     warnings = [line for line in text.splitlines() if "exceeds compute" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: communication")
@@ -228,6 +241,9 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
     finer = plan.make_plan({**config, "batch_size": batch // 2}, 64, measure=False)
     assert finer["communication"]["seconds"] > finer["compute_seconds"]
     assert "exceeds compute" not in plan.format_plan(plan.make_plan(config, 64, measure=False, link_gbps=3200))
+    kept = plan.make_plan({**config, "fsdp_keep_gathered": True}, 64, measure=False)
+    assert f"--fsdp_keep_gathered=True: {kept['communication']['seconds']:.2f} s" in warnings[0]
+    assert f"{kept['memory']['fsdp']['checkpointed']:.1f} GiB per GPU" in warnings[0]
     # the mixture of experts gathers all 8 experts: not even one micro-step is enough on 64 processes, and
     # the warning names the most processes whose one micro-step computes longer than it communicates
     config = config_of("config/baseline_moe_8x1b.py")
@@ -242,8 +258,9 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
 def test_plan_communication_is_what_a_real_step_moves():
     """The plan's bytes per optimizer step and process against the buffer of every collective of
     one real step on 2 gloo processes (tools/bench.py's comm_child counts them with a dispatch mode):
-    DDP with 2 and 4 micro-steps, FSDP with 4 (fp32, activation checkpointing) and with 2 (bf16
-    all-gathers), the 350M width at 2 blocks; within 10 % for each kind of collective."""
+    DDP with 2 and 4 micro-steps, FSDP with 4 (fp32, activation checkpointing), with 2 (bf16
+    all-gathers) and with 4 kept gathered (one all-gather per unit per step), the 350M width at 2
+    blocks; within 10 % for each kind of collective."""
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              "-m", "tools.bench", "--comm_child"], cwd=REPO, capture_output=True, text=True,
                             timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))

@@ -445,6 +445,8 @@ COMM_RUNS = {
     "FSDP, 4 micro-steps, activation checkpointing": ["--parallel=fsdp", "--global_batch_size=8", "--dtype=float32",
                                                       "--activation_checkpointing=True"],
     "FSDP, 2 micro-steps, bf16 all-gathers": ["--parallel=fsdp", "--global_batch_size=4", "--dtype=bfloat16"],
+    "FSDP, 4 micro-steps, kept gathered": ["--parallel=fsdp", "--global_batch_size=8", "--dtype=float32",
+                                           "--fsdp_keep_gathered=True"],
 }
 
 
@@ -501,13 +503,15 @@ def comm_child():
         if config["activation_checkpointing"]:
             parallelism.apply_activation_checkpointing(model)
         param_dtype = None if config["dtype"] == "float32" else getattr(torch, config["dtype"])
-        train_model, train_objective = parallelism.parallelize(model, objective, config["parallel"], "cpu", param_dtype)
+        keep = config["fsdp_keep_gathered"]
+        train_model, train_objective = parallelism.parallelize(model, objective, config["parallel"], "cpu", param_dtype,
+                                                               keep_gathered=keep)
         optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
         micro_steps = plan.micro_steps_of(config, world)
         x = torch.randint(0, model.config.vocab_size, (config["batch_size"], config["block_size"]))
         with CollectiveBytes() as counter:
             for micro_step in range(micro_steps):
-                with parallelism.gradient_sync((train_model, train_objective), micro_step == micro_steps - 1):
+                with parallelism.gradient_sync((train_model, train_objective), micro_step == micro_steps - 1, keep):
                     logits, hidden = train_model(x, return_hidden_states=True)
                     loss, _ = train_objective(logits, hidden, x, model.input_embedding())
                     (loss / micro_steps).backward()
