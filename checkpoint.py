@@ -468,18 +468,21 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
     check_dataset(checkpoint, data_dir)  # the same folder may hold other data by now
     differing = {key: [saved[key], value] for key, value in config.items()
                  if key not in RESUME_MAY_CHANGE and key in saved and saved[key] != value}
+    batch = "global batch (sequences per step)"  # named by any of its keys in resume_changes
     if "processes" in checkpoint:  # a checkpoint from before the processes were recorded: per key
         before, after = global_batch(saved, checkpoint["processes"]), global_batch(config, processes)
         if before != after:
-            differing["global batch (sequences per step)"] = [before, after]
+            differing[batch] = [before, after]
     allowed = {name.strip() for name in config.get("resume_changes", "").split(",") if name.strip()}
+    if allowed & {"batch_size", "gradient_accumulation_steps", "global_batch_size"}:
+        allowed.add(batch)
     refused = {key: values for key, values in differing.items() if key not in allowed}
     if refused:
         listed = "; ".join(f"{key}: {before!r} there, {after!r} here" for key, (before, after) in refused.items())
+        names = ",".join("batch_size" if key == batch else key for key in refused)
         raise CheckpointError(f"cannot resume: this command changes how the run trains ({listed}). Resume with the "
-                              f"checkpoint's values, or name what you mean to change: "
-                              f"--resume_changes={','.join(k for k in refused if ' ' not in k)} (recorded in the "
-                              f"log and the checkpoint)")
+                              f"checkpoint's values, or name what you mean to change: --resume_changes={names} "
+                              f"(recorded in the log and the checkpoint)")
     return differing
 
 

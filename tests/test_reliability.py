@@ -469,5 +469,8 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
             "gradient_accumulation_steps": 2 * defaults["gradient_accumulation_steps"]}
     assert checkpoint.check_resumable(saved, {**defaults, **free}, defaults["data_dir"]) == {}
     # the same split on 2 processes is twice the global batch: refused by name
-    with pytest.raises(checkpoint.CheckpointError, match=r"global batch \(sequences per step\): 12 there, 24 here"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"global batch \(sequences per step\): 12 there, 24 here"
+                                                       r".*--resume_changes=batch_size "):
         checkpoint.check_resumable(saved, {**defaults, **free}, defaults["data_dir"], processes=2)
+    assert checkpoint.check_resumable(saved, {**defaults, **free, "resume_changes": "batch_size"},
+                                      defaults["data_dir"], processes=2) == {"global batch (sequences per step)": [12, 24]}
