@@ -407,6 +407,10 @@ def data_needed(config, tokens_per_run):
 def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=None):
     """The plan of `config` (a dict of train.py's keys) on `processes` processes, as a dict.
     link_gbps: the link's Gb/s each way per GPU; None = LINK_GBPS's figure for gpu and processes."""
+    if not (isinstance(processes, int) and processes >= 1):
+        raise ConfigError(f"processes must be a positive integer, got {processes}")
+    if not 0 < mfu <= 1:
+        raise ConfigError(f"mfu must be in (0, 1] (a fraction of the GPU's peak), got {mfu}")
     # a plan needs no checkpoint, and it is for GPUs (not the device it is made on)
     problem = check_train_config({**config, "init_from": "scratch", "device": "cuda"}, processes)
     if problem:

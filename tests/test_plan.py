@@ -215,6 +215,18 @@ def test_every_gpu_has_a_link_and_link_gbps_overrides_it():
         plan.make_plan(config, 64, measure=False, link_gbps=0)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--processes", "0"], "error: processes must be a positive integer, got 0"),
+    (["--processes", "-1"], "error: processes must be a positive integer, got -1"),
+    (["--mfu", "0"], "error: mfu must be in (0, 1] (a fraction of the GPU's peak), got 0.0"),
+    (["--mfu", "1.5"], "error: mfu must be in (0, 1] (a fraction of the GPU's peak), got 1.5")])
+def test_plan_cli_refuses_counts_and_fractions_out_of_range(args, message):
+    """Once a ZeroDivisionError traceback (0) or a negative time printed with exit 0 (-1): one line."""
+    with pytest.raises(SystemExit) as ended:
+        plan.main([os.path.join(REPO, "config/baseline_350m.py"), *args])
+    assert ended.value.code == message
+
+
 def test_plan_cli_takes_link_gbps(capsys):
     plan.main([os.path.join(REPO, "config/baseline_350m.py"), "--processes", "16", "--link_gbps", "800"])
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("communication:"))

@@ -363,6 +363,22 @@ def run_tool(script, *args, cwd=REPO):
                           capture_output=True, text=True)
 
 
+@pytest.mark.parametrize("args,message", [
+    (["--temperature", "0"], "--temperature must be a finite number > 0"),
+    (["--temperature", "-1"], "--temperature must be a finite number > 0"),
+    (["--top_k", "0"], "--top_k must be >= 1, got 0"),
+    (["--start", ""], "--start must not be empty"),
+    (["--max_new_tokens=-5"], "--max_new_tokens must be >= 1, got -5"),
+    (["--num_samples", "0"], "--num_samples must be >= 1, got 0")])
+def test_sample_refuses_bad_arguments_in_one_line(tmp_path, args, message):
+    """Checked where they are parsed, before the checkpoint is read: exit 2, one line (once a
+    traceback, the least likely tokens for a negative temperature, or nothing printed with exit 0)."""
+    result = run_tool("sample.py", str(tmp_path / "missing.pt"), *args)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"error: {message}"), result.stderr[-2000:]
+    assert result.stdout == ""
+
+
 @pytest.mark.parametrize("script", ["evaluate.py", "sample.py"])
 def test_evaluate_and_sample_on_broken_paths(tmp_path, script):
     garbage = tmp_path / "garbage.pt"
