@@ -537,18 +537,8 @@ def save_full(out_dir, state, modules, optimizers, parallel, master, dcp_slots, 
     state = dict(state)
     if parallel == "fsdp":
         slot = next(s for s in DCP_SLOTS if s not in dcp_slots)
-        directory = os.path.join(out_dir, "ckpt_dcp", slot)
-        if master and os.path.exists(directory):
-            shutil.rmtree(directory)
-        parallelism.barrier()
         has_optimizer_state = any(opt.state for opt in optimizers)  # none before the first step
-        from torch.distributed.checkpoint.api import CheckpointException
-        try:  # every rank writes its shards; DCP tells every rank if any rank's write failed
-            parallelism.save_sharded(directory, modules, optimizers, with_optimizers=has_optimizer_state)
-            problem = None
-        except (OSError, RuntimeError, CheckpointException) as e:
-            problem = f"could not write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
-        agree(problem)
+        write_shards(os.path.join(out_dir, "ckpt_dcp", slot), modules, optimizers, has_optimizer_state, master, path)
         state.update(dcp=os.path.join("ckpt_dcp", slot), dcp_previous=dcp_slots[1], dcp_optimizers=has_optimizer_state,
                      objective_shapes={k: list(v.shape) for k, v in modules["objective"].state_dict().items()})
     else:
@@ -561,6 +551,22 @@ def save_full(out_dir, state, modules, optimizers, parallel, master, dcp_slots, 
             for slot in DCP_SLOTS:
                 if slot not in dcp_slots:
                     shutil.rmtree(os.path.join(out_dir, "ckpt_dcp", slot), ignore_errors=True)
+
+
+def write_shards(directory, modules, optimizers, with_optimizers, master, path):
+    """Every rank writes its shards into directory (emptied first: a killed run's leftovers), for
+    the checkpoint file `path` that will name it. Collective; a failed write on any rank (DCP tells
+    every rank) is a CheckpointError on all, with `path` intact."""
+    if master and os.path.exists(directory):
+        shutil.rmtree(directory)
+    parallelism.barrier()
+    from torch.distributed.checkpoint.api import CheckpointException
+    try:
+        parallelism.save_sharded(directory, modules, optimizers, with_optimizers=with_optimizers)
+        problem = None
+    except (OSError, RuntimeError, CheckpointException) as e:
+        problem = f"could not write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
+    agree(problem)
 
 
 def _write_on(master, path, state, keep_previous=False):
@@ -593,16 +599,7 @@ def save_weights(path, state, modules, parallel, master):
     if parallel == "fsdp":
         best_dcp = os.path.join(os.path.dirname(path), BEST_DCP)
         directory = os.path.join(best_dcp, f"step_{state['iter_num']}")
-        if master and os.path.exists(directory):  # from a killed run that got this far
-            shutil.rmtree(directory)
-        parallelism.barrier()
-        from torch.distributed.checkpoint.api import CheckpointException
-        try:
-            parallelism.save_sharded(directory, modules, [], with_optimizers=False)
-            problem = None
-        except (OSError, RuntimeError, CheckpointException) as e:  # DCP tells every rank if any rank's failed
-            problem = f"could not write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
-        agree(problem)
+        write_shards(directory, modules, [], False, master, path)
         state["dcp"] = os.path.relpath(directory, os.path.dirname(path))
     else:
         state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict())
