@@ -157,6 +157,7 @@ TRAIN_RULES = {
     **dict.fromkeys(("out_dir", "data_dir", "init_from", "wandb_project"), NON_EMPTY),
     "arch": _choice("gpt2", "llama"),
     "dispersion_variant": _choice("angular", "decorrelation", "l2_repel", "orthogonalization"),
+    "dispersion_form": _choice("paper", "authors"),
     "dispersion_layers": _choice("all", "last"),
     "lr_schedule": _choice("cosine", "constant"),
     "grad_clip_mode": _choice("norm", "adagc"),

@@ -190,23 +190,31 @@ def _simreg_sequences(h, labels, tau, ignore_index):
     return (per_sequence * has_valid).sum() / has_valid.sum().clamp_min(1)
 
 
-def _dispersion_one_layer(z, tau, variant):
+def _dispersion_one_layer(z, tau, variant, form="paper"):
     """One (B,T,C) layer -> the mean over sequences of the chosen variant (see dispersion)."""
     B, T, C = z.shape
     eps = 1e-4
+    authors = form == "authors"
     off_diagonal = ~torch.eye(T, dtype=torch.bool, device=z.device)
     n_pairs = T * (T - 1)
+    # the released code's additive constant inside the logsumexp (a shift of the value, no gradient)
+    lse_shift = 1e-2 if authors else 0.0
 
     if variant in ("angular", "orthogonalization"):
         # angular distance in [0, 1]: 0 parallel, 1/2 orthogonal, 1 opposite; arccos of the cosine
         # is better conditioned than the cosine itself, and the clamp keeps arccos' slope finite
-        z_hat = z / (z.norm(dim=-1, keepdim=True) + eps)
-        cos = (z_hat @ z_hat.transpose(1, 2)).clamp(-1 + eps, 1 - eps)
+        z_hat = z / (z.norm(dim=-1, keepdim=True) + (1e-2 if authors else eps))
+        cos = z_hat @ z_hat.transpose(1, 2)
+        if authors:
+            # clamped in value only: the gradient passes as if the cosine were not clamped
+            cos = cos + (cos.clamp(-0.75, 0.75) - cos).detach()
+        else:
+            cos = cos.clamp(-1 + eps, 1 - eps)
         distance = torch.arccos(cos) / math.pi
         if variant == "angular":
             # log-mean-exp over pairs: a soft minimum of the distances, so the closest pairs
             # are pushed apart hardest
-            logits = (-distance / tau).reshape(B, T * T)
+            logits = (-distance / tau + lse_shift).reshape(B, T * T)
             per_sequence = _masked_logsumexp(logits, off_diagonal.reshape(1, T * T), -1)
             return (per_sequence - math.log(n_pairs)).mean()
         # orthogonalization: only pairs closer than orthogonal (acute angles) are pushed apart
@@ -225,10 +233,10 @@ def _dispersion_one_layer(z, tau, variant):
         # squared distances per channel via |a|^2 + |b|^2 - 2ab (no (B,T,T,C) difference tensor)
         sq_norm = z.square().sum(-1)
         sq_dist = sq_norm.unsqueeze(2) + sq_norm.unsqueeze(1) - 2 * z @ z.transpose(1, 2)
-        distance = sq_dist.clamp_min(0) / C
+        distance = sq_dist.clamp_min(0) / (1 if authors else C)      # the released code: not / C
         # all T^2 pairs, i = j included: each diagonal term is exp(0) = 1, so the log-mean-exp
         # never falls below log(T / T^2) = -log T however far apart the states are pushed
-        per_sequence = torch.logsumexp((-distance / tau).reshape(B, T * T), -1)
+        per_sequence = torch.logsumexp((-distance / tau + lse_shift).reshape(B, T * T), -1)
         # the norm term keeps the states from spreading out by simply growing
         return (per_sequence - 2 * math.log(T)).mean() + 0.1 * z.square().mean()
 
@@ -236,9 +244,11 @@ def _dispersion_one_layer(z, tau, variant):
 
 
 DISPERSION_VARIANTS = ("angular", "decorrelation", "l2_repel", "orthogonalization")
+DISPERSION_FORMS = ("paper", "authors")
+AUTHORS_MAX_POSITIONS = 256  # the released code's positions per sequence when T is longer
 
 
-def dispersion(hidden_states, tau=1.0, variant="angular"):
+def dispersion(hidden_states, tau=1.0, variant="angular", form="paper"):
     """Dispersion loss and its alternatives (Liu et al., Sec. 4.4, Table 1, App. A Algorithm 1).
 
     Counteracts "embedding condensation": the states of one sequence drifting towards a single
@@ -264,6 +274,16 @@ def dispersion(hidden_states, tau=1.0, variant="angular"):
       orthogonalization: angular D; loss = mean_{i!=j} max(0, 1/2 - D_ij)^2
     The loss is the mean over sequences, then over the given layers.
 
+    form = "authors" is the authors' released code (ChenLiu-1996/LM-Dispersion,
+    lm_dispersion/dispersion.py) where it differs from the text above (docs/fidelity.md):
+    z_hat = z / (|z| + 1e-2); cos clamped to [-0.75, 0.75] in value only (straight-through: the
+    gradient is that of the unclamped cosine); 1e-2 added inside the logsumexp (angular,
+    l2_repel); l2_repel's D_ij = |z_i - z_j|^2, not divided by C; and when T > 256, 256 random
+    positions (the same for every sequence, drawn per layer). Decorrelation is the same in both.
+    On condensed states (every state of a sequence near one direction) the two forms' gradients
+    differ several-fold: the paper's clamp near +-1 keeps arccos' steep slope, the released
+    +-0.75 value clamp and straight-through gradient do not.
+
     hidden_states: a list of (B,T,C) tensors (by default every block's residual output) or one
     tensor. Defaults: tau = 1.0 and the weight lambda = 0.1 (the paper's; the caller applies
     lambda). Computed in float32 (float64 kept) even under autocast. Needs T >= 2. Every
@@ -272,13 +292,17 @@ def dispersion(hidden_states, tau=1.0, variant="angular"):
     """
     if variant not in DISPERSION_VARIANTS:
         raise ValueError(f"unknown dispersion variant {variant!r}; valid: {', '.join(DISPERSION_VARIANTS)}")
+    if form not in DISPERSION_FORMS:
+        raise ValueError(f"unknown dispersion form {form!r}; valid: {', '.join(DISPERSION_FORMS)}")
     layers = [hidden_states] if torch.is_tensor(hidden_states) else list(hidden_states)
     if not layers:
         raise ValueError("dispersion needs at least one layer of hidden states")
     if layers[0].size(1) < 2:
         raise ValueError(f"dispersion needs T >= 2 positions (pairs i != j), got T = {layers[0].size(1)}")
     with full_fp32(layers[0].device.type):
-        per_layer = [_dispersion_one_layer(at_least_fp32(z), tau, variant) for z in layers]
+        if form == "authors" and layers[0].size(1) > AUTHORS_MAX_POSITIONS:
+            layers = [z[:, torch.randperm(z.size(1), device=z.device)[:AUTHORS_MAX_POSITIONS]] for z in layers]
+        per_layer = [_dispersion_one_layer(at_least_fp32(z), tau, variant, form) for z in layers]
     return torch.stack(per_layer).mean()
 
 
@@ -358,6 +382,7 @@ class Objective(nn.Module):
       margin               logit thresholding of the CE term (None = plain CE)
       simreg_layer         -1 = final normed state (default), l = output of block l (0 = embedding)
       simreg_chunk_size    0 = full sequences
+      dispersion_form      'paper' (default) or 'authors' (the released code's constants; see dispersion)
       dispersion_layers    'all' blocks (default) or 'last'
       dispersion_positions P > 0: P random positions per layer, the same for every sequence,
                            redrawn per layer (an estimate of the full loss; not the paper's); 0 = all
@@ -369,7 +394,7 @@ class Objective(nn.Module):
     """
 
     SETTINGS = ("margin", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau", "dispersion_variant",
-                "dispersion_layers", "dispersion_positions", "nitp_layer", "nitp_prenorm", "nitp_hidden")
+                "dispersion_form", "dispersion_layers", "dispersion_positions", "nitp_layer", "nitp_prenorm", "nitp_hidden")
 
     @classmethod
     def from_config(cls, config):
@@ -381,7 +406,7 @@ class Objective(nn.Module):
 
     def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
                  simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
-                 dispersion_layers="all", dispersion_positions=0, nitp=0.0, nitp_layer=0, nitp_prenorm=False,
+                 dispersion_form="paper", dispersion_layers="all", dispersion_positions=0, nitp=0.0, nitp_layer=0, nitp_prenorm=False,
                  nitp_hidden=0, cwt=0.0, moe_aux=0.0):
         super().__init__()
         self.weights = {"ce": ce, "simreg": simreg, "dispersion": dispersion, "nitp": nitp, "cwt": cwt}
@@ -392,6 +417,8 @@ class Objective(nn.Module):
             raise ValueError("every loss weight is 0: nothing to train (set ce_weight or another *_weight)")
         if dispersion_variant not in DISPERSION_VARIANTS:
             raise ValueError(f"dispersion_variant must be one of {', '.join(DISPERSION_VARIANTS)}, got {dispersion_variant!r}")
+        if dispersion_form not in DISPERSION_FORMS:
+            raise ValueError(f"dispersion_form must be one of {', '.join(DISPERSION_FORMS)}, got {dispersion_form!r}")
         if dispersion_layers not in ("all", "last"):
             raise ValueError(f"dispersion_layers must be 'all' or 'last', got {dispersion_layers!r}")
         if not -1 <= simreg_layer <= n_layer:
@@ -401,6 +428,7 @@ class Objective(nn.Module):
         self.margin = margin
         self.simreg_tau, self.simreg_chunk_size, self.simreg_layer = simreg_tau, simreg_chunk_size or None, simreg_layer
         self.dispersion_tau, self.dispersion_variant = dispersion_tau, dispersion_variant
+        self.dispersion_form = dispersion_form
         self.dispersion_layers, self.dispersion_positions = dispersion_layers, dispersion_positions
         self.nitp_layer = nitp_layer or max(1, round(0.2 * n_layer))
         if not 1 <= self.nitp_layer <= n_layer:
@@ -438,7 +466,8 @@ class Objective(nn.Module):
             P = self.dispersion_positions
             if 0 < P < final.size(1):
                 layers = [z[:, torch.randperm(z.size(1), device=z.device)[:P]] for z in layers]
-            terms["dispersion"] = dispersion(layers, self.dispersion_tau, self.dispersion_variant)
+            terms["dispersion"] = dispersion(layers, self.dispersion_tau, self.dispersion_variant,
+                                             self.dispersion_form)
         if self.weights["nitp"]:
             source = hidden_states[self.n_layer] if self.nitp_prenorm else final
             terms["nitp"] = nitp(self.nitp_head(source), hidden_states[self.nitp_layer])

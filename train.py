@@ -90,6 +90,7 @@ simreg_layer = -1                    # -1 = the final normed state; l = output o
 dispersion_weight = 0.0              # dispersion loss (Liu et al., Eq. 2); the paper's 0.1 (Sec. 5.3)
 dispersion_tau = 1.0
 dispersion_variant = "angular"       # angular | decorrelation | l2_repel | orthogonalization
+dispersion_form = "paper"            # paper (Algorithm 1) | authors (their released code; docs/fidelity.md)
 dispersion_layers = "all"            # all | last
 dispersion_positions = 0             # P > 0: P random positions per layer (an estimate); 0 = all
 nitp_weight = 0.0                    # NITP (NITP paper, Method); the paper's 1.0

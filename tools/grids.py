@@ -35,6 +35,11 @@ GRIDS = {
         "dispersion decorrelation": ("config/lowres_dispersion_decorrelation.py", 5),
         "dispersion l2_repel": ("config/lowres_dispersion_l2_repel.py", 5),
         "dispersion orthogonalization": ("config/lowres_dispersion_orthogonalization.py", 5),
+        # the same three in the form of the authors' released code (docs/fidelity.md); decorrelation
+        # is the same in both forms (tests/test_losses.py), so it has no second row
+        "dispersion, authors' form": ("config/lowres_dispersion_authors.py", 5),
+        "dispersion l2_repel, authors' form": ("config/lowres_dispersion_l2_repel_authors.py", 5),
+        "dispersion orthogonalization, authors' form": ("config/lowres_dispersion_orthogonalization_authors.py", 5),
         "NITP": ("config/lowres_nitp.py", 5),
         "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/lowres_simreg_dispersion.py", 5),
