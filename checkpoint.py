@@ -440,7 +440,7 @@ RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", 
 RESUME_MAY_CHANGE = ("out_dir", "data_dir", "data_source", "init_from", "head_from_embedding", "overwrite",
                      "resume_changes", "max_iters", "eval_interval", "checkpoint_interval", "log_interval",
                      "final_eval", "dry_run", "check_memory", "device", "num_threads", "compile", "parallel",
-                     "activation_checkpointing", "fsdp_keep_gathered", "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
+                     "activation_checkpointing", "fsdp_keep_gathered", "fsdp_shard_size", "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
                      "gradient_accumulation_steps", "global_batch_size")
 
 

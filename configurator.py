@@ -143,7 +143,7 @@ TRAIN_RULES = {
                      "lr_decay_iters"), POSITIVE),
     **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size", "vocab_size",
                      "ffn_hidden", "simreg_chunk_size", "dispersion_positions", "nitp_layer", "nitp_hidden",
-                     "num_threads", "adagc_warmup"), NON_NEGATIVE),
+                     "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
     **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight", "moe_aux_weight",
                      "min_lr", "weight_decay", "grad_clip"), NON_NEGATIVE_NUMBER),
     **dict.fromkeys(("simreg_tau", "dispersion_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
@@ -204,6 +204,9 @@ def check_train_config(config, world_size):
         (fsdp_problem is not None, fsdp_problem),
         (c["fsdp_keep_gathered"] and c["parallel"] != "fsdp",
          "fsdp_keep_gathered=True needs parallel='fsdp' (it changes when FSDP reshards the weights)"),
+        (c["fsdp_shard_size"] and (c["parallel"] != "fsdp" or world_size % c["fsdp_shard_size"]),
+         f"key 'fsdp_shard_size' ({c['fsdp_shard_size']}) needs parallel='fsdp' and must divide the number of "
+         f"processes ({world_size}): it shards over groups of that many processes and replicates across the groups"),
         (c["parallel"] == "fsdp" and c["separate_embeddings"],
          "separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps per-row state as "
          "plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),

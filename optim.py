@@ -220,14 +220,18 @@ def _local(tensor):
 
 
 def tensor_norms(tensors):
-    """L2 norm of each tensor, float32, (n,). DTensors sharded over ranks (FSDP2): the squares of
-    the local shards are summed over the ranks in one all-reduce."""
+    """L2 norm of each tensor, float32, (n,). DTensors sharded over ranks (FSDP2, or hybrid sharding's
+    2-D mesh, replicated across groups): the squares of the local shards are summed over the ranks of
+    the sharded mesh dimension in one all-reduce."""
     from torch.distributed.tensor import DTensor
     sharded = [t for t in tensors if isinstance(t, DTensor)]
     if not sharded:
         return torch.stack([torch.linalg.vector_norm(t, dtype=torch.float32) for t in tensors])
-    if len(sharded) != len(tensors) or any(t.device_mesh.ndim != 1 or not t.placements[0].is_shard() for t in sharded):
-        raise ValueError("tensor_norms takes plain tensors or DTensors sharded over a 1-D mesh (FSDP2)")
+    shard_dims = {tuple(i for i, p in enumerate(t.placements) if not p.is_replicate()) for t in sharded}
+    if len(sharded) != len(tensors) or len(shard_dims) != 1 or len(next(iter(shard_dims))) != 1 \
+            or any(not t.placements[next(iter(shard_dims))[0]].is_shard() for t in sharded):
+        raise ValueError("tensor_norms takes plain tensors or DTensors sharded over one mesh dimension (FSDP2, HSDP)")
+    (mesh_dim,) = next(iter(shard_dims))
     squares = torch.stack([torch.linalg.vector_norm(t.to_local(), dtype=torch.float32) for t in sharded]).square()
-    torch.distributed.all_reduce(squares, group=sharded[0].device_mesh.get_group())
+    torch.distributed.all_reduce(squares, group=sharded[0].device_mesh.get_group(mesh_dim))
     return squares.sqrt()

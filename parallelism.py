@@ -14,7 +14,8 @@ uses these pieces in this order:
     fsdp   FSDP2 (fully_shard): every block, then the root, is sharded over the ranks; a block's
            parameters are all-gathered just before it runs and its gradients reduce-scattered
            right after its backward, so each rank keeps 1/world of the weights, gradients and
-           AdamW moments
+           AdamW moments; fsdp_shard_size = k (hybrid sharding) shards over each group of k
+           ranks, a node, and replicates across the groups, keeping those collectives on the node
 
 Sharded initialisation (torchtitan's recipe, made exact): train.py builds the model and the
 objective on the meta device and parallelize materialises them. Under fsdp, fully_shard goes on
@@ -75,7 +76,7 @@ def compile_blocks(model, backend="inductor"):
 
 
 def parallelize(model, objective, parallel, device, param_dtype=None, unused_parameters=False, weights=None,
-                keep_gathered=False):
+                keep_gathered=False, shard_size=0):
     """Apply `parallel` ('none' | 'ddp' | 'fsdp') to the model and to the objective if it has
     parameters (NITP's head). Returns (train_model, train_objective): the callables the training
     step runs forward through. Everything else (evaluation, the optimizer, checkpoints) uses
@@ -95,7 +96,11 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
     keep_gathered (fsdp): a block's weights, once gathered in its forward, stay gathered through its
         backward and the step's later micro-steps (gradient_sync reshards them after the last
         backward): one all-gather per block per optimizer step instead of two per micro-step, for
-        the whole model's weights in the compute dtype on every GPU (plan.memory counts both)."""
+        the whole model's weights in the compute dtype on every GPU (plan.memory counts both).
+    shard_size (fsdp): 0 shards over every process; k shards over groups of k consecutive ranks (a
+        node: torchrun numbers a node's processes consecutively) and replicates the shards across
+        the world / k groups (hybrid sharding, HSDP): the all-gathers and reduce-scatters stay
+        inside a group, and only the group's gradient shards are all-reduced between groups."""
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and parallel != "fsdp":
         materialize(model, objective, device, weights)
@@ -110,7 +115,11 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
     assert parallel == "fsdp", parallel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    mesh = init_device_mesh("cuda" if device.startswith("cuda") else "cpu", (dist.get_world_size(),))
+    world, mesh_device = dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu"
+    if shard_size and shard_size < world:  # (replicate, shard): FSDP2 over a 2-D mesh is hybrid sharding
+        mesh = init_device_mesh(mesh_device, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+    else:
+        mesh = init_device_mesh(mesh_device, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for block in model.h:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)
@@ -191,11 +200,12 @@ def copy_shards(module, weights):
 
 def local_rows(full, sharded):
     """This rank's part of the whole tensor `full` as FSDP2 lays out the DTensor `sharded`: dim 0 cut
-    as torch.chunk cuts it (ceil(n / world) rows each, the last ranks' fewer or none)."""
-    (placement,) = sharded.placements
-    assert placement.is_shard(0), placement
-    rows = -(-full.size(0) // sharded.device_mesh.size())
-    start = sharded.device_mesh.get_local_rank() * rows
+    as torch.chunk cuts it (ceil(n / shards) rows each, the last ranks' fewer or none), over the
+    mesh's one sharded dimension (hybrid sharding: the other one replicates)."""
+    (mesh_dim,) = [i for i, placement in enumerate(sharded.placements) if not placement.is_replicate()]
+    assert sharded.placements[mesh_dim].is_shard(0), sharded.placements
+    rows = -(-full.size(0) // sharded.device_mesh.size(mesh_dim))
+    start = sharded.device_mesh.get_local_rank(mesh_dim) * rows
     return full[start:start + rows]
 
 

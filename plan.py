@@ -246,7 +246,7 @@ def gathered_bytes(config):
 def memory(model, config, processes, micro_steps, measure=True):
     """GiB per GPU: {ddp, fsdp} x {plain, checkpointed}, and the parts they are made of.
     DDP (one process: the same without buckets) holds everything on every GPU. FSDP holds 1/N of
-    the states, plus the largest unit it gathers whole while that unit runs (fsdp_keep_gathered:
+    the states (hybrid sharding, fsdp_shard_size = k: 1/k), plus the largest unit it gathers whole while that unit runs (fsdp_keep_gathered:
     every unit, for the whole step), plus, with several micro-steps, the whole fp32 gradient
     between them (gradient sync is off until the last).
     measure: True (step_peak_bytes' device), False (activations NaN) or a device to measure them on."""
@@ -256,7 +256,7 @@ def memory(model, config, processes, micro_steps, measure=True):
     param_bytes = gathered_bytes(config)  # what FSDP gathers (its mixed-precision policy)
     gathered = n * param_bytes if config.get("fsdp_keep_gathered") else max(max(blocks), root) * param_bytes
     parts = {"ddp": (16 + (4 if processes > 1 else 0)) * n / GiB,
-             "fsdp": (16 * n / processes + gathered + max(max(blocks), root) * 4
+             "fsdp": (16 * n / shard_group(config, processes) + gathered + max(max(blocks), root) * 4
                       + (4 * n if micro_steps > 1 else 0)) / GiB}
     parts.update(activation_gib(config, model.config, config["batch_size"], config["block_size"],
                                 **({} if measure is True else {"device": measure})) if measure
@@ -266,17 +266,29 @@ def memory(model, config, processes, micro_steps, measure=True):
     return table, parts
 
 
-def communication_bytes(model, objective, parallel, processes, micro_steps, param_bytes, keep_gathered=False):
+def shard_group(config, processes):
+    """The processes FSDP shards the states over: all of them, or fsdp_shard_size's groups (hybrid)."""
+    k = config.get("fsdp_shard_size", 0)
+    return k if 0 < k < processes else processes
+
+
+def communication_bytes(model, objective, parallel, processes, micro_steps, param_bytes, keep_gathered=False,
+                        group=None):
     """Bytes one process sends in one optimizer step (it receives as many), by collective: the
     buffer of each (the whole tensor gathered, scattered or reduced) x (N-1)/N, x 2 for an
-    all-reduce (ring algorithms; the module's docstring). exposed: the part that no compute hides.
+    all-reduce (ring algorithms; the module's docstring). exposed: the part that no compute hides
+    (exposed_between: hybrid sharding's, on the link between the groups).
     param_bytes: what FSDP gathers per parameter (gathered_bytes); gradients are reduced in fp32.
-    keep_gathered (fsdp_keep_gathered): every unit gathered once per step."""
-    share = (processes - 1) / processes
+    keep_gathered (fsdp_keep_gathered): every unit gathered once per step.
+    group (fsdp, hybrid sharding): FSDP's collectives run within groups of this many processes, and
+    each process all-reduces its 1/group of the gradients with its twins in the other groups
+    (all_reduce, between the groups: a slower link when a group is a node)."""
+    group = group or processes
+    share = (group - 1) / group
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
     root = model.num_params() - sum(blocks)  # embeddings, final norm, LM head
     head = sum(p.numel() for p in objective.parameters())  # the objective's own unit (NITP's head)
-    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0}
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0, "exposed_between": 0.0}
     if parallel == "ddp":
         out["all_reduce"] = 2 * share * 4 * (root + sum(blocks) + head)
         embeddings = sum(m.weight.numel() for m in (model.wte, model.wpe) if m is not None)
@@ -287,6 +299,11 @@ def communication_bytes(model, objective, parallel, processes, micro_steps, para
         out["all_gather"] = gathers * share * param_bytes * ((1 if keep_gathered else 2) * sum(blocks) + root + head)
         out["reduce_scatter"] = share * 4 * (root + sum(blocks) + head)  # the last micro-step only
         out["exposed"] = share * (root + blocks[0]) * (gathers * param_bytes + 4)
+        replicas = processes // group
+        if replicas > 1:  # hybrid: the gradient shards averaged across the groups, after the reduce-scatter
+            twins = 2 * (replicas - 1) / replicas * 4 / group
+            out["all_reduce"] = twins * (root + sum(blocks) + head)
+            out["exposed_between"] = twins * (root + blocks[0])
     out["total"] = out["all_gather"] + out["reduce_scatter"] + out["all_reduce"]
     return out
 
@@ -432,12 +449,15 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
     compute_s = flops_per_step / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes)
 
     def communication(micro_steps, processes=processes, keep=config.get("fsdp_keep_gathered", False)):
-        """bytes, and seconds at the link's Gb/s"""
+        """bytes, and seconds at the links' Gb/s: FSDP's within its shard group's link; DDP's, and
+        hybrid sharding's all-reduce between the groups, over the link between all the processes"""
+        group = shard_group(config, processes) if config["parallel"] == "fsdp" else processes
         moved = communication_bytes(model, objective, config["parallel"], processes, micro_steps,
-                                    gathered_bytes(config), keep)
-        gbps = link_of(gpu, processes, link_gbps)[0]
-        return {**moved, "seconds": moved["total"] * 8 / (gbps * 1e9),
-                "exposed_seconds": moved["exposed"] * 8 / (gbps * 1e9)}
+                                    gathered_bytes(config), keep, group)
+        within, between = (link_of(gpu, n, link_gbps)[0] * 1e9 / 8 for n in (group, processes))
+        seconds = (moved["all_gather"] + moved["reduce_scatter"]) / within + moved["all_reduce"] / between
+        return {**moved, "seconds": seconds,
+                "exposed_seconds": moved["exposed"] / within + moved["exposed_between"] / between}
     moved = communication(micro_steps)
     step_s = step_seconds(compute_s, moved["seconds"], moved["exposed_seconds"])
     # fewer micro-steps (a larger batch_size, the same tokens per step) gather FSDP's units fewer times:
@@ -466,6 +486,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
             "steps": config["max_iters"], "flops_per_step": flops_per_step, "flops_per_run": flops_per_run,
             "gpu": gpu, "mfu": mfu, "hours": hours, "compute_seconds": compute_s,
             "communication": moved, "link_gbps": link, "link": link_name, "step_seconds": step_s,
+            "shard_group": shard_group(config, processes) if config["parallel"] == "fsdp" else processes,
+            "group_link": link_of(gpu, shard_group(config, processes), link_gbps),
             "hours_with_communication": hours + config["max_iters"] * (step_s - compute_s) / 3600,
             "fewer_micro_steps": fewer, "fewer_processes": fewer_processes, "keep_gathered": kept,
             "fsdp_keep_gathered": config.get("fsdp_keep_gathered", False),
@@ -512,8 +534,13 @@ def communication_lines(p):
         return [f"communication: none ({'one process' if p['processes'] == 1 else mode})"]
     kinds = ", ".join(f"{kind.replace('_', '-')} {c[kind] / 1e9:,.1f}"
                       for kind in ("all_gather", "reduce_scatter", "all_reduce") if c[kind])
+    links = f"at {p['link_gbps']:,g} Gb/s ({p['link']})"
+    if p["shard_group"] < p["processes"]:
+        gbps, name = p["group_link"]
+        mode, links = (f"fsdp sharded in groups of {p['shard_group']}",
+                       f"within a group at {gbps:,g} Gb/s ({name}), all-reduce between them {links}")
     lines = [f"communication: {c['total'] / 1e9:,.1f} GB/step sent per process ({mode}: {kinds}) = {c['seconds']:.2f} "
-             f"s at {p['link_gbps']:,g} Gb/s ({p['link']}) against {compute:.2f} s of compute; a step "
+             f"s {links} against {compute:.2f} s of compute; a step "
              f"{p['step_seconds']:.2f} s with overlap: {p['hours_with_communication']:,.1f} h for the run"]
     if c["seconds"] > compute:
         fewer, regathers = p["fewer_micro_steps"], mode == "fsdp" and not p["fsdp_keep_gathered"]

@@ -122,6 +122,8 @@ parallel = "none"                    # none | ddp | fsdp (FSDP2): under torchrun
 activation_checkpointing = False     # recompute each block's activations in backward: memory for ~1/3 more compute
 fsdp_keep_gathered = False           # fsdp: gather each block once per step, not twice per micro-step (memory: the
                                      # whole model in the compute dtype; parallelism.parallelize, plan.py)
+fsdp_shard_size = 0                  # fsdp: 0 shards over all processes; k (a node's GPUs, 8) shards within each
+                                     # group of k and replicates across groups (hybrid sharding, HSDP)
 check_memory = True                  # refuse, before allocating, a run the plan says cannot fit in the device's memory
 compile = "auto"                     # torch.compile each block: auto = on CUDA only (True / False to choose)
 dry_run = False                      # print the run's plan (size, FLOPs, memory, data, time: plan.py) and exit
@@ -225,7 +227,7 @@ train_model, train_objective = parallelism.parallelize(
     model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # parameters without a gradient on some rank: experts that got no token; a headless run's untied LM head
     unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights), weights=start_weights,
-    keep_gathered=fsdp_keep_gathered)
+    keep_gathered=fsdp_keep_gathered, shard_size=fsdp_shard_size)
 del start_weights  # copied in (whole in memory if read from FSDP shards); parameters are now shards under fsdp
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
                                   separate_embeddings, extra_modules=[objective],
@@ -269,7 +271,8 @@ if init_from == "resume":
     flops_done = resumed.get("flops_done", flops_done)  # checkpoints from before the count: from 0
 peak = peak_flops(device, dtype) * world_size
 if master:
-    processes = f" | {world_size} process{'es' if world_size > 1 else ''}, {parallel}" if parallel != "none" else ""
+    hybrid = f" sharded in groups of {fsdp_shard_size}" if parallel == "fsdp" and 0 < fsdp_shard_size < world_size else ""
+    processes = f" | {world_size} process{'es' if world_size > 1 else ''}, {parallel}{hybrid}" if parallel != "none" else ""
     print(f"params: {model.num_params():,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
           f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s{processes}")
 

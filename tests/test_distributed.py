@@ -178,6 +178,26 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
 
 
 @needs_fsdp_on_cpu
+def test_hybrid_sharding_on_2x2_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir):
+    """fsdp_shard_size=2 on 4 processes: two groups of 2 ranks, each group holding the model sharded in
+    two, replicated across the groups (HSDP). The same run as one process; initialised as it is."""
+    single, hybrid, part = tmp_path / "single", tmp_path / "hybrid", tmp_path / "part"
+    single0, hybrid0 = tmp_path / "single0", tmp_path / "hybrid0"
+    sharded = ["--parallel=fsdp", "--fsdp_shard_size=2"]  # batch 2 per process: one micro-step
+    finish(launch(single, data_dir, *GPT2), launch(single0, data_dir, *GPT2, "--max_iters=0", "--vocab_size=85"))
+    first = finish(launch(hybrid0, data_dir, *GPT2, *sharded, "--max_iters=0", "--vocab_size=85", processes=4))
+    assert "4 processes, fsdp sharded in groups of 2" in first.stdout
+    assert_same_weights(single0, hybrid0)  # each group's shards are the one-process model's rows
+    finish(launch(hybrid, data_dir, *GPT2, *sharded, processes=4))
+    assert_same_run(single, hybrid)
+    finish(launch(part, data_dir, *GPT2, *sharded, "--max_iters=3", processes=4))
+    resumed = finish(launch(part, data_dir, *GPT2, *sharded, "--init_from=resume", processes=4))
+    assert "resumed from" in resumed.stdout
+    assert train_losses(part) == train_losses(hybrid)
+    assert_same_weights(part, hybrid)
+
+
+@needs_fsdp_on_cpu
 def test_fsdp_set_up_holds_shards_not_the_whole_model(tmp_path, data_dir):
     """Sharded initialisation: each of 2 FSDP processes sets up a 2.8 GB model (float32; 1.3B's width,
     12 blocks) without holding it whole. Its resident peak at the end of set-up (tests/setup_peak.py)
@@ -334,6 +354,9 @@ def test_what_does_not_combine_fails_clearly():
         assert out.returncode == 2 and "parallel' is 'none'" in out.stderr
         out = dry_run("config/baseline_350m.py", "--batch_size=3")  # 512 / (3 x 2)
         assert out.returncode == 2 and "processes (2)" in out.stderr
+        for bad in (["--parallel=fsdp", "--fsdp_shard_size=3"], ["--parallel=ddp", "--fsdp_shard_size=2"]):
+            out = dry_run("config/lowres_baseline.py", *bad)  # groups that do not divide 2 processes; not FSDP
+            assert out.returncode == 2 and "key 'fsdp_shard_size'" in out.stderr and "Traceback" not in out.stderr
     finally:
         del os.environ["WORLD_SIZE"]
 

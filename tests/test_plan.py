@@ -100,6 +100,33 @@ def test_7b_plan_on_many_gpus(processes, tmp_path):
     assert "prepare_c4.py --shards 350" in plan.format_plan(p)
 
 
+def test_hybrid_sharding_plan_shards_within_a_node_and_all_reduces_between_nodes(tmp_path):
+    """7B on 64 A100s, fsdp_shard_size=8: the states sharded over a node's 8 GPUs; the all-gathers and
+    the reduce-scatter within the node at 7/8 of their buffers over NVLink; each GPU's 1/8 of the fp32
+    gradients all-reduced with its 7 twins in the other nodes, 2 x 7/8 of it, over InfiniBand."""
+    config = config_of("config/baseline_7b.py", f"--data_dir={tmp_path / 'c4'}", "--fsdp_shard_size=8",
+                       "--fsdp_keep_gathered=False")
+    p = plan.make_plan(config, 64, gpu="A100", mfu=0.5, measure=False)
+    V, L, C, H = 50304, 32, 4096, 11008
+    N = llama_params(V, L, C, H)
+    block = 2 * C + 4 * C * C + 3 * C * H
+    root, micro_steps = N - L * block, 2048 // 64
+    assert p["memory_parts"]["fsdp"] * GiB == pytest.approx(16 * N / 8 + 2 * max(block, root) + 4 * max(block, root)
+                                                            + 4 * N)
+    c = p["communication"]
+    assert c["all_gather"] == pytest.approx(micro_steps * 7 / 8 * 2 * (2 * L * block + root))
+    assert c["reduce_scatter"] == pytest.approx(7 / 8 * 4 * N)
+    assert c["all_reduce"] == pytest.approx(2 * 7 / 8 * 4 * N / 8)
+    nvlink, infiniband = 2400e9 / 8, 200e9 / 8  # bytes/s
+    assert c["seconds"] == pytest.approx((c["all_gather"] + c["reduce_scatter"]) / nvlink + c["all_reduce"] / infiniband)
+    line = next(line for line in plan.format_plan(p).splitlines() if line.startswith("communication:"))
+    assert "fsdp sharded in groups of 8" in line and "within a group at 2,400 Gb/s" in line and "200 Gb/s" in line
+    # all-gathering within the node is cheaper than over the network, for 8x the states per GPU
+    flat = plan.make_plan({**config, "fsdp_shard_size": 0}, 64, gpu="A100", mfu=0.5, measure=False)
+    assert c["seconds"] < flat["communication"]["seconds"]
+    assert p["memory_parts"]["fsdp"] > flat["memory_parts"]["fsdp"]
+
+
 def test_mixtral_plan_counts_active_parameters():
     config = config_of("config/baseline_moe_8x1b.py")
     p = plan.make_plan(config, 8, measure=False)
