@@ -22,11 +22,16 @@ class ConfigError(Exception):
     pass
 
 
+AUTO_KEYS = ("batch_size",)  # integer keys that also take "auto" (batch_size: the most that fits; plan.py)
+
+
 def _check_type(key, value, default, source):
     """int is accepted where a float is expected; None is accepted for keys whose default is None
     (optional), and those keys take int/float/str/bool."""
     if default is None:
         ok = value is None or isinstance(value, (int, float, str, bool))
+    elif value == "auto" and key in AUTO_KEYS:
+        ok = True
     elif isinstance(default, bool):
         ok = isinstance(value, bool)
     elif isinstance(default, float):
@@ -138,7 +143,7 @@ NON_NEGATIVE_NUMBER = ("a finite number >= 0", lambda v: _number(v) and v >= 0)
 FRACTION = ("a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
 NON_EMPTY = ("a non-empty string", lambda v: v != "")
 TRAIN_RULES = {
-    **dict.fromkeys(("eval_interval", "eval_iters", "log_interval", "batch_size", "block_size",
+    **dict.fromkeys(("eval_interval", "eval_iters", "log_interval", "block_size",
                      "gradient_accumulation_steps", "n_layer", "n_head", "n_embd", "n_expert", "top_k",
                      "lr_decay_iters"), POSITIVE),
     **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size", "vocab_size",
@@ -149,6 +154,7 @@ TRAIN_RULES = {
     **dict.fromkeys(("simreg_tau", "dispersion_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
                     POSITIVE_NUMBER),
     **dict.fromkeys(("dropout", "beta1", "beta2", "adagc_beta"), FRACTION),
+    "batch_size": ("a positive integer or 'auto'", lambda v: v == "auto" or v > 0),
     "low_resource_prob": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
     "embedding_weight_decay": ("a finite number (< 0: weight_decay)", _number),
     "margin": ("None or a finite number > 0", lambda v: v is None or (_number(v) and v > 0)),
@@ -210,7 +216,11 @@ def check_train_config(config, world_size):
         (c["parallel"] == "fsdp" and c["separate_embeddings"],
          "separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps per-row state as "
          "plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),
-        (c["global_batch_size"] % (c["batch_size"] * world_size) if c["global_batch_size"] else False,
+        (c["batch_size"] == "auto" and (not c["global_batch_size"] or c["global_batch_size"] % world_size),
+         f"batch_size='auto' needs a global_batch_size that is a multiple of the processes ({world_size}), got "
+         f"{c['global_batch_size']}: auto chooses how the recipe's global batch is split, not the batch itself"),
+        (c["global_batch_size"] % (c["batch_size"] * world_size) if c["global_batch_size"] and c["batch_size"] != "auto"
+         else False,
          f"key 'global_batch_size' ({c['global_batch_size']}) must be a multiple of batch_size ({c['batch_size']}) x "
          f"processes ({world_size})"),
         (any(name.strip() not in c for name in c["resume_changes"].split(",") if name.strip()),

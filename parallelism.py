@@ -299,15 +299,21 @@ def all_finite(parameters, device):
     return mean_over_processes(torch.tensor([0.0 if local else 1.0], device=device)).item() == 0
 
 
+def gather_objects(value):
+    """Every rank's value (any picklable object), in rank order, on every rank; [value] on one
+    process. One all_gather_object."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [value]
+    values = [None] * dist.get_world_size()
+    dist.all_gather_object(values, value)
+    return values
+
+
 def first_error(message):
     """The first rank's message among every rank's (None where a rank found nothing wrong), on every
     rank: what one rank found (a failed write, a lock rank 0 could not take) that all must act on
-    together, or the others would wait in their next collective. One all_gather_object."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return message
-    messages = [None] * dist.get_world_size()
-    dist.all_gather_object(messages, message)
-    return next((m for m in messages if m is not None), None)
+    together, or the others would wait in their next collective."""
+    return next((m for m in gather_objects(message) if m is not None), None)
 
 
 def barrier():

@@ -86,6 +86,13 @@ C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roug
 # figures the plan assumes without --link_gbps (nccl-tests reach 70-90 % of them: pass a measured busbw x 8).
 # Up to GPUS_PER_NODE processes share a node and its NVLink (PCIe where there is none); beyond that every
 # ring crosses the network, one NIC per GPU as in DGX/HGX nodes.
+# GiB of each GPU (the memory nvidia-smi reports; the 80 GB A100 and SXM parts), for batch_size = 'auto'
+# in a plan made for a GPU named (train.py asks the device itself)
+GPU_MEMORY_GIB = {"H100": 79.6, "H200": 140.4, "H800": 79.6, "A100": 80.0, "A800": 80.0, "L40S": 45.0,
+                  "A10G": 22.5, "4090": 24.0}
+# the share of it batch_size = 'auto' fills: the CUDA context, the collectives' buffers and the caching
+# allocator's fragmentation are not in the plan
+AUTO_BATCH_MEMORY = 0.9
 GPUS_PER_NODE = 8
 LINK_GBPS = {  # gpu: (Gb/s within a node, Gb/s between nodes, the link within, the link between)
     "H100": (3600, 400, "NVLink 4, 450 GB/s each way", "InfiniBand NDR"),
@@ -387,6 +394,41 @@ def memory_problem(config, processes, vocab, available_gib, where, heap=0.0):
             f"{where} has {available_gib:.1f} GiB{would}; to start it anyway: --check_memory=False")
 
 
+def largest_batch_size(config, processes, vocab, available_gib, heap=0.0):
+    """batch_size = 'auto': the most sequences per process and micro-step whose plan fits
+    available_gib per process, among the divisors of each process's share of global_batch_size (the
+    micro-steps stay whole and the global batch stays the recipe's). Fewer, larger micro-steps do
+    more compute per byte FSDP gathers and per kernel launched. Each candidate is planned at its own
+    size, largest first (activations do not grow in proportion to the batch: the 7B model's are 6.1,
+    7.6, 13.5 and 25.4 GiB at 1, 2, 4 and 8 sequences). None when not even batch 1 fits."""
+    share = config["global_batch_size"] // processes
+    for batch in (b for b in range(share, 0, -1) if share % b == 0):
+        changed = {**config, "batch_size": batch}
+        if process_gib(changed, processes, vocab, measure=False)[1] > available_gib:
+            continue  # the states alone do not fit (FSDP's whole gradient: fewer micro-steps may drop it)
+        if process_gib(changed, processes, vocab, heap=heap)[0] <= available_gib:
+            return batch
+    return None
+
+
+def resolve_batch_size(config, processes, vocab, available_gib, heap=0.0):
+    """(config with batch_size = 'auto' replaced by largest_batch_size's, whether that batch fits):
+    where not even one sequence fits, batch 1, which the memory check then refuses with what would
+    fit. A config with a number is returned as it is."""
+    if config["batch_size"] != "auto":
+        return config, True
+    batch = largest_batch_size(config, processes, vocab, available_gib * AUTO_BATCH_MEMORY, heap)
+    return {**config, "batch_size": batch or 1}, batch is not None
+
+
+def device_batch_size(config, processes, vocab, device):
+    """resolve_batch_size's batch_size against what `device` has for this process
+    (utils.available_memory), with the heap's allowance on the CPU."""
+    available, _ = available_memory(device)
+    heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
+    return resolve_batch_size(config, processes, vocab, available / GiB, heap)[0]["batch_size"]
+
+
 def cpu_heap_allowance(processes):
     """The fraction of a step's transient tensors that glibc's heap adds on the CPU (CPU_HEAP_ALLOWANCE)."""
     return CPU_HEAP_ALLOWANCE["torchrun" if processes > 1 else "one process"]
@@ -437,6 +479,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
     if link_gbps is not None and not link_gbps > 0:
         raise ConfigError(f"link_gbps must be > 0, got {link_gbps}")
     model, objective = meta_model(config, run_vocab(config))
+    auto = config["batch_size"] == "auto"
+    config, fits = resolve_batch_size(config, processes, run_vocab(config), GPU_MEMORY_GIB[gpu])
     B, T = config["batch_size"], config["block_size"]
     micro_steps = micro_steps_of(config, processes)
     tokens_per_step = micro_steps * B * T * processes
@@ -481,7 +525,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
                             and communication(1, n)["seconds"] <= compute_s * processes / n), None)
     return {"params": model.num_params(), "active_params": model.num_params(active=True),
             "objective_params": sum(p.numel() for p in objective.parameters()),
-            "processes": processes, "micro_batch": B, "seq_len": T, "micro_steps": micro_steps,
+            "processes": processes, "micro_batch": B, "auto_batch": auto and ("fits" if fits else "nothing fits"), "seq_len": T, "micro_steps": micro_steps,
             "tokens_per_step": tokens_per_step, "tokens_per_run": tokens_per_step * config["max_iters"],
             "steps": config["max_iters"], "flops_per_step": flops_per_step, "flops_per_run": flops_per_run,
             "gpu": gpu, "mfu": mfu, "hours": hours, "compute_seconds": compute_s,
@@ -500,7 +544,12 @@ def format_plan(p):
     """The plan as the lines train.py --dry_run prints."""
     active = f" ({p['active_params']:,} active per token)" if p["active_params"] != p["params"] else ""
     lines = [f"params: {p['params']:,}{active}" + (f" + objective {p['objective_params']:,}" if p["objective_params"] else ""),
-             f"batch: {p['processes']} process(es) x {p['micro_steps']} micro-step(s) x {p['micro_batch']} x "
+             f"batch: {p['processes']} process(es) x {p['micro_steps']} micro-step(s) x {p['micro_batch']}"
+             + {"fits": f" (batch_size='auto': the most that fits {AUTO_BATCH_MEMORY:.0%} of one {p['gpu']}'s "
+                        f"{GPU_MEMORY_GIB[p['gpu']]} GiB)",
+                "nothing fits": f" (batch_size='auto': not even 1 fits {AUTO_BATCH_MEMORY:.0%} of one {p['gpu']}'s "
+                                f"{GPU_MEMORY_GIB[p['gpu']]} GiB on {p['processes']} process(es): see memory)",
+                False: ""}[p["auto_batch"]] + " x "
              f"{p['seq_len']} = {p['tokens_per_step']:,} tokens/step; {p['steps']:,} steps = "
              f"{p['tokens_per_run']:,} tokens",
              f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run (evaluations "

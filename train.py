@@ -59,7 +59,7 @@ final_eval = True                    # evaluate best.pt at the end and write met
 seed = 1337                          # the initialisation's (and dropout's) random numbers
 data_seed = None                     # the training data order's (windows, language draws); None = seed
 # data
-batch_size = 12
+batch_size = 12                      # sequences per process and micro-step; "auto": the most that fit the device
 block_size = 64
 gradient_accumulation_steps = 1      # micro-steps per optimizer step (derived when global_batch_size > 0)
 global_batch_size = 0                # sequences per optimizer step over all processes; 0 = batch_size x accumulation
@@ -150,9 +150,6 @@ if dry_run:  # the plan of this run (plan.py) on these processes: nothing alloca
 problem = check_train_config(config, world_size)  # keys that must agree with each other
 if problem:
     exit_config_error(problem)
-if global_batch_size:  # the config names the batch the recipe needs; micro-steps follow from the hardware
-    gradient_accumulation_steps = global_batch_size // (batch_size * world_size)
-
 if num_threads > 0:
     torch.set_num_threads(num_threads)
 try:
@@ -195,6 +192,15 @@ data_generator = torch.Generator().manual_seed(seed if data_seed is None else da
 
 
 # model, parallelism and optimizer --------------------------------------------
+# batch_size='auto': the most sequences per micro-step that the plan (plan.py) fits in this device's
+# memory (1 if none: the memory check below says why); the smallest any rank found, so all run alike
+if batch_size == "auto":
+    batch_size = config["batch_size"] = min(parallelism.gather_objects(
+        plan.device_batch_size({**config, "dtype": dtype}, world_size, vocab_size, device)))
+    if master:
+        print(f"batch_size='auto': {batch_size} sequences per process and micro-step on {device}")
+if global_batch_size:  # the config names the batch the recipe needs; micro-steps follow from the hardware
+    gradient_accumulation_steps = global_batch_size // (batch_size * world_size)
 # the plan's memory for this process (plan.py) against what the device has, before anything is allocated
 if check_memory and (problem := plan.device_memory_problem({**config, "dtype": dtype}, world_size, vocab_size, device)):
     exit_run(problem, master)

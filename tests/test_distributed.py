@@ -183,10 +183,13 @@ def test_hybrid_sharding_on_2x2_processes_matches_one_process_and_resumes_exactl
     two, replicated across the groups (HSDP). The same run as one process; initialised as it is."""
     single, hybrid, part = tmp_path / "single", tmp_path / "hybrid", tmp_path / "part"
     single0, hybrid0 = tmp_path / "single0", tmp_path / "hybrid0"
-    sharded = ["--parallel=fsdp", "--fsdp_shard_size=2"]  # batch 2 per process: one micro-step
+    # batch_size='auto': the 2 sequences of each process's share of the global batch 8 fit (one micro-step),
+    # agreed by the 4 ranks
+    sharded = ["--parallel=fsdp", "--fsdp_shard_size=2", "--batch_size=auto"]
     finish(launch(single, data_dir, *GPT2), launch(single0, data_dir, *GPT2, "--max_iters=0", "--vocab_size=85"))
     first = finish(launch(hybrid0, data_dir, *GPT2, *sharded, "--max_iters=0", "--vocab_size=85", processes=4))
     assert "4 processes, fsdp sharded in groups of 2" in first.stdout
+    assert "batch_size='auto': 2 sequences per process and micro-step" in first.stdout
     assert_same_weights(single0, hybrid0)  # each group's shards are the one-process model's rows
     finish(launch(hybrid, data_dir, *GPT2, *sharded, processes=4))
     assert_same_run(single, hybrid)

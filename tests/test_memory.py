@@ -58,7 +58,7 @@ def test_read_config_follows_includes():
     config = memory.read_config(os.path.join(REPO, "config", "simreg_7b.py"))
     assert (config["arch"], config["n_layer"], config["n_embd"], config["ffn_hidden"], config["vocab_size"]) == \
         ("llama", 32, 4096, 11008, 50304)
-    assert config["batch_size"] == 1
+    assert config["batch_size"] == "auto"
 
 
 def test_table_uses_each_configs_own_parallelism():

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import parallelism  # noqa: E402
@@ -22,6 +23,8 @@ GiB = 2 ** 30
 
 
 def config_of(*args):
+    """train.py's config from these files and overrides (the paper configs: batch_size=1 where a test counts
+    micro-steps; their batch_size='auto' has its own test)."""
     return parse_config([os.path.join(REPO, a) if a.endswith(".py") else a for a in args], train_defaults())
 
 
@@ -64,7 +67,7 @@ def test_the_real_lowres_run_has_the_planned_size():
 
 @pytest.mark.parametrize("processes", [8, 64])
 def test_7b_plan_on_many_gpus(processes, tmp_path):
-    config = config_of("config/baseline_7b.py", f"--data_dir={tmp_path / 'c4'}")  # nothing prepared there
+    config = config_of("config/baseline_7b.py", "--batch_size=1", f"--data_dir={tmp_path / 'c4'}")  # nothing prepared there
     p = plan.make_plan(config, processes, gpu="A100", mfu=0.5, measure=False)
     V, L, C, H, T = 50304, 32, 4096, 11008, 2048
     N = llama_params(V, L, C, H)
@@ -104,7 +107,7 @@ def test_hybrid_sharding_plan_shards_within_a_node_and_all_reduces_between_nodes
     """7B on 64 A100s, fsdp_shard_size=8: the states sharded over a node's 8 GPUs; the all-gathers and
     the reduce-scatter within the node at 7/8 of their buffers over NVLink; each GPU's 1/8 of the fp32
     gradients all-reduced with its 7 twins in the other nodes, 2 x 7/8 of it, over InfiniBand."""
-    config = config_of("config/baseline_7b.py", f"--data_dir={tmp_path / 'c4'}", "--fsdp_shard_size=8",
+    config = config_of("config/baseline_7b.py", "--batch_size=1", f"--data_dir={tmp_path / 'c4'}", "--fsdp_shard_size=8",
                        "--fsdp_keep_gathered=False")
     p = plan.make_plan(config, 64, gpu="A100", mfu=0.5, measure=False)
     V, L, C, H = 50304, 32, 4096, 11008
@@ -127,8 +130,49 @@ def test_hybrid_sharding_plan_shards_within_a_node_and_all_reduces_between_nodes
     assert p["memory_parts"]["fsdp"] > flat["memory_parts"]["fsdp"]
 
 
+def test_batch_size_auto_takes_the_largest_split_of_the_global_batch_that_fits_the_gpu(tmp_path):
+    """The paper configs' batch_size='auto' on 64 H100s: a divisor of each GPU's 32 sequences of the
+    global batch whose plan fits 90 % of the H100's memory, the next larger divisor's does not."""
+    config = config_of("config/baseline_7b.py", f"--data_dir={tmp_path / 'c4'}")
+    assert config["batch_size"] == "auto"
+    vocab, room = plan.run_vocab(config), plan.AUTO_BATCH_MEMORY * plan.GPU_MEMORY_GIB["H100"]
+    p = plan.make_plan(config, 64, measure=False)
+    batch = p["micro_batch"]
+    assert 32 % batch == 0 and p["micro_steps"] == 32 // batch and p["tokens_per_step"] == 2048 * 2048
+    assert plan.process_gib({**config, "batch_size": batch}, 64, vocab)[0] <= room
+    larger = min(b for b in (2, 4, 8, 16, 32) if b > batch)
+    assert plan.process_gib({**config, "batch_size": larger}, 64, vocab)[0] > room
+    assert batch > 1 and "batch_size='auto'" in plan.format_plan(p)
+    assert plan.make_plan(config, 64, gpu="H200", measure=False)["micro_batch"] >= batch  # more memory, no smaller
+    # on 8 GPUs the states take most of an 80 GiB card: fewer sequences fit; on 4 GPUs not even one does:
+    # the plan is made at 1, and says so
+    assert plan.make_plan(config, 8, measure=False)["micro_batch"] <= batch
+    p = plan.make_plan(config, 4, measure=False)
+    assert p["micro_batch"] == 1 and "batch_size='auto': not even 1 fits 90% of one H100" in plan.format_plan(p)
+    assert plan.process_gib({**config, "batch_size": 1}, 4, vocab)[0] > room
+    with pytest.raises(ConfigError, match="batch_size='auto' needs a global_batch_size"):
+        plan.make_plan({**config, "global_batch_size": 0}, 64, measure=False)
+
+
+def test_train_resolves_batch_size_auto_from_the_device_and_records_the_number(tmp_path, data_dir):
+    """On the CPU a tiny model's whole share of the global batch fits: one micro-step of 24; the
+    checkpoint's config holds the number the run trained with, not 'auto'."""
+    out = subprocess.run([sys.executable, "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}",
+                          f"--out_dir={tmp_path / 'run'}", "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16",
+                          "--batch_size=auto", "--global_batch_size=24", "--max_iters=1", "--eval_interval=1",
+                          "--eval_iters=1", "--final_eval=False", "--num_threads=1"],
+                         cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "batch_size='auto': 24 sequences per process and micro-step on cpu" in out.stdout
+    saved = torch.load(tmp_path / "run" / "ckpt.pt", weights_only=False)["config"]
+    assert saved["batch_size"] == 24 and saved["gradient_accumulation_steps"] == 1
+    refused = subprocess.run([sys.executable, "train.py", "config/lowres_baseline.py", "--batch_size=auto",
+                              "--dry_run=True"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and refused.stderr.startswith("error: batch_size='auto' needs a global_batch_size")
+
+
 def test_mixtral_plan_counts_active_parameters():
-    config = config_of("config/baseline_moe_8x1b.py")
+    config = config_of("config/baseline_moe_8x1b.py", "--batch_size=1")
     p = plan.make_plan(config, 8, measure=False)
     V, L, C, H, E, k = 50304, config["n_layer"], config["n_embd"], config["ffn_hidden"], config["n_expert"], config["top_k"]
     assert p["params"] == llama_params(V, L, C, H, experts=E)
@@ -152,7 +196,7 @@ def test_plan_memory_activations_are_measured():
 
 
 def test_plan_refuses_what_the_run_would_refuse():
-    config = config_of("config/baseline_7b.py")
+    config = config_of("config/baseline_7b.py", "--batch_size=1")
     with pytest.raises(ConfigError, match="global_batch_size"):
         plan.make_plan(config, 3, measure=False)
     with pytest.raises(ConfigError, match="unknown gpu"):
@@ -195,7 +239,7 @@ def smallest_fsdp(message):
 def test_memory_problem_of_a_7b_model_suggests_the_smallest_fsdp_that_fits():
     """A 7B model in 24 GiB: its activations counted on the meta device (nothing allocated), and
     the FSDP suggestion is the smallest power of two whose plan fits."""
-    config = {**config_of("config/baseline_7b.py", "--global_batch_size=0"), "dtype": "float32"}
+    config = {**config_of("config/baseline_7b.py", "--batch_size=1", "--global_batch_size=0"), "dtype": "float32"}
     message = plan.memory_problem(config, 1, 50304, 24.0, "cpu")
     need = plan.process_gib(config, 1, 50304)[0]
     assert message.startswith(f"this run needs {need:.1f} GiB per process (weights, gradients, AdamW states and "
@@ -210,7 +254,7 @@ def test_memory_problem_of_a_7b_model_suggests_the_smallest_fsdp_that_fits():
 def test_memory_problem_of_experts_whose_states_cannot_fit_counts_states_alone():
     """A mixture of experts is measured on the CPU (its routing cannot run on meta): when its
     weights, gradients and AdamW states alone do not fit, nothing is measured."""
-    config = {**config_of("config/baseline_moe_8x1b.py", "--global_batch_size=0"), "dtype": "float32"}
+    config = {**config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--global_batch_size=0"), "dtype": "float32"}
     message = plan.memory_problem(config, 1, 50304, 24.0, "cpu")
     states = plan.process_gib(config, 1, 50304, measure=False)[1]
     assert message.startswith(f"this run needs {states:.1f} GiB per process (weights, gradients and AdamW states alone")
@@ -223,7 +267,7 @@ def test_memory_problem_of_experts_whose_states_cannot_fit_counts_states_alone()
 def test_ddp_communication_is_one_all_reduce_per_step():
     """DDP on 8 processes: 2 (N-1)/N x 4 bytes per parameter of the model and the objective (NITP's
     head), whatever the micro-steps; nothing on one process."""
-    config = config_of("config/baseline_350m.py", "--parallel=ddp", "--nitp_weight=1.0")
+    config = config_of("config/baseline_350m.py", "--batch_size=1", "--parallel=ddp", "--nitp_weight=1.0")
     by_micro_steps = [plan.make_plan({**config, "global_batch_size": 8 * k}, 8, measure=False) for k in (1, 4)]
     C, H = 1024, 2371
     params = llama_params(50304, 24, C, H) + 3 * C * 4 * C  # NITP's SwiGLU head: gate, up, down
@@ -235,7 +279,7 @@ def test_ddp_communication_is_one_all_reduce_per_step():
 
 def test_every_gpu_has_a_link_and_link_gbps_overrides_it():
     assert plan.LINK_GBPS.keys() == GPU_PEAK_BF16_FLOPS.keys()
-    config = config_of("config/baseline_7b.py")
+    config = config_of("config/baseline_7b.py", "--batch_size=1")
     p = plan.make_plan(config, 64, measure=False, link_gbps=800)
     assert p["link_gbps"] == 800 and p["communication"]["seconds"] == pytest.approx(p["communication"]["total"] * 8 / 800e9)
     with pytest.raises(ConfigError, match="link_gbps"):
@@ -268,9 +312,9 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
     most micro-steps that would not, and that plan indeed has its communication within its compute,
     and keeping the weights gathered with its time and memory. At 8x the link: no warning. The
     recipe as shipped (kept gathered): no warning."""
-    assert "exceeds compute" not in plan.format_plan(plan.make_plan(config_of("config/baseline_7b.py"), 64,
+    assert "exceeds compute" not in plan.format_plan(plan.make_plan(config_of("config/baseline_7b.py", "--batch_size=1"), 64,
                                                                     measure=False))
-    config = config_of("config/baseline_7b.py", "--fsdp_keep_gathered=False")
+    config = config_of("config/baseline_7b.py", "--batch_size=1", "--fsdp_keep_gathered=False")
     text = plan.format_plan(plan.make_plan(config, 64, measure=False))
     warnings = [line for line in text.splitlines() if "exceeds compute" in line]
     assert len(warnings) == 1 and warnings[0].startswith("warning: communication")
@@ -285,7 +329,7 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
     assert f"{kept['memory']['fsdp']['checkpointed']:.1f} GiB per GPU" in warnings[0]
     # the mixture of experts gathers all 8 experts: not even one micro-step is enough on 64 processes, and
     # the warning names the most processes whose one micro-step computes longer than it communicates
-    config = config_of("config/baseline_moe_8x1b.py")
+    config = config_of("config/baseline_moe_8x1b.py", "--batch_size=1")
     warning = plan.format_plan(plan.make_plan(config, 64, measure=False)).split("warning: ")[1].split("\n")[0]
     n = int(warning.split(" processes, one micro-step")[0].split("on ")[-1])
     assert f"--batch_size={512 // n} each" in warning
