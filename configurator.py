@@ -146,7 +146,7 @@ TRAIN_RULES = {
                      "num_threads", "adagc_warmup"), NON_NEGATIVE),
     **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight", "moe_aux_weight",
                      "min_lr", "weight_decay", "grad_clip"), NON_NEGATIVE_NUMBER),
-    **dict.fromkeys(("simreg_tau", "dispersion_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
+    **dict.fromkeys(("simreg_tau", "dispersion_tau", "cwt_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
                     POSITIVE_NUMBER),
     **dict.fromkeys(("dropout", "beta1", "beta2", "adagc_beta"), FRACTION),
     "low_resource_prob": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),

@@ -409,14 +409,14 @@ def test_nitp_stops_gradient_to_shallow_and_last_position_gets_none():
 
 # ------------------------------------------------------------------------------------------- CWT
 
-def brute_cwt(h, targets, wte, ignore_index=-1):
-    """Loop over valid positions n: -log softmax_m(h_n . e_{y_m})[n], m over valid positions."""
+def brute_cwt(h, targets, wte, ignore_index=-1, tau=1.0):
+    """Loop over valid positions n: -log softmax_m(h_n . e_{y_m} / tau)[n], m over valid positions."""
     flat_h, flat_y = h.reshape(-1, h.size(-1)), targets.reshape(-1).tolist()
     valid = [n for n, y in enumerate(flat_y) if y != ignore_index]
     losses = []
     for n in valid:
-        scores = torch.stack([torch.dot(flat_h[n], wte[flat_y[m]]) for m in valid])
-        losses.append(torch.logsumexp(scores, 0) - torch.dot(flat_h[n], wte[flat_y[n]]))
+        scores = torch.stack([torch.dot(flat_h[n], wte[flat_y[m]]) / tau for m in valid])
+        losses.append(torch.logsumexp(scores, 0) - torch.dot(flat_h[n], wte[flat_y[n]]) / tau)
     return torch.stack(losses).mean()
 
 
@@ -453,6 +453,24 @@ def test_cwt_ignored_positions_drop_out():
                                     (h.clone().requires_grad_(), wte.clone().requires_grad_()))
     nothing = cwt(h, torch.full_like(targets, -1), wte)
     assert nothing.item() == 0
+
+
+@pytest.mark.parametrize("tau", [0.1, 3.0])
+def test_cwt_temperature_divides_the_logits(tau):
+    """cwt_tau: the headless authors' released cwt_loss divides the dot products by a temperature."""
+    h, wte = randn(2, 4, 3, seed=49), randn(5, 3, seed=50)
+    targets = torch.tensor([[0, 1, 1, -1], [4, 0, 2, 3]])
+    assert_same_value_and_grad(lambda x, w: cwt(x, targets, w, tau=tau),
+                               lambda x, w: brute_cwt(x, targets, w, tau=tau), h, wte)
+    assert cwt(h, targets, wte, tau=tau).item() != pytest.approx(cwt(h, targets, wte).item(), rel=1e-3)
+    assert torch.autograd.gradcheck(lambda x: cwt(x, targets, wte, tau=tau), (h.clone().requires_grad_(),))
+    from configurator import TRAIN_RULES, ConfigError, check_values, parse_config, train_defaults
+    from losses import Objective
+    total, terms = Objective(1, 3, ce=0.0, cwt=1.0, cwt_tau=tau)(None, [h, h, h], targets, wte)
+    assert torch.equal(terms["cwt"], cwt(h, targets, wte, tau=tau))
+    assert train_defaults()["cwt_tau"] == 1.0
+    with pytest.raises(ConfigError, match="key 'cwt_tau' must be a finite number > 0, got 0"):
+        check_values(parse_config(["--cwt_tau=0"], train_defaults()), TRAIN_RULES)
 
 
 def test_cwt_bf16_autocast_gives_float32():
