@@ -151,7 +151,7 @@ TRAIN_RULES = {
                      "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
     **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight", "moe_aux_weight",
                      "min_lr", "weight_decay", "grad_clip"), NON_NEGATIVE_NUMBER),
-    **dict.fromkeys(("simreg_tau", "dispersion_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
+    **dict.fromkeys(("simreg_tau", "dispersion_tau", "cwt_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
                     POSITIVE_NUMBER),
     **dict.fromkeys(("dropout", "beta1", "beta2", "adagc_beta"), FRACTION),
     "batch_size": ("a positive integer or 'auto'", lambda v: v == "auto" or v > 0),

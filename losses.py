@@ -330,18 +330,19 @@ def nitp(pred, shallow):
         return (1 - F.cosine_similarity(prediction, target, dim=-1)).mean()
 
 
-def cwt(h, targets, wte, ignore_index=-1):
+def cwt(h, targets, wte, ignore_index=-1, tau=1.0):
     """Contrastive weight tying, the headless LM objective (Godey et al., ICLR 2024, Sec. 3.2).
 
     Over the N valid positions of the batch (targets != ignore_index), with H (N,C) their final
     states and E_y (N,C) = wte[their targets], the input embeddings of the next tokens:
-        logits = H E_y^T                (N x N, raw dot products, tau = 1)
+        logits = H E_y^T / tau          (N x N, raw dot products; the paper's tau is 1)
         L = mean_n [ logsumexp_m logits[n, m] - logits[n, n] ]
     i.e. cross-entropy whose target is the diagonal: each state must pick the embedding of its
     own next token among the embeddings at every other position of the batch. Other positions
     holding the same token stay in the denominator (the paper's negatives are "every input
     embedding at a different position in the batch"), so with a small vocabulary many negatives
-    are the target itself. No LM head is computed. N = 0 gives 0.
+    are the target itself. No LM head is computed. N = 0 gives 0. tau: the released code's
+    temperature (NathanGodey/headless-lm, engine/tasks/pretraining/utils.py, cwt_loss; default 1).
 
     h (B,T,C), targets (B,T), wte (V,C). Logits in float32 (float64 kept) even under autocast.
     Computed as a fixed-shape (B*T x B*T) matrix with ignored positions masked out of both rows
@@ -355,7 +356,7 @@ def cwt(h, targets, wte, ignore_index=-1):
     with full_fp32(h.device.type):
         states = at_least_fp32(h.reshape(-1, C))
         next_embeddings = at_least_fp32(wte[torch.where(valid, flat_targets, 0)])
-        logits = states @ next_embeddings.t()                                # (B*T, B*T)
+        logits = states @ next_embeddings.t() / tau                          # (B*T, B*T)
         # ignored positions leave the denominator (columns) and the average (rows)
         logits = _mask_out(logits, valid.unsqueeze(0))
         total = F.cross_entropy(logits, diagonal_target, ignore_index=-100, reduction="sum")
@@ -389,12 +390,14 @@ class Objective(nn.Module):
       nitp_layer           target block k; 0 = max(1, round(0.2 L)) (~20 % depth)
       nitp_prenorm         predict from the last block's output instead of the final normed state
       nitp_hidden          head width; 0 = 4C
+      cwt_tau              CWT's temperature (the released code's; 1 = the paper's raw dot products)
       moe_aux              weight of a mixture of experts' router load-balancing loss, which the
                            model computes (model.aux_loss) and forward() takes as router_loss
     """
 
     SETTINGS = ("margin", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau", "dispersion_variant",
-                "dispersion_form", "dispersion_layers", "dispersion_positions", "nitp_layer", "nitp_prenorm", "nitp_hidden")
+                "dispersion_form", "dispersion_layers", "dispersion_positions", "nitp_layer", "nitp_prenorm", "nitp_hidden",
+                "cwt_tau")
 
     @classmethod
     def from_config(cls, config):
@@ -407,7 +410,7 @@ class Objective(nn.Module):
     def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
                  simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
                  dispersion_form="paper", dispersion_layers="all", dispersion_positions=0, nitp=0.0, nitp_layer=0, nitp_prenorm=False,
-                 nitp_hidden=0, cwt=0.0, moe_aux=0.0):
+                 nitp_hidden=0, cwt=0.0, cwt_tau=1.0, moe_aux=0.0):
         super().__init__()
         self.weights = {"ce": ce, "simreg": simreg, "dispersion": dispersion, "nitp": nitp, "cwt": cwt}
         for name, weight in self.weights.items():
@@ -434,6 +437,7 @@ class Objective(nn.Module):
         if not 1 <= self.nitp_layer <= n_layer:
             raise ValueError(f"nitp_layer must be in 1..{n_layer} (0 = ~20 % depth), got {nitp_layer}")
         self.nitp_prenorm = nitp_prenorm
+        self.cwt_tau = cwt_tau
         self.nitp_head = SwiGLU(n_embd, nitp_hidden or 4 * n_embd) if nitp > 0 else None
 
     @property
@@ -472,7 +476,7 @@ class Objective(nn.Module):
             source = hidden_states[self.n_layer] if self.nitp_prenorm else final
             terms["nitp"] = nitp(self.nitp_head(source), hidden_states[self.nitp_layer])
         if self.weights["cwt"]:
-            terms["cwt"] = cwt(final, targets, wte, ignore_index)
+            terms["cwt"] = cwt(final, targets, wte, ignore_index, self.cwt_tau)
         if self.moe_aux and router_loss is not None:
             terms["moe_aux"] = router_loss
         weights = {**self.weights, "moe_aux": self.moe_aux}

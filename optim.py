@@ -123,8 +123,8 @@ def configure_optimizers(model, learning_rate, weight_decay, betas, separate_emb
     biases (nanoGPT's rule), over the model and any extra_modules (e.g. the objective's NITP
     head). With separate_embeddings the token embedding (tied or not) moves to a
     SeparatedRowsAdamW with the same hyperparameters. embedding_weight_decay, if given, replaces
-    weight_decay for the token embedding only (e.g. 0: the Stop Jostling authors' SE rows are
-    1-D parameters, which nanoGPT's rule would leave undecayed). Returns a list of optimizers;
+    weight_decay for the token embedding only (e.g. 0: rows not decayed; the Stop Jostling authors'
+    SE model decays its 1-D rows explicitly, docs/fidelity.md). Returns a list of optimizers;
     train.py steps them all and sets each group's lr from the schedule."""
     modules = [model, *extra_modules]
     params = {id(p): p for m in modules for p in m.parameters() if p.requires_grad}  # a tied matrix once

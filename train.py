@@ -98,6 +98,7 @@ nitp_layer = 0                       # target block; 0 = max(1, round(0.2 * n_la
 nitp_prenorm = False                 # predict from the last block's output instead of the normed state
 nitp_hidden = 0                      # SwiGLU head width; 0 = 4 * n_embd
 cwt_weight = 0.0                     # contrastive weight tying (headless LM paper, Sec. 3.2)
+cwt_tau = 1.0                        # CWT temperature of the released code; 1 = the paper (docs/fidelity.md)
 separate_embeddings = False          # Stop Jostling SE: rows without gradient are not stepped
 embedding_weight_decay = -1.0        # token embedding's weight decay; < 0: weight_decay (0: rows not decayed)
 # AdamW and schedule

@@ -73,6 +73,39 @@ def test_claims_table_verdicts_follow_the_rule(monkeypatch):
     assert "ours larger" in [l for l in table.splitlines() if "| worse |" in l][0]  # +0.54 against the paper's -0.5
 
 
+def test_released_form_claims_pair_with_the_paper_form_and_are_their_own_family():
+    """FORM_CLAIMS (lowres): "dispersion, authors' form" against CE and against "dispersion" on the
+    same seeds; a variant without runs yet is "no runs" / not shown; the family's Holm adjustment
+    counts only its own claims, and the papers' claims get the same verdicts with or without the
+    authors' form runs."""
+    seeds = [1, 2, 3, 4]
+    ce, paper_form = [5.0, 5.2, 5.1, 4.9], [4.8, 5.1, 4.9, 4.8]
+    released = [4.9, 5.1, 5.0, 4.9]  # between the two on every seed
+    runs = {"CE": {s: run(0.3, p) for s, p in zip(seeds, ce)},
+            "dispersion": {s: run(0.3, p) for s, p in zip(seeds, paper_form)},
+            "dispersion, authors' form": {s: run(0.3, p) for s, p in zip(seeds, released)}}
+    for per_seed in runs.values():  # the papers' dispersion claims also read the condensation
+        for r in per_seed.values():
+            r["metrics"]["geometry"] = {"high": {"mu": [0.5]}}
+    evaluated = claims.evaluate_claims("lowres", runs, "CE", claims.FORM_CLAIMS)
+    assert [(c["method"], c["baseline"] or "CE") for c, *_ in evaluated] == [
+        (f"dispersion{v}, authors' form", base) for v in ("", " l2_repel", " orthogonalization")
+        for base in ("CE", f"dispersion{v}")]
+    against_ce, against_paper = evaluated[0][1], evaluated[1][1]
+    assert against_ce["mean"] == pytest.approx(sum(r - c for r, c in zip(released, ce)) / 4)
+    assert against_paper["mean"] == pytest.approx(sum(r - p for r, p in zip(released, paper_form)) / 4)
+    ps = sorted([against_ce["p"], against_paper["p"]])
+    assert sorted(p for _, _, p, _ in evaluated[:2]) == pytest.approx([2 * ps[0], max(2 * ps[0], ps[1])])
+    assert all(r is None and p is None and v == stats.NOT_SHOWN for _, r, p, v in evaluated[2:])
+    table = "\n".join(claims.claims_table("lowres", runs, "CE", claims.FORM_CLAIMS, with_rule=False))
+    assert "Verdict rule" not in table and table.count("| no runs |") == 4
+    assert "| Dispersion | dispersion, authors' form | dispersion | HR PPL, against the paper's form ↓ |" in table
+    papers = claims.evaluate_claims("lowres", runs, "CE")
+    without = claims.evaluate_claims("lowres", {k: v for k, v in runs.items() if "authors" not in k}, "CE")
+    assert [(p, v) for *_, p, v in papers] == [(p, v) for *_, p, v in without]
+    assert any(p is not None for *_, p, _ in papers)  # the paper-form dispersion claims were evaluated
+
+
 def test_relative_claims_are_per_seed_percentages():
     c = claims.claim("P", "m", "ratio", lambda r: r["metrics"]["x"], +1, "+10 %", 10.0, kind="relative")
     runs = {"b": {1: {"metrics": {"x": 2.0}}, 2: {"metrics": {"x": 4.0}}},

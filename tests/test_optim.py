@@ -78,6 +78,62 @@ def test_plain_adamw_moves_a_row_without_gradient():
     assert not torch.equal(rows[1].detach(), before)
 
 
+class ListingTwoEmbedding(torch.nn.Module):
+    """Stop Jostling's Listing 2 (App. C), as the paper prints it: one 1-D parameter per token,
+    stacked into a table in every forward."""
+
+    def __init__(self, table):
+        super().__init__()
+        self.rows = torch.nn.ParameterList([torch.nn.Parameter(row.clone()) for row in table])
+
+    def forward(self, idx):
+        return torch.stack(list(self.rows))[idx]
+
+
+def test_listing_two_under_adamw_takes_the_steps_of_a_stacked_table():
+    """Separated embeddings as released change no update: under torch.optim.AdamW, with the rows in
+    the decayed group (as the authors' SE model puts them), Listing 2's rows follow exactly the
+    steps of one nn.Embedding table, rows without gradient included (stack's backward gives them
+    zeros, not None), so "SE as released" needs no key of its own. SeparatedRowsAdamW, the paper's
+    text, leaves those rows where they are."""
+    V, C = 8, 4
+    g = torch.Generator().manual_seed(0)
+    start, head = torch.randn(V, C, generator=g, dtype=torch.float64), torch.randn(C, V, generator=g, dtype=torch.float64)
+    listing = ListingTwoEmbedding(start)
+    table = torch.nn.Embedding(V, C).double()
+    separated = torch.nn.Embedding(V, C).double()
+    with torch.no_grad():
+        table.weight.copy_(start)
+        separated.weight.copy_(start)
+    optimizers = [torch.optim.AdamW([{"params": list(listing.parameters()), "weight_decay": 0.1}], lr=1e-2,
+                                    betas=(0.9, 0.99)),
+                  torch.optim.AdamW([{"params": [table.weight], "weight_decay": 0.1}], lr=1e-2, betas=(0.9, 0.99)),
+                  SeparatedRowsAdamW([separated.weight], lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)]
+    unused_moved = 0
+    for step in range(6):
+        used = 5 if step < 3 else 3  # from step 3 on, rows 3..7 are neither inputs nor targets
+        x = torch.randint(0, used, (2, 5), generator=g)
+        y = torch.randint(0, used, (2, 5), generator=g)
+        before = table.weight.detach().clone()
+        for embedding, opt in zip((listing, table, separated), optimizers):
+            opt.zero_grad(set_to_none=True)
+            # a fixed head that sees only the inputs' rows: a row outside x gets no gradient
+            torch.nn.functional.cross_entropy((embedding(x) @ head).reshape(-1, V), y.reshape(-1)).backward()
+        unused = torch.ones(V, dtype=torch.bool)
+        unused[x.unique()] = False
+        assert unused.any()
+        for r in unused.nonzero().flatten().tolist():
+            assert listing.rows[r].grad is not None and (listing.rows[r].grad == 0).all()
+        separated_before = separated.weight.detach().clone()
+        for opt in optimizers:
+            opt.step()
+        assert torch.allclose(torch.stack(list(listing.rows)), table.weight, rtol=0, atol=1e-14), step
+        unused_moved += int((table.weight[unused] != before[unused]).any(dim=1).sum())
+        assert torch.equal(separated.weight[unused], separated_before[unused])
+    assert unused_moved > 0, "rows without gradient must move under AdamW (momentum and decay)"
+    assert not torch.allclose(separated.weight, table.weight)
+
+
 def test_gpt_step_with_thresholding_leaves_unused_embedding_rows_untouched():
     """A real training step: tied embedding, margin 0 thresholding. Rows that are neither inputs
     nor targets and fall below the target everywhere get an all-zero gradient; after the step

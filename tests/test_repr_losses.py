@@ -257,6 +257,128 @@ def test_dispersion_rejects_unknown_variant_and_bad_input():
         dispersion(randn(2, 1, 3))
 
 
+def released_distance(a, b):
+    """The authors' released angular distance of two states, one pair at a time: norms + 1e-2, the
+    cosine clamped to [-0.75, 0.75] in value only. The clamp is a constant shift of the cosine
+    (clamped value minus the value, a plain float), so the gradient is that of the unclamped cosine:
+    straight-through, written without losses.py's detach."""
+    cosine = torch.dot(a / (a.norm() + 1e-2), b / (b.norm() + 1e-2))
+    clamped = min(0.75, max(-0.75, cosine.item()))
+    return torch.arccos(cosine + (clamped - cosine.item())) / math.pi
+
+
+def brute_dispersion_layer_authors(z, tau, variant):
+    """The released code's formulas (ChenLiu-1996/LM-Dispersion, lm_dispersion/dispersion.py, as
+    docs/fidelity.md states them), pair by pair, for T <= 256."""
+    B, T, C = z.shape
+    pairs = [(i, j) for i in range(T) for j in range(T) if i != j]
+    per_sequence = []
+    for b in range(B):
+        if variant == "angular":  # log of the mean over i != j of exp(-D/tau + 1e-2)
+            terms = [torch.exp(-released_distance(z[b, i], z[b, j]) / tau + 1e-2) for i, j in pairs]
+            per_sequence.append(torch.log(torch.stack(terms).sum() / len(pairs)))
+        elif variant == "orthogonalization":
+            hinge = [torch.clamp(0.5 - released_distance(z[b, i], z[b, j]), min=0) ** 2 for i, j in pairs]
+            per_sequence.append(torch.stack(hinge).mean())
+        elif variant == "l2_repel":  # raw squared distances (not / C), all T^2 pairs, i = j included
+            terms = [torch.exp(-((z[b, i] - z[b, j]) ** 2).sum() / tau + 1e-2) for i in range(T) for j in range(T)]
+            per_sequence.append(torch.log(torch.stack(terms).sum() / T ** 2) + 0.1 * (z[b] ** 2).mean())
+    return torch.stack(per_sequence).mean()
+
+
+def condensed(B=2, T=8, C=16, spread=0.1, seed=13):
+    """States of each sequence near one shared direction: pair cosines around 0.99."""
+    return randn(C, seed=seed) + spread * randn(B, T, C, seed=seed + 1)
+
+
+def pair_cosines(z):
+    z_hat = F.normalize(z, dim=-1)
+    T = z.size(1)
+    return (z_hat @ z_hat.transpose(1, 2))[:, ~torch.eye(T, dtype=torch.bool)]
+
+
+@pytest.mark.parametrize("variant", ["angular", "l2_repel", "orthogonalization"])
+@pytest.mark.parametrize("tau", [0.5, 1.0])
+def test_dispersion_authors_form_matches_the_released_formulas(variant, tau):
+    # half of the batch condensed (every cosine clamped), half random (some clamped, most not)
+    z = torch.cat([condensed(B=1, T=6, C=4, spread=0.3), randn(1, 6, 4, seed=10)])
+    clamped = pair_cosines(z).abs() > 0.75
+    assert clamped.any() and not clamped.all(), "the example must exercise both sides of the clamp"
+    assert_same_value_and_grad(lambda x: dispersion(x, tau, variant, form="authors"),
+                               lambda x: brute_dispersion_layer_authors(x, tau, variant), z)
+    # and it is another loss than the paper's form on the same states
+    assert not torch.allclose(dispersion(z, tau, variant, form="authors"), dispersion(z, tau, variant))
+
+
+@pytest.mark.parametrize("variant", ["angular", "l2_repel", "orthogonalization"])
+def test_dispersion_authors_form_gradcheck_where_the_clamp_is_inactive(variant):
+    z = randn(2, 5, 16, seed=14).requires_grad_()
+    cosines = pair_cosines(z.detach())
+    assert cosines.abs().max() < 0.75 and (cosines.abs() > 1e-3).all()  # no clamp, away from the hinge
+    assert torch.autograd.gradcheck(lambda x: dispersion(x, 1.0, variant, form="authors"), (z,))
+
+
+def test_dispersion_decorrelation_is_the_same_in_both_forms():
+    z = torch.cat([condensed(B=1, T=6, C=4), randn(1, 6, 4, seed=15)])
+    values, grads = [], []
+    for form in ("paper", "authors"):
+        x = z.clone().requires_grad_()
+        values.append(dispersion(x, 1.0, "decorrelation", form=form))
+        grads.append(torch.autograd.grad(values[-1], x)[0])
+    assert torch.equal(values[0], values[1]) and torch.equal(grads[0], grads[1])
+
+
+def test_dispersion_authors_form_uses_256_random_positions_when_t_is_longer():
+    """T > 256: the loss of the 256 positions torch.randperm draws (per layer, the same for every
+    sequence) under the generator's state at the call; T = 256 uses every position."""
+    layers = [randn(2, 300, 4, seed=16), randn(2, 300, 4, seed=17)]
+    torch.manual_seed(3)
+    value = dispersion(layers, form="authors")
+    torch.manual_seed(3)
+    drawn = [z[:, torch.randperm(300)[:256]] for z in layers]
+    expected = torch.stack([dispersion(z, form="authors") for z in drawn]).mean()
+    assert value.item() == pytest.approx(expected.item(), rel=1e-12)
+    torch.manual_seed(4)
+    assert dispersion(layers, form="authors").item() != pytest.approx(value.item(), rel=1e-9)  # another draw
+    assert dispersion(layers).item() != pytest.approx(value.item(), rel=1e-3)  # the paper's form: all 300
+    first = [z[:, :256] for z in layers]
+    torch.manual_seed(3)
+    at_256 = dispersion(first, form="authors")
+    torch.manual_seed(4)
+    assert torch.equal(at_256, dispersion(first, form="authors"))  # no draw at T = 256
+
+
+def test_dispersion_paper_form_pushes_condensed_states_several_times_harder():
+    """What the docstring claims: on condensed states (cosines ~0.99) the paper's clamp near 1 keeps
+    arccos' steep slope, the released value clamp at 0.75 with straight-through does not."""
+    z = condensed()
+    assert pair_cosines(z).min() > 0.95
+    ratios = {}
+    for variant in ("angular", "orthogonalization"):
+        norms = []
+        for form in ("paper", "authors"):
+            x = z.clone().requires_grad_()
+            norms.append(torch.autograd.grad(dispersion(x, 1.0, variant, form=form), x)[0].norm().item())
+        ratios[variant] = norms[0] / norms[1]
+    assert ratios["angular"] > 3 and ratios["orthogonalization"] > 3, ratios  # measured 5.7 and 9.8
+    # on random states (cosines spread around 0) the two forms point the same way
+    x = [randn(2, 8, 16, seed=18).requires_grad_() for _ in range(2)]
+    g = [torch.autograd.grad(dispersion(xi, 1.0, "angular", form=f), xi)[0].flatten()
+         for xi, f in zip(x, ("paper", "authors"))]
+    assert F.cosine_similarity(g[0], g[1], dim=0) > 0.99
+
+
+def test_dispersion_form_is_checked_by_the_function_objective_and_configurator():
+    from configurator import TRAIN_RULES, ConfigError, check_values, parse_config, train_defaults
+    from losses import Objective
+    with pytest.raises(ValueError, match="unknown dispersion form 'released'; valid: paper, authors"):
+        dispersion(randn(1, 4, 3), form="released")
+    with pytest.raises(ValueError, match="dispersion_form must be one of paper, authors, got 'released'"):
+        Objective(2, 8, dispersion=0.1, dispersion_form="released")
+    with pytest.raises(ConfigError, match="key 'dispersion_form' must be one of paper, authors, got 'released'"):
+        check_values(parse_config(["--dispersion_form=released"], train_defaults()), TRAIN_RULES)
+
+
 # ------------------------------------------------------------------------------------------ NITP
 
 def brute_nitp(pred, shallow):
@@ -287,14 +409,14 @@ def test_nitp_stops_gradient_to_shallow_and_last_position_gets_none():
 
 # ------------------------------------------------------------------------------------------- CWT
 
-def brute_cwt(h, targets, wte, ignore_index=-1):
-    """Loop over valid positions n: -log softmax_m(h_n . e_{y_m})[n], m over valid positions."""
+def brute_cwt(h, targets, wte, ignore_index=-1, tau=1.0):
+    """Loop over valid positions n: -log softmax_m(h_n . e_{y_m} / tau)[n], m over valid positions."""
     flat_h, flat_y = h.reshape(-1, h.size(-1)), targets.reshape(-1).tolist()
     valid = [n for n, y in enumerate(flat_y) if y != ignore_index]
     losses = []
     for n in valid:
-        scores = torch.stack([torch.dot(flat_h[n], wte[flat_y[m]]) for m in valid])
-        losses.append(torch.logsumexp(scores, 0) - torch.dot(flat_h[n], wte[flat_y[n]]))
+        scores = torch.stack([torch.dot(flat_h[n], wte[flat_y[m]]) / tau for m in valid])
+        losses.append(torch.logsumexp(scores, 0) - torch.dot(flat_h[n], wte[flat_y[n]]) / tau)
     return torch.stack(losses).mean()
 
 
@@ -331,6 +453,24 @@ def test_cwt_ignored_positions_drop_out():
                                     (h.clone().requires_grad_(), wte.clone().requires_grad_()))
     nothing = cwt(h, torch.full_like(targets, -1), wte)
     assert nothing.item() == 0
+
+
+@pytest.mark.parametrize("tau", [0.1, 3.0])
+def test_cwt_temperature_divides_the_logits(tau):
+    """cwt_tau: the headless authors' released cwt_loss divides the dot products by a temperature."""
+    h, wte = randn(2, 4, 3, seed=49), randn(5, 3, seed=50)
+    targets = torch.tensor([[0, 1, 1, -1], [4, 0, 2, 3]])
+    assert_same_value_and_grad(lambda x, w: cwt(x, targets, w, tau=tau),
+                               lambda x, w: brute_cwt(x, targets, w, tau=tau), h, wte)
+    assert cwt(h, targets, wte, tau=tau).item() != pytest.approx(cwt(h, targets, wte).item(), rel=1e-3)
+    assert torch.autograd.gradcheck(lambda x: cwt(x, targets, wte, tau=tau), (h.clone().requires_grad_(),))
+    from configurator import TRAIN_RULES, ConfigError, check_values, parse_config, train_defaults
+    from losses import Objective
+    total, terms = Objective(1, 3, ce=0.0, cwt=1.0, cwt_tau=tau)(None, [h, h, h], targets, wte)
+    assert torch.equal(terms["cwt"], cwt(h, targets, wte, tau=tau))
+    assert train_defaults()["cwt_tau"] == 1.0
+    with pytest.raises(ConfigError, match="key 'cwt_tau' must be a finite number > 0, got 0"):
+        check_values(parse_config(["--cwt_tau=0"], train_defaults()), TRAIN_RULES)
 
 
 def test_cwt_bf16_autocast_gives_float32():
