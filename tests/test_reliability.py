@@ -469,8 +469,8 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
             return value + 1
         return (value or "x") + "_other" if isinstance(value, str) else 7
     checked = [key for key in defaults if key not in checkpoint.RESUME_MAY_CHANGE]
-    assert {"seed", "data_seed", "learning_rate", "margin", "dispersion_weight", "low_resource_prob", "dropout",
-            "grad_clip_mode", "eval_iters", "dtype"} <= set(checked)
+    assert {"seed", "data_seed", "data_order", "learning_rate", "margin", "dispersion_weight", "low_resource_prob",
+            "dropout", "grad_clip_mode", "eval_iters", "dtype"} <= set(checked)
     for key in checked:
         config = {**defaults, key: other(defaults[key])}
         with pytest.raises(checkpoint.CheckpointError, match=f"key '{key}'|{key}: ") as refused:
@@ -490,3 +490,8 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
         checkpoint.check_resumable(saved, {**defaults, **free}, defaults["data_dir"], processes=2)
     assert checkpoint.check_resumable(saved, {**defaults, **free, "resume_changes": "batch_size"},
                                       defaults["data_dir"], processes=2) == {"global batch (sequences per step)": [12, 24]}
+    # a checkpoint from before data_order drew its windows at random: going on in epochs is a change
+    del saved["config"]["data_order"]
+    assert checkpoint.check_resumable(saved, defaults, defaults["data_dir"]) == {}
+    with pytest.raises(checkpoint.CheckpointError, match="data_order: 'random' there, 'epoch' here"):
+        checkpoint.check_resumable(saved, {**defaults, "data_order": "epoch"}, defaults["data_dir"])
