@@ -121,8 +121,8 @@ def run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, tr
 
 def training_state(data_generator, epoch_windows, clipper, scaler, grad_parts, flops_done, device):
     """The state besides weights and optimizers that resume() sets back: data order and RNG states
-    (epoch_windows: data_order='epoch''s position, else None), AdaGC's EMAs, the loss scale, FLOPs
-    so far. Every rank draws the same random numbers and windows, so rank 0's states are everyone's."""
+    (epoch_windows: the position in data_order 'epoch', else None), AdaGC's EMAs, the loss scale,
+    FLOPs so far. Every rank draws the same random numbers and windows, so rank 0's states are everyone's."""
     return dict(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
                 data_position=epoch_windows.state_dict() if epoch_windows is not None else None,
                 cuda_rng=torch.cuda.get_rng_state() if torch.device(device).type == "cuda" else None,

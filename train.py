@@ -63,8 +63,8 @@ batch_size = 12
 block_size = 64
 gradient_accumulation_steps = 1      # micro-steps per optimizer step (derived when global_batch_size > 0)
 global_batch_size = 0                # sequences per optimizer step over all processes; 0 = batch_size x accumulation
-data_order = "random"                # random: windows drawn with replacement (nanoGPT's, the toys' papers'); epoch:
-                                     # every non-overlapping window once per epoch, in a seeded order (data.EpochWindows)
+data_order = "random"                # random: windows drawn with replacement (nanoGPT's, the toys' papers' way);
+                                     # epoch: every window once per epoch, in an order seeded by (data seed, epoch)
 low_resource = True                  # add the simulated low-resource language (Stop Jostling, Sec. 4.1)
 low_resource_prob = 0.02             # probability that a training window is in that language
 # model
@@ -192,7 +192,6 @@ autocast = autocast_context(device, dtype)
 # own copy, it does not broadcast), and dropout masks and dispersion positions are shared
 torch.manual_seed(seed)
 data_generator = torch.Generator().manual_seed(seed if data_seed is None else data_seed)
-# data_order='epoch': each window once per epoch, in an order seeded by (data seed, epoch) (data.EpochWindows)
 epoch_windows = EpochWindows(len(train_data), block_size, data_generator.initial_seed()) \
     if data_order == "epoch" else None
 
