@@ -164,6 +164,10 @@ def test_epoch_order_resumes_exactly_in_the_middle_of_an_epoch(tmp_path, small_d
     train(drawn, small_data_dir, "--max_iters=1", "--final_eval=False")  # random windows: another first batch
     assert train_losses(drawn)[0] != train_losses(full)[0]
     assert torch.load(drawn / "ckpt.pt", weights_only=True)["data_position"] is None
+    # switched on purpose (named): the epoch order starts at its beginning
+    train(drawn, small_data_dir, "--init_from=resume", "--data_order=epoch", "--resume_changes=data_order",
+          "--max_iters=2", "--final_eval=False")
+    assert torch.load(drawn / "ckpt.pt", weights_only=True)["data_position"] == {"epoch": 0, "index": 4, "n_windows": 23}
 
 
 def test_float16_run_logs_its_loss_scale_and_resumes_exactly(tmp_path, data_dir):
