@@ -119,11 +119,12 @@ def run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, tr
             **(training or {})}
 
 
-def training_state(data_generator, clipper, scaler, grad_parts, flops_done, device):
-    """The state besides weights and optimizers that resume() sets back: data order and RNG states,
-    AdaGC's EMAs, the loss scale, FLOPs so far. Every rank draws the same random numbers, so rank
-    0's RNG states are everyone's."""
+def training_state(data_generator, epoch_windows, clipper, scaler, grad_parts, flops_done, device):
+    """The state besides weights and optimizers that resume() sets back: data order and RNG states
+    (epoch_windows: the position in data_order 'epoch', else None), AdaGC's EMAs, the loss scale,
+    FLOPs so far. Every rank draws the same random numbers and windows, so rank 0's states are everyone's."""
     return dict(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
+                data_position=epoch_windows.state_dict() if epoch_windows is not None else None,
                 cuda_rng=torch.cuda.get_rng_state() if torch.device(device).type == "cuda" else None,
                 flops_done=dict(flops_done), adagc=clipper.state_dict() if clipper is not None else None,
                 grad_scaler=scaler.state_dict())
@@ -272,8 +273,8 @@ def open_run(out_dir, init_from, overwrite, master, command):
     return lock, init_from
 
 
-def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_slots, data_generator, clipper,
-           scaler):
+def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_slots, data_generator,
+           epoch_windows, clipper, scaler):
     """Continue the run in out_dir exactly: the newest readable full checkpoint (load_latest),
     checked against config, loaded into modules and optimizers, and the data order, RNG, AdaGC and
     loss-scale states set from it; the log lines from its step on are dropped (the loop logs them
@@ -286,6 +287,11 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
         trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
     # RNG states must be CPU tensors, whatever map_location moved them to
     data_generator.set_state(checkpoint["data_rng"].cpu())
+    if epoch_windows is not None and checkpoint.get("data_position"):  # else (random order until now): epoch 0
+        try:
+            epoch_windows.load_state_dict(checkpoint["data_position"])
+        except DataError as e:
+            raise CheckpointError(f"cannot resume: {e}") from None
     torch.set_rng_state(checkpoint["torch_rng"].cpu())
     if torch.device(device).type == "cuda" and checkpoint.get("cuda_rng") is not None:
         torch.cuda.set_rng_state(checkpoint["cuda_rng"].cpu())
@@ -318,12 +324,12 @@ class RunFiles:
         # [{"iter": step, "changes": {key: [before, after]}}]; the first 'before' of a key is its original value
         self.config_changes = []
 
-    def resume(self, config, data_generator, clipper, scaler):
+    def resume(self, config, data_generator, epoch_windows, clipper, scaler):
         """resume() into this run's modules: the checkpoint it continues from. The config changes
         it allowed join the run's history, and the history's events from the resumed step on go
         (back) into log.jsonl, which resume() cut at that step."""
         state, path, changes = resume(self.out_dir, config, self.device, self.master, self.modules, self.optimizers,
-                                      self.parallel, self.dcp_slots, data_generator, clipper, scaler)
+                                      self.parallel, self.dcp_slots, data_generator, epoch_windows, clipper, scaler)
         self.keep_previous = path == os.path.join(self.out_dir, "ckpt.pt")
         self.saved_step = state["iter_num"]
         self.config_changes = state.get("config_changes", []) + (
@@ -456,7 +462,7 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
     checkpoint's value, this config's]} for the run's record. Keys newer than the checkpoint count
     as their default. data_dir compares resolved paths: the same data named relatively or
     absolutely is the same data."""
-    saved = checkpoint["config"]
+    saved = {"data_order": "random", **checkpoint["config"]}  # (checkpoints from before the key: random)
     for key in RESUME_KEYS:
         if saved.get(key, config[key]) != config[key]:
             raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was trained "

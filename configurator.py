@@ -166,6 +166,7 @@ TRAIN_RULES = {
     "dispersion_form": _choice("paper", "authors"),
     "dispersion_layers": _choice("all", "last"),
     "lr_schedule": _choice("cosine", "constant"),
+    "data_order": _choice("random", "epoch"),
     "grad_clip_mode": _choice("norm", "adagc"),
     "parallel": _choice("none", "ddp", "fsdp"),
     "compile": _choice("auto", "True", "False"),

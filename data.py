@@ -160,12 +160,55 @@ def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
     return tokens
 
 
-def sample_windows(n_tokens, block_size, n, generator, prob_low_resource=0.0):
-    """n random training windows of a split of n_tokens tokens: their start offsets, and whether
-    each is in the simulated low-resource language (independently with probability
-    prob_low_resource: the authors' code decides per window at batch time, Stop Jostling Sec. 4.1)."""
+class EpochWindows:
+    """data_order='epoch': the split's non-overlapping windows (window w holds the block_size + 1
+    tokens from w * block_size on), each drawn exactly once per epoch, in a new order every epoch.
+    Epoch e's order is a permutation seeded by (seed, e), so the position (epoch, index) is all a
+    checkpoint keeps; next(n) takes the next n windows, running on into the next epoch's order.
+    The draws do not depend on how they are chunked: n = 8 twice gives what n = 16 once gives."""
+
+    def __init__(self, n_tokens, block_size, seed):
+        self.n_windows, self.block_size, self.seed = (n_tokens - 1) // block_size, block_size, seed
+        self.epoch, self.index = 0, 0
+        self._order = (None, None)  # (epoch, its permutation): one permutation held at a time
+
+    def order(self, epoch):
+        """Epoch's permutation of the window indices. numpy hashes the pair (seed, epoch) into
+        the generator's state (SeedSequence): neighbouring seeds or epochs give unrelated orders."""
+        if self._order[0] != epoch:
+            self._order = (epoch, np.random.default_rng([self.seed % 2 ** 64, epoch]).permutation(self.n_windows))
+        return self._order[1]
+
+    def next(self, n):
+        """The start offsets of the next n windows (a 1-D int64 tensor)."""
+        import torch
+        taken = [np.zeros(0, dtype=np.int64)]
+        while n > 0:
+            count = min(n, self.n_windows - self.index)
+            taken.append(self.order(self.epoch)[self.index:self.index + count])
+            self.index, n = self.index + count, n - count
+            if self.index == self.n_windows:
+                self.epoch, self.index = self.epoch + 1, 0
+        return torch.from_numpy(np.concatenate(taken) * self.block_size)
+
+    def state_dict(self):
+        return {"epoch": self.epoch, "index": self.index, "n_windows": self.n_windows}
+
+    def load_state_dict(self, state):
+        if state["n_windows"] != self.n_windows:
+            raise DataError(f"the data position was saved over {state['n_windows']:,} windows but the training split "
+                            f"now has {self.n_windows:,} of block_size {self.block_size}")
+        self.epoch, self.index = state["epoch"], state["index"]
+
+
+def sample_windows(n_tokens, block_size, n, generator, prob_low_resource=0.0, epoch_windows=None):
+    """n training windows of a split of n_tokens tokens: their start offsets, and whether each is
+    in the simulated low-resource language (independently with probability prob_low_resource:
+    the authors' code decides per window at batch time, Stop Jostling Sec. 4.1). The starts are
+    uniform with replacement (nanoGPT's, data_order='random'), or epoch_windows' next n."""
     import torch  # here, not at the top: the prepare scripts import data.py and need no torch
-    starts = torch.randint(n_tokens - block_size, (n,), generator=generator)
+    starts = epoch_windows.next(n) if epoch_windows is not None else \
+        torch.randint(n_tokens - block_size, (n,), generator=generator)
     is_low = torch.rand(n, generator=generator) < prob_low_resource
     return starts, is_low
 

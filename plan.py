@@ -15,8 +15,9 @@ a 7B plan takes seconds. The plan holds
     communication  bytes each process sends per optimizer step for DDP or FSDP, their time at the
               link's bandwidth, and the run's time with compute and communication overlapped
     memory    per GPU for DDP and for FSDP, with and without activation checkpointing
-    data      the tokens the run reads against the tokens prepared in data_dir (C4: shards), with
-              a warning when it would pass over its data more than once
+    data      the tokens the run reads against the tokens prepared in data_dir (C4: shards): epochs
+              (data_order='epoch') or the share never seen (random windows), with a warning when it
+              would pass over its data more than once
 
 Memory: fp32 weights, gradients and AdamW's two moments are 16 bytes per parameter, all on every
 GPU with DDP (plus DDP's gradient buckets, another 4 bytes) and 1/N of them with FSDP (plus the
@@ -443,7 +444,9 @@ def device_memory_problem(config, processes, vocab, device):
 
 
 def data_needed(config, tokens_per_run):
-    """What the run reads against what data_dir holds: dict with passes (None if not prepared)."""
+    """What the run reads against what data_dir holds: dict with passes (None if not prepared) and
+    what the data order makes of them: epochs (data_order='epoch': every window once per epoch),
+    or the expected share of the training split never seen (random windows, with replacement)."""
     out = {"data_dir": config["data_dir"], "tokens": tokens_per_run}
     try:
         meta = read_meta(config["data_dir"])
@@ -453,6 +456,12 @@ def data_needed(config, tokens_per_run):
     if meta is not None:
         out["prepared"] = meta.get("n_train", 0)
         out["passes"] = tokens_per_run / out["prepared"] if out["prepared"] else float("inf")
+        n, T, windows = out["prepared"], config["block_size"], tokens_per_run // config["block_size"]
+        if config.get("data_order") == "epoch" and n > T:  # data.EpochWindows: (n - 1) // T windows per epoch
+            out["epochs"] = windows / ((n - 1) // T)
+        elif n > T:  # a token is in a window that starts at most T before it: T + 1 of the n - T random starts,
+            # so the run's windows all miss it with probability (1 - (T + 1) / (n - T))^windows ~ exp(-passes)
+            out["unseen"] = max(0.0, 1 - (T + 1) / (n - T)) ** windows
         if meta.get("train_shards"):
             per_shard = out["prepared"] / len(meta["train_shards"])
             out["shards"], out["shards_needed"] = len(meta["train_shards"]), math.ceil(tokens_per_run / per_shard)
@@ -569,8 +578,15 @@ def format_plan(p):
         lines.append(f"data: {d['tokens']:,} tokens needed; nothing prepared in {d['data_dir']}{need}")
     else:
         shards = f" from {d['shards']} shard(s); {d['shards_needed']} needed for one pass" if "shards" in d else ""
-        lines.append(f"data: {d['tokens']:,} tokens needed, {d['prepared']:,} prepared in {d['data_dir']}{shards} "
-                     f"-> {d['passes']:.2f} passes")
+        held = f"{d['prepared']:,} prepared in {d['data_dir']}{shards}"
+        if "epochs" in d:
+            lines.append(f"data: {d['tokens']:,} tokens trained = {d['epochs']:.2f} epochs of the training split "
+                         f"({held}; data_order='epoch': every window once per epoch)")
+        else:
+            unseen = f"; random windows (data_order='random') leave about {d['unseen']:.1%} of it never seen" \
+                if "unseen" in d else ""
+            lines.append(f"data: {d['tokens']:,} tokens trained = {d['passes']:.2f} passes over the training split "
+                         f"({held}){unseen}")
         if d["passes"] > 1:
             lines.append(f"warning: the run passes over its data {d['passes']:.1f} times")
     return "\n".join(lines)

@@ -31,7 +31,7 @@ import plan
 import prepare_shakespeare
 import tracking
 from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
-from data import DataError, load_tokens, read_meta, read_windows, sample_windows
+from data import DataError, EpochWindows, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import GPT
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
@@ -63,6 +63,8 @@ batch_size = 12                      # sequences per process and micro-step; "au
 block_size = 64
 gradient_accumulation_steps = 1      # micro-steps per optimizer step (derived when global_batch_size > 0)
 global_batch_size = 0                # sequences per optimizer step over all processes; 0 = batch_size x accumulation
+data_order = "random"                # random: windows drawn with replacement (nanoGPT's, the toys' papers' way);
+                                     # epoch: every window once per epoch, in an order seeded by (data seed, epoch)
 low_resource = True                  # add the simulated low-resource language (Stop Jostling, Sec. 4.1)
 low_resource_prob = 0.02             # probability that a training window is in that language
 # model
@@ -190,6 +192,8 @@ autocast = autocast_context(device, dtype)
 # own copy, it does not broadcast), and dropout masks and dispersion positions are shared
 torch.manual_seed(seed)
 data_generator = torch.Generator().manual_seed(seed if data_seed is None else data_seed)
+epoch_windows = EpochWindows(len(train_data), block_size, data_generator.initial_seed()) \
+    if data_order == "epoch" else None
 
 
 # model, parallelism and optimizer --------------------------------------------
@@ -258,7 +262,7 @@ run_files = checkpoint.RunFiles(out_dir, torch.nn.ModuleDict({"model": model, "o
 try:
     run_lock, init_from = checkpoint.open_run(out_dir, init_from, overwrite, master, sys.orig_argv)
     if init_from == "resume":
-        resumed = run_files.resume(config, data_generator, clipper, scaler)
+        resumed = run_files.resume(config, data_generator, epoch_windows, clipper, scaler)
         iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
         grad_recorder.steps = resumed.get("grad_parts", [])
 except checkpoint.CheckpointError as e:
@@ -310,8 +314,8 @@ while True:
     if evaluating or (checkpoint_interval and iter_num % checkpoint_interval == 0) or \
             (stopping and run_files.saved_step != iter_num):
         run_files.save(checkpoint.run_state(config, model_config, meta, iter_num, best_val_loss, last_eval),
-                       checkpoint.training_state(data_generator, clipper, scaler, grad_recorder.steps, flops_done,
-                                                 device), best)
+                       checkpoint.training_state(data_generator, epoch_windows, clipper, scaler,
+                                                 grad_recorder.steps, flops_done, device), best)
         t_window, window_iters = time.perf_counter(), 0  # keep evaluation and saving out of the speed figures
     if iter_num >= max_iters or stopping:
         break
@@ -321,7 +325,7 @@ while True:
     # batch however it is split over processes and micro-steps (one process with batch_size B and
     # 4 micro-steps sees exactly what 2 processes with 2 micro-steps each see).
     starts, is_low = sample_windows(len(train_data), block_size, gradient_accumulation_steps * world_size * batch_size,
-                                    data_generator, low_resource_prob)
+                                    data_generator, low_resource_prob, epoch_windows)
     step_loss, step_terms = 0.0, {}
     for micro_step in range(gradient_accumulation_steps):
         rows = slice((micro_step * world_size + rank) * batch_size, (micro_step * world_size + rank + 1) * batch_size)

@@ -5,6 +5,7 @@
 # Data: python prepare_c4.py --shards N (writes data/c4). A size config sets the width, batch, lr and steps.
 data_dir = "data/c4"
 low_resource = False
+data_order = "epoch"        # every window of the training split once per epoch, in a seeded order (data.EpochWindows)
 vocab_size = 50304          # GPT-2 BPE's 50257 padded to a multiple of 64
 arch = "llama"
 tie_weights = False

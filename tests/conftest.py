@@ -25,3 +25,16 @@ def data_dir(tmp_path_factory):
     out = root / "chars"
     prepare_shakespeare.prepare(input_path=str(root / "input.txt"), out_dir=str(out))
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def small_data_dir(data_dir):
+    """The same text cut to 415 characters: a training split of 373 tokens, 23 windows of 16 (data_order
+    = 'epoch' passes over it in 6 steps of 4 windows); the text is small.txt beside the folder."""
+    root = os.path.dirname(data_dir)
+    with open(os.path.join(root, "input.txt")) as f:
+        text = f.read()[:415]
+    with open(os.path.join(root, "small.txt"), "w") as f:
+        f.write(text)
+    prepare_shakespeare.prepare(input_path=os.path.join(root, "small.txt"), out_dir=os.path.join(root, "small"))
+    return os.path.join(root, "small")

@@ -154,6 +154,23 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
         assert os.path.exists(tmp_path / "hf" / "model.safetensors")
 
 
+def test_epoch_order_draws_the_same_windows_on_one_and_two_processes(tmp_path, small_data_dir):
+    """data_order='epoch' on a split of 23 windows: 6 steps of 8 cross two epochs, each inside a step.
+    2 processes (2 micro-steps each) train on the one process's windows (4 micro-steps); a 2-process
+    run saved at step 3 (epoch 1, window 1) and resumed on one process goes on with the same windows."""
+    import torch
+    single, ddp, part = tmp_path / "single", tmp_path / "ddp", tmp_path / "part"
+    epoch = "--data_order=epoch"
+    finish(launch(single, small_data_dir, epoch), launch(ddp, small_data_dir, epoch, "--parallel=ddp", processes=2),
+           launch(part, small_data_dir, epoch, "--parallel=ddp", "--max_iters=3", processes=2))
+    assert_same_run(single, ddp)
+    assert torch.load(part / "ckpt.pt", weights_only=True)["data_position"] == {"epoch": 1, "index": 1, "n_windows": 23}
+    finish(launch(part, small_data_dir, epoch, "--init_from=resume"))  # the global batch kept: nothing to name
+    assert_same_run(single, part)
+    assert {str(torch.load(run / "ckpt.pt", weights_only=True)["data_position"]) for run in (single, ddp, part)} == \
+        {str({"epoch": 2, "index": 2, "n_windows": 23})}
+
+
 @needs_fsdp_on_cpu
 def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_dir):
     single, full, part = tmp_path / "single", tmp_path / "full", tmp_path / "part"

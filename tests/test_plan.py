@@ -187,6 +187,43 @@ def test_plan_warns_when_the_data_is_read_more_than_once(tmp_path, data_dir):
     assert short["data"]["passes"] < 1 and "warning" not in plan.format_plan(short)
 
 
+def test_plan_counts_epochs_or_the_share_of_the_data_never_seen(data_dir):
+    """data_order='epoch' (the C4 configs): the run's windows over the split's windows, as data.EpochWindows
+    counts them when it draws them; 'random' (the toys): the expected share of the training split in
+    no window, against a simulation of the run's draws (sample_windows)."""
+    import numpy as np
+    import torch
+    from data import EpochWindows, sample_windows
+    n = json.load(open(os.path.join(data_dir, "meta.json")))["n_train"]
+    c4 = config_of("config/c4_tiny.py", f"--data_dir={data_dir}", "--block_size=16", "--max_iters=300")
+    d = plan.make_plan(c4, measure=False)["data"]
+    windows = EpochWindows(n, 16, seed=0)
+    windows.next(300 * 8)
+    assert d["epochs"] == pytest.approx(windows.epoch + windows.index / windows.n_windows) and 2 < d["epochs"] < 3
+    assert f"{d['tokens']:,} tokens trained = {d['epochs']:.2f} epochs of the training split" in plan.format_plan(
+        plan.make_plan(c4, measure=False))
+    toy = config_of("config/lowres_baseline.py", f"--data_dir={data_dir}", "--block_size=16", "--batch_size=8",
+                    "--max_iters=150")  # 1200 windows of 17 tokens: about one pass
+    d = plan.make_plan(toy, measure=False)["data"]
+    unseen = []
+    for seed in range(20):
+        starts, _ = sample_windows(n, 16, 150 * 8, torch.Generator().manual_seed(seed))
+        covered = np.zeros(n, dtype=bool)
+        for s in starts.tolist():
+            covered[s:s + 17] = True
+        unseen.append(1 - covered.mean())
+    assert d["unseen"] == pytest.approx(np.mean(unseen), abs=0.01) and 0.3 < d["unseen"] < 0.45
+    assert f"leave about {d['unseen']:.1%} of it never seen" in plan.format_plan(plan.make_plan(toy, measure=False))
+
+
+def test_the_c4_configs_read_every_window_once_per_epoch_and_the_toys_at_random():
+    for name in sorted(os.listdir(os.path.join(REPO, "config"))):
+        if name.endswith(".py"):
+            config = config_of(f"config/{name}")
+            c4 = os.path.basename(config["data_dir"]).startswith("c4")
+            assert config["data_order"] == ("epoch" if c4 else "random"), name
+
+
 def test_plan_memory_activations_are_measured():
     config = config_of("config/c4_tiny.py")
     p = plan.make_plan(config, 1)

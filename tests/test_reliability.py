@@ -245,6 +245,8 @@ BAD_INPUTS = [
     ("dropout 1", ["--dropout=1.0"], None, 2, "key 'dropout' must be a number in [0, 1), got 1.0"),
     ("unknown variant", ["--dispersion_variant=spread"], None, 2, "key 'dispersion_variant' must be one of angular"),
     ("unknown dtype", ["--dtype=float8"], None, 2, "key 'dtype' must be one of auto, float32"),
+    ("unknown data order", ["--data_order=sequential"], None, 2,
+     "key 'data_order' must be one of random, epoch, got 'sequential'"),
     ("misspelt key", ["--lerning_rate=1e-3"], None, 2, "unknown config key 'lerning_rate'; did you mean 'learning_rate'?"),
     ("wrong type", ["--n_layer=2.5"], None, 2, "key 'n_layer' expects int, got 2.5"),
     ("no such device", ["--device=cuda:99"], None, 2, "cuda:99"),
@@ -278,6 +280,9 @@ BAD_INPUTS = [
      None, 1, "(seed: 1337 there, 7 here; margin: None there, 0.6 here; learning_rate: 0.001 there, 0.5 here). "
               "Resume with the checkpoint's values, or name what you mean to change: "
               "--resume_changes=seed,margin,learning_rate"),
+    ("resume in another data order", ["--init_from=resume", "--data_order=epoch"], None, 1,
+     "(data_order: 'random' there, 'epoch' here). Resume with the checkpoint's values, or name what you mean to "
+     "change: --resume_changes=data_order"),
     ("resume with another global batch", ["--init_from=resume", "--batch_size=2"], None, 1,
      "global batch (sequences per step): 4 there, 2 here"),
     ("resume_changes naming no key", ["--init_from=resume", "--resume_changes=learning_rat"], None, 2,
@@ -469,8 +474,8 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
             return value + 1
         return (value or "x") + "_other" if isinstance(value, str) else 7
     checked = [key for key in defaults if key not in checkpoint.RESUME_MAY_CHANGE]
-    assert {"seed", "data_seed", "learning_rate", "margin", "dispersion_weight", "low_resource_prob", "dropout",
-            "grad_clip_mode", "eval_iters", "dtype"} <= set(checked)
+    assert {"seed", "data_seed", "data_order", "learning_rate", "margin", "dispersion_weight", "low_resource_prob",
+            "dropout", "grad_clip_mode", "eval_iters", "dtype"} <= set(checked)
     for key in checked:
         config = {**defaults, key: other(defaults[key])}
         with pytest.raises(checkpoint.CheckpointError, match=f"key '{key}'|{key}: ") as refused:
@@ -490,3 +495,8 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
         checkpoint.check_resumable(saved, {**defaults, **free}, defaults["data_dir"], processes=2)
     assert checkpoint.check_resumable(saved, {**defaults, **free, "resume_changes": "batch_size"},
                                       defaults["data_dir"], processes=2) == {"global batch (sequences per step)": [12, 24]}
+    # a checkpoint from before data_order drew its windows at random: going on in epochs is a change
+    del saved["config"]["data_order"]
+    assert checkpoint.check_resumable(saved, defaults, defaults["data_dir"]) == {}
+    with pytest.raises(checkpoint.CheckpointError, match="data_order: 'random' there, 'epoch' here"):
+        checkpoint.check_resumable(saved, {**defaults, "data_order": "epoch"}, defaults["data_dir"])

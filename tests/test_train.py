@@ -144,6 +144,32 @@ def test_resume_continues_exactly(tmp_path, data_dir, baseline_run):
     assert [r["iter"] for r in read_log(part) if "val" in r] == [0, 10, 20]
 
 
+def test_epoch_order_resumes_exactly_in_the_middle_of_an_epoch(tmp_path, small_data_dir):
+    """data_order='epoch' on a split of 23 windows: 20 steps of 4 windows are 3 epochs and 11 windows.
+    A run stopped at step 7 (epoch 1, window 5) and resumed trains on the same windows as the
+    uninterrupted run, bit for bit; a resume that changes the order is refused unless it names it."""
+    import torch
+    full, part, drawn = tmp_path / "full", tmp_path / "part", tmp_path / "random"
+    train(full, small_data_dir, "--data_order=epoch", "--final_eval=False")
+    train(part, small_data_dir, "--data_order=epoch", "--max_iters=7", "--final_eval=False")
+    assert torch.load(part / "ckpt.pt", weights_only=True)["data_position"] == {"epoch": 1, "index": 5, "n_windows": 23}
+    refused = train(part, small_data_dir, "--init_from=resume", check=False)  # the default: data_order='random'
+    assert refused.returncode == 1 and "data_order: 'epoch' there, 'random' here" in refused.stderr
+    assert "--resume_changes=data_order" in refused.stderr and "Traceback" not in refused.stderr
+    train(part, small_data_dir, "--data_order=epoch", "--init_from=resume", "--final_eval=False")
+    assert train_losses(part) == train_losses(full)
+    final = [torch.load(run / "ckpt.pt", weights_only=True) for run in (full, part)]
+    assert final[0]["data_position"] == final[1]["data_position"] == {"epoch": 3, "index": 11, "n_windows": 23}
+    assert all(torch.equal(value, final[1]["model"][name]) for name, value in final[0]["model"].items())
+    train(drawn, small_data_dir, "--max_iters=1", "--final_eval=False")  # random windows: another first batch
+    assert train_losses(drawn)[0] != train_losses(full)[0]
+    assert torch.load(drawn / "ckpt.pt", weights_only=True)["data_position"] is None
+    # switched on purpose (named): the epoch order starts at its beginning
+    train(drawn, small_data_dir, "--init_from=resume", "--data_order=epoch", "--resume_changes=data_order",
+          "--max_iters=2", "--final_eval=False")
+    assert torch.load(drawn / "ckpt.pt", weights_only=True)["data_position"] == {"epoch": 0, "index": 4, "n_windows": 23}
+
+
 def test_float16_run_logs_its_loss_scale_and_resumes_exactly(tmp_path, data_dir):
     """dtype=float16 (what dtype=auto picks on a GPU without bf16) on the CPU: the loss scale is
     logged at every step and is part of the checkpoint, so a resumed run goes on exactly; the
