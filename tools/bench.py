@@ -4,7 +4,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
     python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory | compile
-                                          # | plan_memory | plan_comm
+                                          # | plan_memory | plan_comm | prepare
     python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
@@ -29,6 +29,9 @@ switched on, as ratios to the cross-entropy step measured in the same process:
           real short runs: c4_tiny, the 350M width at 2 blocks, FSDP on 2 gloo processes
   plan_comm  plan.py's bytes sent per optimizer step and process against every collective's buffer
           in a real step of DDP and FSDP on 2 gloo processes (the 350M width at 2 blocks)
+  prepare prepare_c4.py's throughput with 1 and 2 workers on C4-format shards made from tiny
+          Shakespeare, against tiktoken's own single-core speed on the same documents, and what
+          that predicts for 350 C4 shards on a 32-core node
 
 Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
 model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
@@ -36,6 +39,7 @@ model runs in float32 (see utils.choose_dtype). Results print as a Markdown tabl
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -553,9 +557,88 @@ def plan_comm(args, device, dtype):
                 "NITP's head, T = 64, batch 1 per process.")
 
 
+PREPARE_COPIES = 24          # tiny Shakespeare x 24: 4 train shards of ~6 MB of JSON + 1 val shard
+C4_SHARD_TOKENS = 150e6      # GPT-2 tokens in one C4 "en" train shard, roughly (plan.C4_TOKENS_PER_SHARD)
+C4_SHARD_GZ_BYTES = 320e6    # the compressed shard a worker waits for: ~305 GB / 1024 shards (allenai/c4 en)
+
+
+def prepare_throughput(args, device, dtype):
+    """prepare_c4.py end to end (the real script in a subprocess: worker start-up, gzip, JSON,
+    tokenising, writing, the index) with 1 and 2 workers, alternating, against tiktoken's
+    encode_ordinary_batch on 1 thread over the same documents in this process, timed between the
+    script's runs so a background load slows both alike. The ratio says what share of the
+    tokenizer's speed a worker keeps; the prediction for 350 shards on 32 cores takes that share
+    and the tokens/s per core measured here (Shakespeare's text; C4's web text has longer tokens)."""
+    import gzip
+    import shutil
+    import tempfile
+
+    import tiktoken
+    from data import BPE_ENCODING
+
+    text_path = os.environ.get("PREPARE_TEXT", os.path.join(REPO, "data", "shakespeare_char", "input.txt"))
+    if not os.path.isfile(text_path):
+        sys.exit(f"error: the prepare section needs tiny Shakespeare at {text_path}: python prepare_shakespeare.py "
+                 "(or set PREPARE_TEXT to a plain-text file)")
+    work = tempfile.mkdtemp(prefix="bench_prepare_")
+    try:
+        big = os.path.join(work, "input.txt")
+        with open(text_path, encoding="utf-8") as f, open(big, "w", encoding="utf-8") as out:
+            out.write((f.read().strip() + "\n\n") * PREPARE_COPIES)
+        out_dir = os.path.join(work, "c4")
+        command = [sys.executable, os.path.join(REPO, "prepare_c4.py"), "--from_text", big, "--shards", "4",
+                   "--out_dir", out_dir]
+        subprocess.run(command + ["--workers", "1"], check=True, capture_output=True)  # makes the shards; untimed
+        docs, json_bytes = [], 0
+        for name in sorted(os.listdir(out_dir)):
+            if name.endswith(".json.gz"):
+                with gzip.open(os.path.join(out_dir, name), "rb") as f:
+                    for line in f:
+                        docs.append(json.loads(line)["text"])
+                        json_bytes += len(line)
+        enc = tiktoken.get_encoding(BPE_ENCODING)
+        n_tokens = sum(len(ids) + 1 for ids in enc.encode_ordinary_batch(docs, num_threads=1))  # + EOT each
+        runs = {1: [], 2: []}
+        tiktoken_s = []
+        for _ in range(max(args.steps, 2)):
+            for workers in runs:
+                for old in ("train", "val", "meta.json"):
+                    path = os.path.join(out_dir, old)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+                t0 = time.perf_counter()
+                subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True)
+                runs[workers].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                enc.encode_ordinary_batch(docs, num_threads=1)
+                tiktoken_s.append(time.perf_counter() - t0)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    core = statistics.median(tiktoken_s)
+    rows = [("tiktoken encode_ordinary_batch, 1 thread", "-", f"{json_bytes / 1e6 / core:.1f}",
+             f"{n_tokens / core / 1e6:.2f}", "1.00")]
+    share = {}
+    for workers, times in runs.items():
+        t = statistics.median(times)
+        share[workers] = core / t / workers
+        rows.append((f"prepare_c4.py --workers {workers}", workers, f"{json_bytes / 1e6 / t:.1f}",
+                     f"{n_tokens / t / 1e6:.2f}", f"{share[workers]:.2f}"))
+    table(f"prepare_c4.py against tiktoken, {json_bytes / 1e6:.0f} MB of JSON ({n_tokens / 1e6:.1f}M tokens, "
+          f"5 shards), {os.cpu_count()} cores", ["", "workers", "MB/s of JSON", "M tokens/s", "/ (tiktoken x workers)"],
+          rows, intro="Whole script runs, medians of the alternating runs; the last column is the throughput over "
+                      "tiktoken's single-core speed times the workers.")
+    per_core = n_tokens / core * share[1]  # tokens/s one worker sustains, from the 1-worker share
+    shard_s = C4_SHARD_TOKENS / per_core
+    rounds = math.ceil(350 / 32)
+    emit(f"- predicted for 350 C4 shards (~{C4_SHARD_TOKENS / 1e6:.0f}M tokens each) with 32 workers: "
+         f"{shard_s:.0f} s of tokenising per shard and worker, {rounds} rounds of 32 shards = "
+         f"{rounds * shard_s / 60:.0f} min, if the downloads keep up: 32 shards per {shard_s:.0f} s is "
+         f"{32 * C4_SHARD_GZ_BYTES / shard_s / 1e6:.0f} MB/s of gzipped shards; below that the download "
+         f"(one stream, in the main process) sets the pace: 350 x {C4_SHARD_GZ_BYTES / 1e6:.0f} MB at the link's speed.")
+
+
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
             "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory, "compile": compile_step,
-            "plan_memory": plan_memory, "plan_comm": plan_comm}
+            "plan_memory": plan_memory, "plan_comm": plan_comm, "prepare": prepare_throughput}
 
 
 def write_report(path, argv):
