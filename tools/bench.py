@@ -557,19 +557,28 @@ def plan_comm(args, device, dtype):
                 "NITP's head, T = 64, batch 1 per process.")
 
 
-PREPARE_COPIES = 24          # tiny Shakespeare x 24: 4 train shards of ~6 MB of JSON + 1 val shard
+PREPARE_COPIES = 16          # tiny Shakespeare x 16: 4 train shards of ~4 MB of JSON + 1 val shard
+PREPARE_DOC_PARAGRAPHS = 12  # speeches per document: ~2 KB, about a C4 document's length
 C4_SHARD_TOKENS = 150e6      # GPT-2 tokens in one C4 "en" train shard, roughly (plan.C4_TOKENS_PER_SHARD)
 C4_SHARD_GZ_BYTES = 320e6    # the compressed shard a worker waits for: ~305 GB / 1024 shards (allenai/c4 en)
 
 
+def _child_cpu_seconds():
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # finished children and what they waited for
+    return usage.ru_utime + usage.ru_stime
+
+
 def prepare_throughput(args, device, dtype):
     """prepare_c4.py end to end (the real script in a subprocess: worker start-up, gzip, JSON,
-    tokenising, writing, the index) with 1 and 2 workers, alternating, against tiktoken's
-    encode_ordinary_batch on 1 thread over the same documents in this process, timed between the
-    script's runs so a background load slows both alike. The ratio says what share of the
-    tokenizer's speed a worker keeps; the prediction for 350 shards on 32 cores takes that share
-    and the tokens/s per core measured here (Shakespeare's text; C4's web text has longer tokens)."""
+    tokenising, writing, the index) with 1 and 2 workers, alternating with tiktoken on 1 thread
+    over the same documents in this process, so a background load slows both alike. Wall time
+    and CPU time (the script's processes, getrusage) are both given: the wall-clock share of
+    tiktoken x workers needs idle cores; the CPU-time share (the work per token, whatever the
+    load) is what a 32-core node with a core per worker gets, and the prediction uses it, with
+    the tokens per CPU-second measured here (Shakespeare's text; C4's web text has longer tokens)."""
     import gzip
+    import re
     import shutil
     import tempfile
 
@@ -582,13 +591,18 @@ def prepare_throughput(args, device, dtype):
                  "(or set PREPARE_TEXT to a plain-text file)")
     work = tempfile.mkdtemp(prefix="bench_prepare_")
     try:
-        big = os.path.join(work, "input.txt")
-        with open(text_path, encoding="utf-8") as f, open(big, "w", encoding="utf-8") as out:
-            out.write((f.read().strip() + "\n\n") * PREPARE_COPIES)
+        with open(text_path, encoding="utf-8") as f:
+            speeches = [s.strip("\n") for s in re.split(r"\n\s*\n", f.read()) if s.strip()] * PREPARE_COPIES
+        big = os.path.join(work, "input.txt")  # documents of 12 speeches, as --from_text cuts them
+        with open(big, "w", encoding="utf-8") as out:
+            out.write("\n\n".join("\n".join(speeches[i:i + PREPARE_DOC_PARAGRAPHS])
+                                  for i in range(0, len(speeches), PREPARE_DOC_PARAGRAPHS)) + "\n")
         out_dir = os.path.join(work, "c4")
-        command = [sys.executable, os.path.join(REPO, "prepare_c4.py"), "--from_text", big, "--shards", "4",
-                   "--out_dir", out_dir]
-        subprocess.run(command + ["--workers", "1"], check=True, capture_output=True)  # makes the shards; untimed
+        # PREPARE_SCRIPT: another version of the script to time the same way (e.g. an older commit's)
+        script = os.environ.get("PREPARE_SCRIPT", os.path.join(REPO, "prepare_c4.py"))
+        command = [sys.executable, script, "--from_text", big, "--shards", "4", "--out_dir", out_dir]
+        env = {**os.environ, "PYTHONPATH": REPO}
+        subprocess.run(command + ["--workers", "1"], check=True, capture_output=True, env=env)  # makes the shards
         docs, json_bytes = [], 0
         for name in sorted(os.listdir(out_dir)):
             if name.endswith(".json.gz"):
@@ -599,39 +613,66 @@ def prepare_throughput(args, device, dtype):
         enc = tiktoken.get_encoding(BPE_ENCODING)
         n_tokens = sum(len(ids) + 1 for ids in enc.encode_ordinary_batch(docs, num_threads=1))  # + EOT each
         runs = {1: [], 2: []}
-        tiktoken_s = []
-        for _ in range(max(args.steps, 2)):
+        tiktoken_runs, loop_runs, parse_runs = [], [], []
+        for _ in range(max(args.steps, 1)):
             for workers in runs:
-                for old in ("train", "val", "meta.json"):
+                for old in ("train", "val", "meta.json", "train.bin", "val.bin"):
                     path = os.path.join(out_dir, old)
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-                t0 = time.perf_counter()
-                subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True)
-                runs[workers].append(time.perf_counter() - t0)
-                t0 = time.perf_counter()
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+                t0, c0 = time.perf_counter(), _child_cpu_seconds()
+                subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True, env=env)
+                runs[workers].append((time.perf_counter() - t0, _child_cpu_seconds() - c0))
+                t0, c0 = time.perf_counter(), time.process_time()
                 enc.encode_ordinary_batch(docs, num_threads=1)
-                tiktoken_s.append(time.perf_counter() - t0)
+                tiktoken_runs.append((time.perf_counter() - t0, time.process_time() - c0))
+            t0, c0 = time.perf_counter(), time.process_time()
+            for doc in docs:
+                enc.encode_ordinary(doc)
+            loop_runs.append((time.perf_counter() - t0, time.process_time() - c0))
+            t0, c0 = time.perf_counter(), time.process_time()  # what the main process did twice per shard before
+            for name in sorted(os.listdir(out_dir)):
+                if name.endswith(".json.gz"):
+                    with gzip.open(os.path.join(out_dir, name), "rb") as f:
+                        for line in f:
+                            json.loads(line)
+            parse_runs.append((time.perf_counter() - t0, time.process_time() - c0))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    core = statistics.median(tiktoken_s)
-    rows = [("tiktoken encode_ordinary_batch, 1 thread", "-", f"{json_bytes / 1e6 / core:.1f}",
-             f"{n_tokens / core / 1e6:.2f}", "1.00")]
-    share = {}
-    for workers, times in runs.items():
-        t = statistics.median(times)
-        share[workers] = core / t / workers
-        rows.append((f"prepare_c4.py --workers {workers}", workers, f"{json_bytes / 1e6 / t:.1f}",
-                     f"{n_tokens / t / 1e6:.2f}", f"{share[workers]:.2f}"))
+    wall, cpu = (statistics.median(r[i] for r in tiktoken_runs) for i in (0, 1))
+    rows = [("tiktoken encode_ordinary_batch, 1 thread", "-", f"{wall:.1f}", f"{json_bytes / 1e6 / wall:.1f}",
+             f"{n_tokens / wall / 1e6:.2f}", "1.00", f"{cpu:.1f}", "1.00")]
+    for what, measured in (("tiktoken encode_ordinary, a loop", loop_runs),
+                           ("gzip + JSON of the shards alone (no tokenising)", parse_runs)):
+        w, c = (statistics.median(r[i] for r in measured) for i in (0, 1))
+        rows.append((what, "-", f"{w:.1f}", f"{json_bytes / 1e6 / w:.1f}", "", f"{wall / w:.2f}", f"{c:.1f}",
+                     f"{cpu / c:.2f}"))
+    parse_cpu = statistics.median(r[1] for r in parse_runs)
+    cpu_share = {}
+    for workers, measured in runs.items():
+        w, c = (statistics.median(r[i] for r in measured) for i in (0, 1))
+        cpu_share[workers] = cpu / c
+        rows.append((f"{os.path.basename(script)} --workers {workers}", workers, f"{w:.1f}", f"{json_bytes / 1e6 / w:.1f}",
+                     f"{n_tokens / w / 1e6:.2f}", f"{wall / w / workers:.2f}", f"{c:.1f}", f"{cpu / c:.2f}"))
     table(f"prepare_c4.py against tiktoken, {json_bytes / 1e6:.0f} MB of JSON ({n_tokens / 1e6:.1f}M tokens, "
-          f"5 shards), {os.cpu_count()} cores", ["", "workers", "MB/s of JSON", "M tokens/s", "/ (tiktoken x workers)"],
-          rows, intro="Whole script runs, medians of the alternating runs; the last column is the throughput over "
-                      "tiktoken's single-core speed times the workers.")
-    per_core = n_tokens / core * share[1]  # tokens/s one worker sustains, from the 1-worker share
+          f"{len(docs):,} documents, 5 shards), {os.cpu_count()} cores",
+          ["", "workers", "wall s", "MB/s of JSON", "M tokens/s", "/ (tiktoken x workers)", "CPU s",
+           "tiktoken CPU s / CPU s"], rows,
+          intro=f"Whole script runs, medians of {max(args.steps, 1)} alternating runs. Wall: the throughput over "
+                "tiktoken's single-core speed times the workers (needs that many idle cores). CPU: all the "
+                "script's processes (main, workers, their start-up) against tiktoken's CPU time for the same "
+                "tokens.")
+    per_core = n_tokens / cpu * cpu_share[1]  # tokens per CPU-second of the script's one process
+    startup = (statistics.median(r[1] for r in runs[2]) - statistics.median(r[1] for r in runs[1]))
     shard_s = C4_SHARD_TOKENS / per_core
     rounds = math.ceil(350 / 32)
+    emit(f"- before issue 31 the main process decompressed and parsed every shard twice (a checking pass, then "
+         f"the batches it sent to the pool): it keeps at most tiktoken CPU s / (2 x gzip + JSON CPU s) = "
+         f"{cpu / (2 * parse_cpu):.1f} workers busy on this text, whatever the cores (less the pickling of the "
+         f"batches); now each worker reads its own shards and the main process only downloads and writes the index.")
     emit(f"- predicted for 350 C4 shards (~{C4_SHARD_TOKENS / 1e6:.0f}M tokens each) with 32 workers: "
          f"{shard_s:.0f} s of tokenising per shard and worker, {rounds} rounds of 32 shards = "
-         f"{rounds * shard_s / 60:.0f} min, if the downloads keep up: 32 shards per {shard_s:.0f} s is "
+         f"{rounds * shard_s / 60:.0f} min (plus about {startup:.1f} CPU-s to start each worker: the 2-worker run's "
+         f"extra CPU time), if the downloads keep up: 32 shards per {shard_s:.0f} s is "
          f"{32 * C4_SHARD_GZ_BYTES / shard_s / 1e6:.0f} MB/s of gzipped shards; below that the download "
          f"(one stream, in the main process) sets the pace: 350 x {C4_SHARD_GZ_BYTES / 1e6:.0f} MB at the link's speed.")
 
