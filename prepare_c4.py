@@ -318,8 +318,8 @@ def check_out_dir(out_dir):
         reason = {errno.EACCES: "permission denied: this user may not write there",
                   errno.EPERM: "permission denied: this user may not write there",
                   errno.ENOSPC: "the disk is full", errno.EROFS: "read-only file system",
-                  errno.ENOTDIR: "a part of the path is a file, not a directory",
-                  errno.EEXIST: "a part of the path is a file, not a directory"}.get(exc.errno, exc.strerror or str(exc))
+                  errno.ENOTDIR: "it, or a folder on its path, is a file",
+                  errno.EEXIST: "it, or a folder on its path, is a file"}.get(exc.errno, exc.strerror or str(exc))
         raise DataError(f"cannot write the outputs to --out_dir {out_dir}: {reason} ({exc.filename or out_dir})") from None
 
 
@@ -545,7 +545,7 @@ def main(argv=None):
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR,
                         help=f"shards, token files, meta.json go here (default: {DEFAULT_OUT_DIR})")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="tokenizer processes, one shard each at a time (default: all CPUs)")
+                        help="tokenizer processes, one shard each at a time; 1: tokenise in this process (default: all CPUs)")
     parser.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
                         help=f"retries per shard after a network error (default: {DEFAULT_RETRIES})")
     parser.add_argument("--retry_delay", type=float, default=DEFAULT_RETRY_DELAY,

@@ -481,7 +481,7 @@ def unwritable_dir(tmp_path):
 
 
 @pytest.mark.parametrize("make_out_dir, expected", [
-    (lambda tmp: (tmp.joinpath("file").write_text("x"), tmp / "file" / "c4")[1], "a part of the path is a file"),
+    (lambda tmp: (tmp.joinpath("file").write_text("x"), tmp / "file" / "c4")[1], "it, or a folder on its path, is a file"),
     (lambda tmp: "/proc/c4", "/proc/c4"),
     (unwritable_dir, "permission denied"),
 ])
@@ -763,3 +763,13 @@ def test_old_single_file_layout_is_replaced(tmp_path, server, capsys):
     assert "0 of 2 shards already tokenised" in capsys.readouterr().out
     assert not (out_dir / "train.bin").exists() and not (out_dir / "val.bin").exists()
     check_outputs(out_dir, server.docs[train_name(0)], server.docs[val_name(0)])
+
+
+def test_meta_json_that_is_a_directory_is_one_line(tmp_path, server):
+    out_dir = tmp_path / "c4"
+    (out_dir / "meta.json").mkdir(parents=True)
+    result = run_script("--out_dir", out_dir, "--base_url", server.base_url, "--workers", "1", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"error: {out_dir / 'meta.json'} is a directory, not the dataset's meta.json; "
+                                          "move it away"]
+    assert server.requests == []
