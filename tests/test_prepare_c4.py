@@ -773,3 +773,28 @@ def test_meta_json_that_is_a_directory_is_one_line(tmp_path, server):
     assert result.stderr.splitlines() == [f"error: {out_dir / 'meta.json'} is a directory, not the dataset's meta.json; "
                                           "move it away"]
     assert server.requests == []
+
+
+def test_corrupt_shard_in_a_worker_pool_is_one_line(tmp_path, server):
+    """With 2 worker processes: the worker's error reaches the user as the one line, the shards
+    finished meanwhile stay recorded, no temp file is left, and the rerun completes."""
+    name = train_name(1)
+    good = (server.root / "en" / name).read_bytes()
+    (server.root / "en" / name).write_bytes(good[: len(good) // 2])
+    out_dir = tmp_path / "c4"
+    args = ["--shards", "3", "--out_dir", out_dir, "--base_url", server.base_url, "--workers", "2"]
+    result = run_script(*args, cwd=tmp_path)
+    assert result.returncode == 1
+    lines = error_lines(result.stderr)  # (the download's progress bars share stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out_dir / name} is corrupt (truncated"), result.stderr
+    assert "Traceback" not in result.stderr
+    index = json.loads((out_dir / "meta.json").read_text())
+    recorded = [e["shard"] for files in index["token_files"].values() for e in files]
+    assert name not in recorded and name in index["unfinished"] and train_name(0) in recorded
+    assert sorted(files_in(out_dir / "train")) == sorted(f"{n.removesuffix('.json.gz')}.bin" for n in recorded
+                                                         if n.startswith("c4-train"))
+    (server.root / "en" / name).write_bytes(good)
+    rerun = run_script(*args, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert name in re.findall(r"tokenised (\S+):", rerun.stdout) and train_name(0) not in rerun.stdout.split("to do")[1]
+    check_outputs(out_dir, sum((server.docs[train_name(i)] for i in range(3)), []), server.docs[val_name(0)])
