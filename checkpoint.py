@@ -509,11 +509,11 @@ def data_dir_of(checkpoint, path, override=None):
     working directory); one clear error when none exists or when it holds another dataset."""
     candidates = [override] if override else [checkpoint.get("data_dir_resolved"), checkpoint["config"]["data_dir"]]
     for candidate in candidates:
-        if candidate and os.path.exists(os.path.join(candidate, "val.bin")):
+        if candidate and os.path.exists(os.path.join(candidate, "meta.json")):
             check_dataset(checkpoint, candidate)
             return candidate
     named = " or ".join(repr(c) for c in candidates if c)
-    raise CheckpointError(f"the dataset of {path} is not at {named} (no val.bin there); pass --data_dir=...")
+    raise CheckpointError(f"the dataset of {path} is not at {named} (no meta.json there); pass --data_dir=...")
 
 
 def trim_log(log_path, iter_num):

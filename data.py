@@ -1,7 +1,10 @@
 """
-A prepared dataset: data_dir holds train.bin and val.bin (token ids as uint16) and meta.json
-(vocab_size, and itos for characters). prepare_shakespeare.py and prepare_c4.py write it through
-the functions here and train.py and evaluate.py read it through them, so both sides agree on one
+A prepared dataset: data_dir holds meta.json (vocab_size, and itos for characters) and the token
+ids as uint16, either one file per split (train.bin, val.bin: prepare_shakespeare.py, and C4 data
+made before the shard index) or one file per C4 shard (train/*.bin, val/*.bin: prepare_c4.py),
+listed in meta.json's "token_files" index with each file's token count, largest id and sha256 and
+read as one stream (ShardedTokens). prepare_shakespeare.py and prepare_c4.py write it through the
+functions here and train.py and evaluate.py read it through them, so both sides agree on one
 format. Every way these files can be wrong, or preparing them can fail, is one DataError: one
 line that names the file and what was expected (train.py checks its data before it touches its
 out_dir).
@@ -112,6 +115,10 @@ def read_meta(data_dir):
         raise DataError(f"{path} has no positive integer 'vocab_size' (got {vocab!r}); prepare the dataset again")
     if "itos" in meta and len(meta["itos"]) != vocab:
         raise DataError(f"{path}: 'itos' has {len(meta['itos'])} entries but vocab_size is {vocab}")
+    if meta.get("unfinished"):  # prepare_c4.py writes its index after every shard; this one was cut short
+        raise DataError(f"the preparation of {data_dir} did not finish ({len(meta['unfinished'])} shard(s) not yet "
+                        f"tokenised, first {meta['unfinished'][0]}); rerun it to finish: "
+                        f"{preparation_command(data_dir, len(meta.get('train_shards', [])) or 1)}")
     return meta
 
 
@@ -125,6 +132,10 @@ def dataset_mismatch(recorded, meta, data_dir, whole=True):
     if whole:
         keys += ["n_train", "n_val", "sha256", "train_sha256", "val_sha256"]
     differing = [key for key in keys if key in recorded and key in meta and recorded[key] != meta[key]]
+    if whole and "token_files" in recorded and "token_files" in meta:  # per-shard C4 files: their hashes in order
+        hashes = [{split: [f["sha256"] for f in m["token_files"].get(split, [])] for split in ("train", "val")}
+                  for m in (recorded, meta)]
+        differing += ["token_files"] if hashes[0] != hashes[1] else []
     if not differing:
         return None
 
@@ -135,21 +146,105 @@ def dataset_mismatch(recorded, meta, data_dir, whole=True):
             f"is {describe(recorded)}; {data_dir} holds {describe(meta)}")
 
 
+class ShardedTokens:
+    """A split kept as one token file per C4 shard, read as the one stream their concatenation is:
+    len() is the total, and an integer index array (read_windows' windows, which may cross from
+    one file into the next) gathers from the files the offsets fall in. Only what is indexed is
+    read; astype/tolist/np.asarray build the whole split in memory (the val split, for evaluation)."""
+
+    def __init__(self, paths, counts):
+        self.paths = list(paths)
+        self.files = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.paths]
+        self.offsets = np.cumsum([0] + [int(n) for n in counts], dtype=np.int64)  # file k holds [offsets[k], offsets[k+1])
+
+    def __len__(self):
+        return int(self.offsets[-1])
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            index = np.arange(*index.indices(len(self)))
+        index = np.asarray(index, dtype=np.int64)
+        flat = index.ravel()
+        if flat.size and (flat.min() < 0 or flat.max() >= len(self)):
+            raise IndexError(f"token index out of range [0, {len(self)})")
+        which = np.searchsorted(self.offsets, flat, side="right") - 1  # the file each offset falls in
+        out = np.empty(flat.shape, dtype=np.uint16)
+        for k in np.unique(which):
+            here = which == k
+            out[here] = self.files[k][flat[here] - self.offsets[k]]
+        return out.reshape(index.shape)
+
+    def __array__(self, dtype=None, copy=None):
+        whole = np.concatenate(self.files)
+        return whole if dtype is None else whole.astype(dtype)
+
+    def astype(self, dtype):
+        return np.asarray(self, dtype=dtype)
+
+    def tolist(self):
+        return np.asarray(self).tolist()
+
+
+def _check_window(path, n, block_size):
+    if n < block_size + 1:
+        raise DataError(f"{path} holds {n} tokens, fewer than one window of block_size + 1 = "
+                        f"{block_size + 1}; use a smaller block_size or more data")
+
+
+def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
+    """The split's per-shard files (meta.json's token_files index): every check from the index and
+    the files' sizes, nothing read. prepare_c4.py recorded each file's token count and largest id
+    when it wrote it; a file of another size is truncated or from another preparation."""
+    paths, counts = [], []
+    for entry in files:
+        path = os.path.join(data_dir, entry["file"])
+        if not os.path.isfile(path):
+            raise DataError(f"missing {path} (listed in {data_dir}/meta.json); prepare the dataset again: "
+                            f"{preparation_command(data_dir)}")
+        size = os.path.getsize(path)
+        if size != 2 * entry["n_tokens"]:
+            raise DataError(f"{path} has {size:,} bytes but meta.json records {entry['n_tokens']:,} tokens "
+                            f"({2 * entry['n_tokens']:,} bytes): truncated or from another preparation; prepare "
+                            f"the dataset again")
+        if vocab_size is not None and entry["max_id"] >= vocab_size:
+            raise DataError(f"{path} holds token id {entry['max_id']} (recorded by its preparation) but meta.json's "
+                            f"vocab_size is {vocab_size}: the two do not belong together; prepare the dataset again")
+        paths.append(path)
+        counts.append(entry["n_tokens"])
+    total = sum(counts)
+    where = os.path.join(data_dir, split)
+    if n_tokens is not None and total != n_tokens:
+        raise DataError(f"{where}: the token files listed hold {total:,} tokens but meta.json says n_{split} is "
+                        f"{n_tokens:,}; prepare the dataset again")
+    _check_window(where, total, block_size)
+    if len(paths) == 1:  # one file: the memmap itself (no offsets to look up)
+        return np.memmap(paths[0], dtype=np.uint16, mode="r")
+    return ShardedTokens(paths, counts)
+
+
 def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
-    """The split as a read-only uint16 memmap (a C4 shard is ~150M tokens: only the sampled windows
-    are ever read and widened). It must hold at least one window of block_size + 1 tokens, and
-    (if vocab_size is given) no id at or above vocab_size: an embedding lookup past the table
-    fails far from the cause. n_tokens: the size meta.json records for the split (a bin from
-    another preparation copied in), checked from the file's size alone."""
+    """The split's tokens, read lazily: a read-only uint16 memmap of {split}.bin, or, where meta.json
+    indexes one file per shard (prepare_c4.py), a ShardedTokens stream over them (a memmap when the
+    split is one file). Either supports len() and read_windows. The split must hold at least one
+    window of block_size + 1 tokens, and (if vocab_size is given) no id at or above vocab_size: an
+    embedding lookup past the table fails far from the cause. n_tokens: the size meta.json records
+    for the split (a bin from another preparation copied in), checked from the files' sizes.
+
+    The largest id: per-shard files have it recorded at preparation, so nothing is read here (a C4
+    run starts without touching its 100 GB of tokens). A single {split}.bin has no record and is
+    scanned once per call (tokens.max()): a second for the toys, a full read of a C4 train.bin made
+    before the shard index (rerun prepare_c4.py on its folder to move it to per-shard files)."""
+    meta_path = os.path.join(data_dir, "meta.json")
+    files = (read_meta(data_dir).get("token_files") or {}).get(split) if os.path.exists(meta_path) else None
+    if files:
+        return _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens)
     path = os.path.join(data_dir, f"{split}.bin")
     if not os.path.isfile(path):
         raise DataError(f"missing {path}; prepare the dataset again")
     size = os.path.getsize(path)
     if size % 2:
         raise DataError(f"{path} has an odd number of bytes ({size}): not uint16 token ids (truncated?)")
-    if size // 2 < block_size + 1:
-        raise DataError(f"{path} holds {size // 2} tokens, fewer than one window of block_size + 1 = "
-                        f"{block_size + 1}; use a smaller block_size or more data")
+    _check_window(path, size // 2, block_size)
     if n_tokens is not None and size // 2 != n_tokens:
         raise DataError(f"{path} holds {size // 2:,} tokens but meta.json says {n_tokens:,}: the two do not belong "
                         f"together; prepare the dataset again")
@@ -214,8 +309,9 @@ def sample_windows(n_tokens, block_size, n, generator, prob_low_resource=0.0, ep
 
 
 def read_windows(data, starts, is_low, block_size, shift, device="cpu"):
-    """The windows of block_size + 1 tokens at starts -> inputs (B, T) and next-token targets (B, T)
-    on the device; a low-resource window has every id shifted by `shift` (the char vocabulary's
+    """The windows of block_size + 1 tokens at starts (offsets into the split's whole stream, from
+    load_tokens: a window may run from one shard's file into the next) -> inputs (B, T) and
+    next-token targets (B, T) on the device; a low-resource window has every id shifted by `shift` (the char vocabulary's
     size: the second language is the first one's copy with its own ids)."""
     import torch
     windows = torch.from_numpy(data[(starts.unsqueeze(1) + torch.arange(block_size + 1)).numpy()].astype(np.int64))

@@ -63,15 +63,16 @@ def prediction_metrics(logits, targets):
 
 
 STREAM_ABOVE = 2 ** 24  # logits elements (64 MB in fp32) beyond which evaluation streams (GPT-2 BPE)
-RARE_MAX_COUNT = 10  # a val target is "rare" if it occurs at most this often in train.bin
+RARE_MAX_COUNT = 10  # a val target is "rare" if it occurs at most this often in the train split
 
 
 def rare_targets(data_dir, targets):
     """Which val targets are rare: seen at most RARE_MAX_COUNT times in the training split. With
     GPT-2 BPE on tiny Shakespeare that is 11 % of val positions (2 % never seen at all): the long
     tail that Stop Jostling says a tied embedding marginalizes, on a natural vocabulary."""
-    train = np.memmap(os.path.join(data_dir, "train.bin"), dtype=np.uint16, mode="r")
-    counts = torch.from_numpy(np.bincount(train, minlength=int(targets.max()) + 1))
+    train = load_tokens(data_dir, "train", 1)
+    files = getattr(train, "files", [train])  # a split of per-shard files (prepare_c4.py): counted file by file
+    counts = torch.from_numpy(sum(np.bincount(f, minlength=int(targets.max()) + 1) for f in files))
     return counts[targets] <= RARE_MAX_COUNT
 
 

@@ -16,12 +16,15 @@ import os
 import re
 import subprocess
 import sys
+import signal
 import threading
+import time
 import urllib.parse
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # tiktoken reads its BPE file from this cache (no network here); spawned workers inherit it.
@@ -30,7 +33,7 @@ os.environ.setdefault("TIKTOKEN_CACHE_DIR", str(REPO_ROOT.parent / "shared" / "d
 import tiktoken  # noqa: E402
 
 import prepare_c4 as pc  # noqa: E402
-from data import BPE_EOT, BPE_TOKENS, DataError  # noqa: E402
+from data import BPE_EOT, BPE_TOKENS, DataError, load_tokens, read_meta, read_windows  # noqa: E402
 
 try:
     ENC = tiktoken.get_encoding("r50k_base")
@@ -183,15 +186,42 @@ def server(tmp_path, monkeypatch):
         thread.join(timeout=5)
 
 
-def check_outputs(out_dir, docs_train, docs_val):
+def stream(out_dir, split):
+    """A split's tokens: its per-shard files, in meta.json's order, concatenated."""
     meta = json.loads((out_dir / "meta.json").read_text())
-    train = np.fromfile(out_dir / "train.bin", dtype=np.uint16)
-    val = np.fromfile(out_dir / "val.bin", dtype=np.uint16)
+    return np.concatenate([np.fromfile(out_dir / e["file"], dtype=np.uint16) for e in meta["token_files"][split]])
+
+
+def check_outputs(out_dir, docs_train, docs_val):
+    """The outputs hold these documents' ids, and the index describes its files exactly."""
+    meta = json.loads((out_dir / "meta.json").read_text())
+    assert "unfinished" not in meta
+    train, val = stream(out_dir, "train"), stream(out_dir, "val")
     assert train.tolist() == expected_ids(docs_train)
     assert val.tolist() == expected_ids(docs_val)
     assert meta["n_train"] == len(train) and meta["n_val"] == len(val)
     assert meta["n_train_docs"] == len(docs_train) and meta["n_val_docs"] == len(docs_val)
+    for split, names in (("train", meta["train_shards"]), ("val", meta["val_shards"])):
+        assert [e["shard"] for e in meta["token_files"][split]] == names
+        for e in meta["token_files"][split]:
+            ids = np.fromfile(out_dir / e["file"], dtype=np.uint16)
+            shard = (out_dir / e["shard"]).read_bytes()
+            assert e["file"] == ("train/" if split == "train" else "val/") + e["shard"].removesuffix(".json.gz") + ".bin"
+            assert (e["n_tokens"], e["max_id"], e["n_docs"]) == (len(ids), int(ids.max()), int((ids == EOT).sum()))
+            assert e["sha256"] == hashlib.sha256(ids.tobytes()).hexdigest()
+            assert (e["shard_bytes"], e["shard_sha256"]) == (len(shard), hashlib.sha256(shard).hexdigest())
+            assert meta["shard_sha256"][e["shard"]] == e["shard_sha256"]
     return meta, train, val
+
+
+def token_files(out_dir):
+    """{relative path: bytes} of every token file."""
+    return {f"{split}/{n}": (out_dir / split / n).read_bytes() for split in ("train", "val") for n in files_in(out_dir / split)}
+
+
+def run_script(*args, cwd, timeout=120):
+    return subprocess.run([sys.executable, str(REPO_ROOT / "prepare_c4.py"), *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, cwd=cwd)
 
 
 # ---------------------------------------------------------------------------
@@ -230,12 +260,10 @@ def test_two_train_shards_one_val_shard(tmp_path, server, monkeypatch):
     for name in meta["train_shards"] + meta["val_shards"]:
         assert meta["shard_sha256"][name] == hashlib.sha256((out_dir / name).read_bytes()).hexdigest()
         assert (out_dir / name).read_bytes() == (server.root / "en" / name).read_bytes()
-    assert meta["train_sha256"] == hashlib.sha256((out_dir / "train.bin").read_bytes()).hexdigest()
-    assert meta["val_sha256"] == hashlib.sha256((out_dir / "val.bin").read_bytes()).hexdigest()
     assert (out_dir / "meta.json").read_text().startswith('{\n  "tokenizer": "r50k_base"')
 
-    assert files_in(out_dir) == sorted(["meta.json", "train.bin", "val.bin", train_name(0),
-                                        train_name(1), val_name(0)])
+    assert files_in(out_dir) == sorted(["meta.json", "train", "val", train_name(0), train_name(1), val_name(0)])
+    assert files_in(out_dir / "train") == ["c4-train.00000-of-01024.bin", "c4-train.00001-of-01024.bin"]
     assert sorted(server.paths()) == sorted(f"/en/{n}" for n in meta["train_shards"] + meta["val_shards"])
     assert all(rng is None for _, rng in server.requests)
 
@@ -376,28 +404,36 @@ def test_corrupt_shard_stops_cleanly_and_rerun_redownloads(tmp_path, server, cap
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1
     assert name in lines[0] and "is corrupt" in lines[0] and reason in lines[0]
-    # the bad shard is moved aside; no bins, no meta, no temp files
-    assert files_in(out_dir) == sorted([train_name(0), f"{name}.corrupt", val_name(0)])
+    # the bad shard is moved aside; the shard before it is tokenised and indexed, the dataset is
+    # marked unfinished; no temp files
+    assert files_in(out_dir) == sorted([train_name(0), f"{name}.corrupt", "meta.json", "train"])
+    assert files_in(out_dir / "train") == ["c4-train.00000-of-01024.bin"]
+    assert json.loads((out_dir / "meta.json").read_text())["unfinished"] == [name, val_name(0)]
+    with pytest.raises(DataError, match="did not finish"):
+        read_meta(str(out_dir))
 
-    # the server has a good copy again: a rerun downloads only that shard and succeeds
+    # the server has a good copy again: a rerun downloads the shards not yet there and succeeds
     (server.root / "en" / name).write_bytes(good)
     server.requests.clear()
+    capsys.readouterr()
     assert pc.main(args) == 0
-    assert server.requests == [(f"/en/{name}", None)]
+    assert server.requests == [(f"/en/{name}", None), (f"/en/{val_name(0)}", None)]
+    assert "tokenised c4-train.00000" not in capsys.readouterr().out
     check_outputs(out_dir, server.docs[train_name(0)] + server.docs[name], server.docs[val_name(0)])
     assert leftovers(out_dir) == []
 
 
 def test_corrupt_new_shard_keeps_previous_outputs(tmp_path, server):
+    """Growing by a bad shard: nothing finished, so meta.json still describes the complete 1-shard data."""
     out_dir = tmp_path / "c4"
     pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url, **FAST)
-    before = {n: (out_dir / n).read_bytes() for n in ("train.bin", "val.bin", "meta.json")}
+    before = {**token_files(out_dir), "meta.json": (out_dir / "meta.json").read_bytes()}
 
     (server.root / "en" / train_name(1)).write_bytes(b"\x1f\x8b garbage")
     with pytest.raises(DataError, match=re.escape(train_name(1))):
         pc.prepare(shards=2, out_dir=str(out_dir), base_url=server.base_url, **FAST)
-    assert {n: (out_dir / n).read_bytes() for n in before} == before
-    assert leftovers(out_dir) == []
+    assert {**token_files(out_dir), "meta.json": (out_dir / "meta.json").read_bytes()} == before
+    assert leftovers(out_dir) == [] and leftovers(out_dir / "train") == []
 
 
 def test_http_404_names_the_url(tmp_path, server, capsys):
@@ -412,34 +448,72 @@ def test_http_404_names_the_url(tmp_path, server, capsys):
     lines = error_lines(capsys.readouterr().err)
     assert len(lines) == 1
     assert f"{server.base_url}/en/{name}" in lines[0] and "404" in lines[0]
-    assert files_in(out_dir) == [train_name(0)]  # the shard before it, nothing else
+    assert files_in(out_dir) == sorted([train_name(0), "meta.json", "train"])  # the shard before it, tokenised
+    assert json.loads((out_dir / "meta.json").read_text())["unfinished"] == [name, val_name(0)]
     assert server.paths().count(f"/en/{name}") == 1  # a 404 is not retried
 
 
 @pytest.mark.parametrize("args, expected", [
-    (["--shards", "0"], "between 1 and 1024"),
-    (["--shards", "1025"], "between 1 and 1024"),
-    (["--val_shards", "9"], "between 1 and 8"),
-    (["--workers", "0"], "workers must be at least 1"),
+    (["--shards", "0"], "--shards must be between 1 and 1024, got 0"),
+    (["--shards", "1025"], "--shards must be between 1 and 1024, got 1025"),
+    (["--shards", "many"], "argument --shards: invalid int value: 'many'"),
+    (["--val_shards", "9"], "--val_shards must be between 1 and 8, got 9"),
+    (["--workers", "0"], "--workers must be at least 1, got 0"),
+    (["--retries", "-1"], "--retries must be at least 0, got -1"),
+    (["--timeout", "0"], "--timeout must be a number of seconds > 0, got 0.0"),
+    (["--base_url", "ftp://example.com/c4"], "--base_url must be an http:// or https:// address, got 'ftp://example.com/c4'"),
+    (["--base_url", "huggingface.co"], "--base_url must be an http:// or https:// address"),
 ])
-def test_bad_arguments(tmp_path, capsys, args, expected):
+def test_bad_arguments(tmp_path, args, expected):
+    """The real script: one line, the usage error's status 2, nothing made."""
     out_dir = tmp_path / "c4"
-    with pytest.raises(SystemExit) as excinfo:
-        pc.main(args + ["--out_dir", str(out_dir), "--base_url", "http://127.0.0.1:9"])
-    assert excinfo.value.code == 1
-    lines = error_lines(capsys.readouterr().err)
-    assert len(lines) == 1 and expected in lines[0]
-    assert files_in(out_dir) == []
+    result = run_script("--out_dir", out_dir, "--base_url", "http://127.0.0.1:9", *args, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [f"error: {expected}"] or \
+        (len(result.stderr.splitlines()) == 1 and result.stderr.startswith(f"error: {expected}"))
+    assert result.stdout == "" and not out_dir.exists()
+
+
+def unwritable_dir(tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    return locked / "c4"
+
+
+@pytest.mark.parametrize("make_out_dir, expected", [
+    (lambda tmp: (tmp.joinpath("file").write_text("x"), tmp / "file" / "c4")[1], "it, or a folder on its path, is a file"),
+    (lambda tmp: "/proc/c4", "/proc/c4"),
+    (unwritable_dir, "permission denied"),
+])
+def test_unusable_out_dir(tmp_path, server, make_out_dir, expected):
+    """An out_dir that cannot be written: one line naming it (status 1) before any download."""
+    out_dir = make_out_dir(tmp_path)
+    if expected == "permission denied" and os.access(out_dir.parent, os.W_OK):
+        pytest.skip("this user (root?) may write anywhere")
+    result = run_script("--out_dir", out_dir, "--base_url", server.base_url, "--retry_delay", "0.01", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: cannot write the outputs to --out_dir {out_dir}: ")
+    assert expected in lines[0] and "Traceback" not in result.stderr
+    assert server.requests == []
+
+
+def test_unreachable_server_is_one_line(tmp_path):
+    result = run_script("--out_dir", tmp_path / "c4", "--base_url", "http://127.0.0.1:9", "--retries", "0", cwd=tmp_path)
+    assert result.returncode == 1
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: download of http://127.0.0.1:9/en/c4-train.00000")
 
 
 # ---------------------------------------------------------------------------
 # reruns
 # ---------------------------------------------------------------------------
 
-def test_rerun_downloads_nothing_and_adding_a_shard_fetches_only_it(tmp_path, server, capsys):
+def test_rerun_downloads_nothing_and_adding_a_shard_tokenises_only_it(tmp_path, server, capsys):
     out_dir = tmp_path / "c4"
     meta = pc.prepare(shards=2, out_dir=str(out_dir), base_url=server.base_url, **FAST)
-    mtimes = {n: os.stat(out_dir / n).st_mtime_ns for n in ("train.bin", "val.bin", "meta.json")}
+    before = token_files(out_dir)
+    mtimes = {n: os.stat(out_dir / n).st_mtime_ns for n in [*before, "meta.json"]}
 
     server.requests.clear()
     capsys.readouterr()
@@ -449,14 +523,24 @@ def test_rerun_downloads_nothing_and_adding_a_shard_fetches_only_it(tmp_path, se
     assert {n: os.stat(out_dir / n).st_mtime_ns for n in mtimes} == mtimes  # not rewritten
 
     pc.prepare(shards=3, out_dir=str(out_dir), base_url=server.base_url, **FAST)
+    out = capsys.readouterr().out
     assert server.requests == [(f"/en/{train_name(2)}", None)]
+    assert "3 of 4 shards already tokenised, 1 to do" in out
+    assert re.findall(r"tokenised (\S+):", out) == [train_name(2)]
+    assert {n: os.stat(out_dir / n).st_mtime_ns for n in before} == {n: mtimes[n] for n in before}
     docs = sum((server.docs[train_name(i)] for i in range(3)), [])
-    check_outputs(out_dir, docs, server.docs[val_name(0)])
-    assert leftovers(out_dir) == []
+    meta3, train, _ = check_outputs(out_dir, docs, server.docs[val_name(0)])
+    assert meta3["token_files"]["train"][:2] == meta["token_files"]["train"]
+    assert leftovers(out_dir) == [] and leftovers(out_dir / "train") == []
+
+    # fewer shards asked for: the index shrinks, nothing is tokenised
+    pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url, **FAST)
+    assert "tokenised" not in capsys.readouterr().out
+    check_outputs(out_dir, server.docs[train_name(0)], server.docs[val_name(0)])
 
 
 def test_changed_shard_is_retokenised(tmp_path, server):
-    """The up-to-date check compares shard hashes, not just names."""
+    """A shard of another size than its index entry records is tokenised again."""
     out_dir = tmp_path / "c4"
     pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url, **FAST)
     new_docs = make_docs("replaced", n=6)
@@ -472,16 +556,16 @@ def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     text = tmp_path / "input.txt"
     text.write_text("\n\n".join(paragraphs) + "\n")
     out = tmp_path / "c4"
-    meta = pc.prepare(out_dir=str(out), workers=1, from_text=str(text))
+    meta = pc.prepare(shards=2, out_dir=str(out), workers=2, from_text=str(text))
     enc = tiktoken.get_encoding("r50k_base")
-    train = np.fromfile(out / "train.bin", dtype=np.uint16).tolist()
-    val = np.fromfile(out / "val.bin", dtype=np.uint16).tolist()
+    train, val = stream(out, "train").tolist(), stream(out, "val").tolist()
     assert val == [t for p in paragraphs[9::10] for t in enc.encode_ordinary(p) + [EOT]]
-    assert train == [t for i, p in enumerate(paragraphs) if i % 10 != 9 for t in enc.encode_ordinary(p) + [EOT]]
+    train_docs = [p for i, p in enumerate(paragraphs) if i % 10 != 9]  # dealt round-robin into the 2 shards
+    assert train == [t for p in train_docs[0::2] + train_docs[1::2] for t in enc.encode_ordinary(p) + [EOT]]
     assert meta["source"].startswith("file://") and meta["n_val_docs"] == 40
     with gzip.open(out / train_name(0), "rt") as f:
         assert json.loads(f.readline())["text"] == paragraphs[0]
-    assert pc.prepare(out_dir=str(out), workers=1, from_text=str(text)) == meta  # rerun: up to date
+    assert pc.prepare(shards=2, out_dir=str(out), workers=1, from_text=str(text)) == meta  # rerun: up to date
     run = subprocess.run([sys.executable, "train.py", "config/c4_tiny.py", f"--data_dir={out}",
                           f"--out_dir={tmp_path / 'run'}", "--max_iters=3", "--eval_interval=3", "--eval_iters=1",
                           "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2", "--warmup_iters=1"],
@@ -501,3 +585,216 @@ def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     sample = subprocess.run([sys.executable, "sample.py", str(tmp_path / "run" / "best.pt"), "--start", "To be",
                              "--max_new_tokens", "5"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert sample.returncode == 0 and sample.stdout.startswith("To be"), sample.stderr[-2000:]
+
+
+# ---------------------------------------------------------------------------
+# shard by shard: resuming a killed preparation, the index, the stream train.py reads
+# ---------------------------------------------------------------------------
+
+def big_docs(tag, n):
+    """Enough text that tokenising the shard takes a moment (a window to kill the run in)."""
+    return [f"{tag} {i}: " + " ".join(f"word{(i * 7 + j) % 997}" for j in range(60)) for i in range(n)]
+
+
+def test_killed_preparation_resumes_at_its_shard(tmp_path, server):
+    """SIGKILL (the whole process group: a node going down) while the third of four train shards is
+    being tokenised; the rerun removes the killed run's temp file, does not tokenise the two finished
+    shards again, and ends byte for byte where an uninterrupted preparation ends."""
+    server.docs[train_name(2)] = big_docs("t2", 40000)
+    server.docs[train_name(3)] = make_docs("t3")
+    for i in (2, 3):
+        (server.root / "en" / train_name(i)).write_bytes(shard_bytes(server.docs[train_name(i)]))
+    args = ["--shards", "4", "--base_url", server.base_url, "--workers", "1", "--retry_delay", "0.01"]
+    killed, whole = tmp_path / "killed", tmp_path / "whole"
+
+    proc = subprocess.Popen([sys.executable, str(REPO_ROOT / "prepare_c4.py"), *args, "--out_dir", str(killed)],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                            start_new_session=True)
+    temp = None
+    try:
+        deadline = time.monotonic() + 120
+        while temp is None and proc.poll() is None and time.monotonic() < deadline:
+            temp = next((n for n in files_in(killed / "train") if n.startswith(".c4-train.00002")), None)
+            time.sleep(0.005)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out = proc.communicate()[0]
+    assert temp is not None, "the third shard's temp file never appeared"
+    assert re.findall(r"tokenised (\S+):", out) == [train_name(0), train_name(1)]
+    index = json.loads((killed / "meta.json").read_text())
+    assert index["unfinished"] == [train_name(2), train_name(3), val_name(0)]
+    assert files_in(killed / "train") == sorted(["c4-train.00000-of-01024.bin", "c4-train.00001-of-01024.bin", temp])
+    with pytest.raises(DataError, match="did not finish"):
+        load_tokens(str(killed), "train", 8)
+
+    rerun = run_script(*args, "--out_dir", killed, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert f"removed {killed / 'train' / temp} (left by an interrupted run)" in rerun.stdout
+    assert "2 of 5 shards already tokenised, 3 to do" in rerun.stdout
+    assert re.findall(r"tokenised (\S+):", rerun.stdout) == [train_name(2), train_name(3), val_name(0)]
+
+    assert run_script(*args, "--out_dir", whole, cwd=tmp_path).returncode == 0
+    assert token_files(killed) == token_files(whole)
+    assert (killed / "meta.json").read_bytes() == (whole / "meta.json").read_bytes()
+    check_outputs(killed, sum((server.docs[train_name(i)] for i in range(4)), []), server.docs[val_name(0)])
+    assert leftovers(killed / "train") == []
+
+
+def test_lost_last_shard_is_the_only_one_tokenised_again(tmp_path, server):
+    """A token file deleted (or never renamed into place): the rerun tokenises that shard alone,
+    with 2 workers, and rebuilds the same bytes."""
+    out_dir = tmp_path / "c4"
+    args = ["--shards", "3", "--base_url", server.base_url, "--workers", "2", "--out_dir", out_dir]
+    assert run_script(*args, cwd=tmp_path).returncode == 0
+    before, meta_before = token_files(out_dir), (out_dir / "meta.json").read_bytes()
+    mtimes = {n: os.stat(out_dir / n).st_mtime_ns for n in before}
+    (out_dir / "train" / "c4-train.00002-of-01024.bin").unlink()
+
+    rerun = run_script(*args, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert re.findall(r"tokenised (\S+):", rerun.stdout) == [train_name(2)]
+    assert token_files(out_dir) == before and (out_dir / "meta.json").read_bytes() == meta_before
+    assert {n: os.stat(out_dir / n).st_mtime_ns for n in before if "00002" not in n} == \
+        {n: t for n, t in mtimes.items() if "00002" not in n}
+
+
+def test_stream_reads_windows_across_shard_boundaries(tmp_path, server):
+    """load_tokens gives the train split of 3 files as one stream: every window, those that cross
+    from one file into the next included, equals the same window of the files concatenated."""
+    out_dir = tmp_path / "c4"
+    pc.prepare(shards=3, out_dir=str(out_dir), base_url=server.base_url, **{**FAST, "workers": 2})
+    whole = stream(out_dir, "train")
+    data = load_tokens(str(out_dir), "train", 8, vocab_size=50304, n_tokens=len(whole))
+    assert len(data) == len(whole)
+    meta = read_meta(str(out_dir))
+    boundaries = np.cumsum([e["n_tokens"] for e in meta["token_files"]["train"]])[:-1]
+    starts = torch.tensor(sorted({int(b) + d for b in boundaries for d in range(-9, 2)} | {0, len(whole) - 9}))
+    is_low = torch.zeros(len(starts), dtype=torch.bool)
+    x, y = read_windows(data, starts, is_low, 8, shift=0)
+    windows = np.stack([whole[s:s + 9] for s in starts.tolist()]).astype(np.int64)
+    assert np.array_equal(x.numpy(), windows[:, :-1]) and np.array_equal(y.numpy(), windows[:, 1:])
+    assert np.array_equal(data.astype(np.int64), whole.astype(np.int64))  # evaluate.py's whole-split read
+    val = load_tokens(str(out_dir), "val", 8)  # one file: the memmap itself
+    assert isinstance(val, np.memmap) and np.array_equal(val, stream(out_dir, "val"))
+
+
+@pytest.mark.parametrize("damage, expected", [
+    (lambda f: f.write_bytes(f.read_bytes()[:-2]), "has {size} bytes but meta.json records"),
+    (lambda f: f.write_bytes(f.read_bytes() + b"\x00\x00"), "has {size} bytes but meta.json records"),
+    (lambda f: f.unlink(), "missing {file}"),
+])
+def test_damaged_token_file_is_refused_in_one_line(tmp_path, server, damage, expected):
+    """train.py checks each file against its index entry (sizes only) before touching out_dir."""
+    data_dir = tmp_path / "c4"
+    pc.prepare(shards=2, out_dir=str(data_dir), base_url=server.base_url, **FAST)
+    file = data_dir / "train" / "c4-train.00001-of-01024.bin"
+    damage(file)
+    run = subprocess.run([sys.executable, "train.py", "config/c4_tiny.py", f"--data_dir={data_dir}",
+                          f"--out_dir={tmp_path / 'run'}", "--max_iters=1", "--n_layer=1", "--n_embd=16", "--n_head=2",
+                          "--block_size=8", "--batch_size=2"],
+                         cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 1
+    lines = run.stderr.strip().splitlines()
+    size = file.stat().st_size if file.exists() else None
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(file) in lines[0], run.stderr
+    assert expected.format(size=f"{size:,}" if size is not None else "", file=file) in lines[0]
+    assert not (tmp_path / "run").exists()
+
+
+def test_recorded_largest_id_is_checked_without_reading_the_tokens(tmp_path, server):
+    """The vocabulary check reads the index's max_id: an entry saying 60000 is refused for a
+    50304-token vocabulary, naming the file, though the file itself holds only GPT-2 ids."""
+    data_dir = tmp_path / "c4"
+    pc.prepare(shards=2, out_dir=str(data_dir), base_url=server.base_url, **FAST)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    assert all(e["max_id"] == int(np.fromfile(data_dir / e["file"], dtype=np.uint16).max())
+               for e in meta["token_files"]["train"])
+    meta["token_files"]["train"][1]["max_id"] = 60000
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=re.escape(str(data_dir / "train" / "c4-train.00001-of-01024.bin")) +
+                       ".*token id 60000.*vocab_size is 50304"):
+        load_tokens(str(data_dir), "train", 8, vocab_size=50304)
+
+
+def test_stale_temporaries_are_removed_and_nothing_else(tmp_path, server, capsys):
+    out_dir = tmp_path / "c4"
+    pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url, **FAST)
+    stale = [out_dir / ".meta.json.k2j3h4_x.tmp", out_dir / "train" / ".c4-train.00000-of-01024.bin.abc123.tmp",
+             out_dir / f".{train_name(0)}.q1w2e3r4.tmp"]
+    kept = [out_dir / "notes.tmp", out_dir / "train" / "mine.bin.tmp"]
+    for path in stale + kept:
+        path.write_bytes(b"partial")
+    pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url, **FAST)
+    out = capsys.readouterr().out
+    assert all(not p.exists() and f"removed {p}" in out for p in stale)
+    assert all(p.exists() for p in kept)
+
+
+def test_from_text_shards_are_byte_reproducible(tmp_path):
+    """Two runs on the same text make the same shard bytes (the gzip header's time is 0 and its
+    name fixed), so meta.json's shard_sha256 and the whole meta.json are the same."""
+    text = tmp_path / "input.txt"
+    text.write_text("\n\n".join(f"Speech {i}.\nTo be or not to be, {i}." for i in range(60)) + "\n")
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for out in outs:
+        result = run_script("--from_text", text, "--shards", "2", "--workers", "1", "--out_dir", out, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        time.sleep(1.1)  # a header that carried the time would now differ
+    names = [train_name(0), train_name(1), val_name(0)]
+    assert all((outs[0] / n).read_bytes() == (outs[1] / n).read_bytes() for n in names)
+    assert (outs[0] / "meta.json").read_bytes() == (outs[1] / "meta.json").read_bytes()
+    raw = (outs[0] / train_name(0)).read_bytes()
+    assert raw[4:8] == b"\x00\x00\x00\x00" and raw[10:].startswith(train_name(0).removesuffix(".gz").encode() + b"\x00")
+
+
+def test_old_single_file_layout_is_replaced(tmp_path, server, capsys):
+    """data/c4 as the single-file preparation left it (train.bin, val.bin, no index): the first run
+    tokenises every shard into its own file and removes the two bins the new index replaces."""
+    out_dir = tmp_path / "c4"
+    pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url, **FAST)
+    meta = json.loads((out_dir / "meta.json").read_text())
+    for split in ("train", "val"):
+        (out_dir / f"{split}.bin").write_bytes(stream(out_dir, split).tobytes())
+    old = {k: v for k, v in meta.items() if k != "token_files"}
+    (out_dir / "meta.json").write_text(json.dumps(old))
+    assert len(load_tokens(str(out_dir), "train", 8, 50304, old["n_train"])) == old["n_train"]  # still readable
+
+    pc.prepare(shards=1, out_dir=str(out_dir), base_url=server.base_url, **FAST)
+    assert "0 of 2 shards already tokenised" in capsys.readouterr().out
+    assert not (out_dir / "train.bin").exists() and not (out_dir / "val.bin").exists()
+    check_outputs(out_dir, server.docs[train_name(0)], server.docs[val_name(0)])
+
+
+def test_meta_json_that_is_a_directory_is_one_line(tmp_path, server):
+    out_dir = tmp_path / "c4"
+    (out_dir / "meta.json").mkdir(parents=True)
+    result = run_script("--out_dir", out_dir, "--base_url", server.base_url, "--workers", "1", cwd=tmp_path)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [f"error: {out_dir / 'meta.json'} is a directory, not the dataset's meta.json; "
+                                          "move it away"]
+    assert server.requests == []
+
+
+def test_corrupt_shard_in_a_worker_pool_is_one_line(tmp_path, server):
+    """With 2 worker processes: the worker's error reaches the user as the one line, the shards
+    finished meanwhile stay recorded, no temp file is left, and the rerun completes."""
+    name = train_name(1)
+    good = (server.root / "en" / name).read_bytes()
+    (server.root / "en" / name).write_bytes(good[: len(good) // 2])
+    out_dir = tmp_path / "c4"
+    args = ["--shards", "3", "--out_dir", out_dir, "--base_url", server.base_url, "--workers", "2"]
+    result = run_script(*args, cwd=tmp_path)
+    assert result.returncode == 1
+    lines = error_lines(result.stderr)  # (the download's progress bars share stderr)
+    assert len(lines) == 1 and lines[0].startswith(f"error: {out_dir / name} is corrupt (truncated"), result.stderr
+    assert "Traceback" not in result.stderr
+    index = json.loads((out_dir / "meta.json").read_text())
+    recorded = [e["shard"] for files in index["token_files"].values() for e in files]
+    assert name not in recorded and name in index["unfinished"] and train_name(0) in recorded
+    assert sorted(files_in(out_dir / "train")) == sorted(f"{n.removesuffix('.json.gz')}.bin" for n in recorded
+                                                         if n.startswith("c4-train"))
+    (server.root / "en" / name).write_bytes(good)
+    rerun = run_script(*args, cwd=tmp_path)
+    assert rerun.returncode == 0, rerun.stderr
+    assert name in re.findall(r"tokenised (\S+):", rerun.stdout) and train_name(0) not in rerun.stdout.split("to do")[1]
+    check_outputs(out_dir, sum((server.docs[train_name(i)] for i in range(3)), []), server.docs[val_name(0)])

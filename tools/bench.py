@@ -4,7 +4,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
     python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory | compile
-                                          # | plan_memory | plan_comm
+                                          # | plan_memory | plan_comm | prepare
     python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
@@ -29,6 +29,9 @@ switched on, as ratios to the cross-entropy step measured in the same process:
           real short runs: c4_tiny, the 350M width at 2 blocks, FSDP on 2 gloo processes
   plan_comm  plan.py's bytes sent per optimizer step and process against every collective's buffer
           in a real step of DDP and FSDP on 2 gloo processes (the 350M width at 2 blocks)
+  prepare prepare_c4.py's throughput with 1 and 2 workers on C4-format shards made from tiny
+          Shakespeare, against tiktoken's own single-core speed on the same documents, and what
+          that predicts for 350 C4 shards on a 32-core node
 
 Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
 model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
@@ -36,6 +39,7 @@ model runs in float32 (see utils.choose_dtype). Results print as a Markdown tabl
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -553,9 +557,129 @@ def plan_comm(args, device, dtype):
                 "NITP's head, T = 64, batch 1 per process.")
 
 
+PREPARE_COPIES = 16          # tiny Shakespeare x 16: 4 train shards of ~4 MB of JSON + 1 val shard
+PREPARE_DOC_PARAGRAPHS = 12  # speeches per document: ~2 KB, about a C4 document's length
+C4_SHARD_TOKENS = 150e6      # GPT-2 tokens in one C4 "en" train shard, roughly (plan.C4_TOKENS_PER_SHARD)
+C4_SHARD_GZ_BYTES = 320e6    # the compressed shard a worker waits for: ~305 GB / 1024 shards (allenai/c4 en)
+
+
+def _child_cpu_seconds():
+    import resource
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # finished children and what they waited for
+    return usage.ru_utime + usage.ru_stime
+
+
+def prepare_throughput(args, device, dtype):
+    """prepare_c4.py end to end (the real script in a subprocess: worker start-up, gzip, JSON,
+    tokenising, writing, the index) with 1 and 2 workers, alternating with tiktoken on 1 thread
+    over the same documents in this process, so a background load slows both alike. Wall time
+    and CPU time (the script's processes, getrusage) are both given: the wall-clock share of
+    tiktoken x workers needs idle cores; the CPU-time share (the work per token, whatever the
+    load) is what a 32-core node with a core per worker gets, and the prediction uses it, with
+    the tokens per CPU-second measured here (Shakespeare's text; C4's web text has longer tokens)."""
+    import gzip
+    import re
+    import shutil
+    import tempfile
+
+    import tiktoken
+    from data import BPE_ENCODING
+
+    text_path = os.environ.get("PREPARE_TEXT", os.path.join(REPO, "data", "shakespeare_char", "input.txt"))
+    if not os.path.isfile(text_path):
+        sys.exit(f"error: the prepare section needs tiny Shakespeare at {text_path}: python prepare_shakespeare.py "
+                 "(or set PREPARE_TEXT to a plain-text file)")
+    work = tempfile.mkdtemp(prefix="bench_prepare_")
+    try:
+        with open(text_path, encoding="utf-8") as f:
+            speeches = [s.strip("\n") for s in re.split(r"\n\s*\n", f.read()) if s.strip()] * PREPARE_COPIES
+        big = os.path.join(work, "input.txt")  # documents of 12 speeches, as --from_text cuts them
+        with open(big, "w", encoding="utf-8") as out:
+            out.write("\n\n".join("\n".join(speeches[i:i + PREPARE_DOC_PARAGRAPHS])
+                                  for i in range(0, len(speeches), PREPARE_DOC_PARAGRAPHS)) + "\n")
+        out_dir = os.path.join(work, "c4")
+        # PREPARE_SCRIPT: another version of the script to time the same way (e.g. an older commit's)
+        script = os.environ.get("PREPARE_SCRIPT", os.path.join(REPO, "prepare_c4.py"))
+        command = [sys.executable, script, "--from_text", big, "--shards", "4", "--out_dir", out_dir]
+        env = {**os.environ, "PYTHONPATH": REPO}
+        subprocess.run(command + ["--workers", "1"], check=True, capture_output=True, env=env)  # makes the shards
+        docs, json_bytes = [], 0
+        for name in sorted(os.listdir(out_dir)):
+            if name.endswith(".json.gz"):
+                with gzip.open(os.path.join(out_dir, name), "rb") as f:
+                    for line in f:
+                        docs.append(json.loads(line)["text"])
+                        json_bytes += len(line)
+        enc = tiktoken.get_encoding(BPE_ENCODING)
+        n_tokens = sum(len(ids) + 1 for ids in enc.encode_ordinary_batch(docs, num_threads=1))  # + EOT each
+        runs = {1: [], 2: []}
+        tiktoken_runs, loop_runs, parse_runs = [], [], []
+        for _ in range(max(args.steps, 1)):
+            for workers in runs:
+                for old in ("train", "val", "meta.json", "train.bin", "val.bin"):
+                    path = os.path.join(out_dir, old)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+                t0, c0 = time.perf_counter(), _child_cpu_seconds()
+                subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True, env=env)
+                runs[workers].append((time.perf_counter() - t0, _child_cpu_seconds() - c0))
+                t0, c0 = time.perf_counter(), time.process_time()
+                enc.encode_ordinary_batch(docs, num_threads=1)
+                tiktoken_runs.append((time.perf_counter() - t0, time.process_time() - c0))
+            t0, c0 = time.perf_counter(), time.process_time()
+            for doc in docs:
+                enc.encode_ordinary(doc)
+            loop_runs.append((time.perf_counter() - t0, time.process_time() - c0))
+            t0, c0 = time.perf_counter(), time.process_time()  # what the main process did twice per shard before
+            for name in sorted(os.listdir(out_dir)):
+                if name.endswith(".json.gz"):
+                    with gzip.open(os.path.join(out_dir, name), "rb") as f:
+                        for line in f:
+                            json.loads(line)
+            parse_runs.append((time.perf_counter() - t0, time.process_time() - c0))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    wall, cpu = (statistics.median(r[i] for r in tiktoken_runs) for i in (0, 1))
+    rows = [("tiktoken encode_ordinary_batch, 1 thread", "-", f"{wall:.1f}", f"{json_bytes / 1e6 / wall:.1f}",
+             f"{n_tokens / wall / 1e6:.2f}", "1.00", f"{cpu:.1f}", "1.00")]
+    for what, measured in (("tiktoken encode_ordinary, a loop", loop_runs),
+                           ("gzip + JSON of the shards alone (no tokenising)", parse_runs)):
+        w, c = (statistics.median(r[i] for r in measured) for i in (0, 1))
+        rows.append((what, "-", f"{w:.1f}", f"{json_bytes / 1e6 / w:.1f}", "", f"{wall / w:.2f}", f"{c:.1f}",
+                     f"{cpu / c:.2f}"))
+    parse_cpu = statistics.median(r[1] for r in parse_runs)
+    cpu_share = {}
+    for workers, measured in runs.items():
+        w, c = (statistics.median(r[i] for r in measured) for i in (0, 1))
+        cpu_share[workers] = cpu / c
+        rows.append((f"{os.path.basename(script)} --workers {workers}", workers, f"{w:.1f}", f"{json_bytes / 1e6 / w:.1f}",
+                     f"{n_tokens / w / 1e6:.2f}", f"{wall / w / workers:.2f}", f"{c:.1f}", f"{cpu / c:.2f}"))
+    table(f"prepare_c4.py against tiktoken, {json_bytes / 1e6:.0f} MB of JSON ({n_tokens / 1e6:.1f}M tokens, "
+          f"{len(docs):,} documents, 5 shards), {os.cpu_count()} cores",
+          ["", "workers", "wall s", "MB/s of JSON", "M tokens/s", "/ (tiktoken x workers)", "CPU s",
+           "tiktoken CPU s / CPU s"], rows,
+          intro=f"Whole script runs, medians of {max(args.steps, 1)} alternating runs. Wall: the throughput over "
+                "tiktoken's single-core speed times the workers (needs that many idle cores). CPU: all the "
+                "script's processes (main, workers, their start-up) against tiktoken's CPU time for the same "
+                "tokens.")
+    per_core = n_tokens / cpu * cpu_share[1]  # tokens per CPU-second of the script's one process
+    startup = (statistics.median(r[1] for r in runs[2]) - statistics.median(r[1] for r in runs[1]))
+    shard_s = C4_SHARD_TOKENS / per_core
+    rounds = math.ceil(350 / 32)
+    emit(f"- before issue 31 the main process decompressed and parsed every shard twice (a checking pass, then "
+         f"the batches it sent to the pool): it keeps at most tiktoken CPU s / (2 x gzip + JSON CPU s) = "
+         f"{cpu / (2 * parse_cpu):.1f} workers busy on this text, whatever the cores (less the pickling of the "
+         f"batches); now each worker reads its own shards and the main process only downloads and writes the index.")
+    emit(f"- predicted for 350 C4 shards (~{C4_SHARD_TOKENS / 1e6:.0f}M tokens each) with 32 workers: "
+         f"{shard_s:.0f} s of tokenising per shard and worker, {rounds} rounds of 32 shards = "
+         f"{rounds * shard_s / 60:.0f} min (plus about {startup:.1f} CPU-s to start each worker: the 2-worker run's "
+         f"extra CPU time), if the downloads keep up: 32 shards per {shard_s:.0f} s is "
+         f"{32 * C4_SHARD_GZ_BYTES / shard_s / 1e6:.0f} MB/s of gzipped shards; below that the download "
+         f"(one stream, in the main process) sets the pace: 350 x {C4_SHARD_GZ_BYTES / 1e6:.0f} MB at the link's speed.")
+
+
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
             "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory, "compile": compile_step,
-            "plan_memory": plan_memory, "plan_comm": plan_comm}
+            "plan_memory": plan_memory, "plan_comm": plan_comm, "prepare": prepare_throughput}
 
 
 def write_report(path, argv):
