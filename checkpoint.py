@@ -462,7 +462,8 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
     checkpoint's value, this config's]} for the run's record. Keys newer than the checkpoint count
     as their default. data_dir compares resolved paths: the same data named relatively or
     absolutely is the same data."""
-    saved = {"data_order": "random", **checkpoint["config"]}  # (checkpoints from before the key: random)
+    from configurator import train_defaults  # a key newer than the checkpoint: it trained with its default
+    saved = {**train_defaults(), **checkpoint["config"]}  # (data_order before the key: 'random', its default)
     for key in RESUME_KEYS:
         if saved.get(key, config[key]) != config[key]:
             raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was trained "

@@ -500,3 +500,10 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
     assert checkpoint.check_resumable(saved, defaults, defaults["data_dir"]) == {}
     with pytest.raises(checkpoint.CheckpointError, match="data_order: 'random' there, 'epoch' here"):
         checkpoint.check_resumable(saved, {**defaults, "data_order": "epoch"}, defaults["data_dir"])
+    # any key newer than the checkpoint counts as its default (the checkpoint trained that way)
+    del saved["config"]["cwt_tau"], saved["config"]["dispersion_form"]
+    assert checkpoint.check_resumable(saved, defaults, defaults["data_dir"]) == {}
+    with pytest.raises(checkpoint.CheckpointError) as refused:
+        checkpoint.check_resumable(saved, {**defaults, "cwt_tau": 0.5, "dispersion_form": "authors"}, defaults["data_dir"])
+    assert "cwt_tau: 1.0 there, 0.5 here" in str(refused.value)
+    assert "dispersion_form: 'paper' there, 'authors' here" in str(refused.value)
