@@ -102,6 +102,7 @@ def read_meta(data_dir):
     if not os.path.exists(path):
         raise DataError(f"no dataset in data_dir '{data_dir}' (missing meta.json); prepare it first: "
                         f"{preparation_command(data_dir)}")
+    check_readable(path)
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
@@ -113,6 +114,19 @@ def read_meta(data_dir):
     if "itos" in meta and len(meta["itos"]) != vocab:
         raise DataError(f"{path}: 'itos' has {len(meta['itos'])} entries but vocab_size is {vocab}")
     return meta
+
+
+def check_readable(*paths):
+    """DataError when a dataset file that exists cannot be read: a directory in its place, or a
+    file without read permission (read_meta, and train.py and evaluate.py before load_tokens)."""
+    for path in paths:
+        if os.path.isdir(path):
+            raise DataError(f"{path} is a directory, not a file; prepare the dataset again")
+        if os.path.exists(path):
+            try:
+                open(path, "rb").close()
+            except OSError as e:
+                raise DataError(f"cannot read {path}: {e.strerror}") from None
 
 
 def dataset_mismatch(recorded, meta, data_dir, whole=True):

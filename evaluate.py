@@ -29,10 +29,10 @@ import torch
 import checkpoint as checkpoints
 import metrics
 import parallelism
-from data import DataError, load_tokens, read_windows, sample_windows
+from data import DataError, check_readable, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
-from utils import choose_device, keep_freed_memory, save_json, widest_float
+from utils import PathError, check_writable, choose_device, keep_freed_memory, save_json, widest_float, write_failure
 
 
 def load_model(path, device="cpu"):
@@ -48,6 +48,7 @@ def load_model(path, device="cpu"):
 def val_blocks(data_dir, block_size):
     """Non-overlapping (inputs, targets) blocks covering the whole val split: block i reads
     tokens [i*T, (i+1)*T) and predicts [i*T+1, (i+1)*T+1)."""
+    check_readable(os.path.join(data_dir, "val.bin"))  # a directory, no permission: one line
     data = torch.from_numpy(load_tokens(data_dir, "val", block_size).astype(np.int64))
     n_blocks = (len(data) - 1) // block_size
     x = data[: n_blocks * block_size].view(n_blocks, block_size)
@@ -377,9 +378,11 @@ if __name__ == "__main__":
     if os.path.exists(out) and not args.overwrite:
         sys.exit(f"error: {out} exists; pass --overwrite to replace it or --out to write elsewhere")
     try:
+        if args.out or os.path.exists(args.checkpoint):  # (no checkpoint: say that, not where its output goes)
+            check_writable(out, "--out" if args.out else "the output")  # now, not after the evaluation
         device = choose_device(args.device)
         result = evaluate_checkpoint(args.checkpoint, device, args.data_dir)
-    except (ValueError, checkpoints.CheckpointError, DataError) as e:
+    except (ValueError, checkpoints.CheckpointError, DataError, PathError) as e:
         sys.exit(f"error: {e}")
     previous = {}
     if os.path.exists(out):
@@ -390,6 +393,12 @@ if __name__ == "__main__":
             pass
     if isinstance(previous, dict) and "train" in previous.get("flops", {}):  # a run's metrics.json: keep its FLOPs
         result = with_run_flops(result, previous["flops"])
-    save_json(result, out)
+    try:
+        save_json(result, out)
+        failure = None
+    except OSError as e:  # the disk filled during the evaluation: the figures still reach the screen
+        failure = write_failure(out, e)
     print(format_metrics(result))
     print(json.dumps(result["checkpoint"]))
+    if failure:
+        sys.exit(f"error: {failure}")

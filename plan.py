@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from configurator import ConfigError, check_train_config, parse_config, train_defaults
+from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
 from losses import Objective
 from model import GPT, GPTConfig
@@ -560,8 +560,8 @@ def main(argv=None):
     try:
         config = parse_config(config_args, train_defaults())
         print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu, link_gbps=args.link_gbps)))
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    except ConfigError as e:  # a config, a key or an argument: the usage error's status
+        exit_config_error(e)
 
 
 if __name__ == "__main__":

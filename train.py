@@ -31,7 +31,7 @@ import plan
 import prepare_shakespeare
 import tracking
 from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
-from data import DataError, load_tokens, read_meta, read_windows, sample_windows
+from data import DataError, check_readable, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective
 from model import GPT
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
@@ -168,6 +168,7 @@ try:
     if vocab_size and vocab_size < dataset_vocab:
         exit_config_error(f"key 'vocab_size' is {vocab_size} but the dataset in {data_dir} has {dataset_vocab} tokens")
     # train.bin / val.bin as read-only uint16 memmaps: only the sampled windows are ever read
+    check_readable(*(os.path.join(data_dir, f"{split}.bin") for split in ("train", "val")))
     train_data, val_data = (load_tokens(data_dir, split, block_size, base_vocab, meta.get(f"n_{split}"))
                             for split in ("train", "val"))
 except DataError as e:

@@ -23,7 +23,7 @@ import os
 import re
 import sys
 
-from data import DataError, gpt2_encoding, load_tokens, read_meta
+from data import DataError, check_readable, gpt2_encoding, load_tokens, read_meta
 from utils import save_text
 
 # a line whose last word (letters, inner apostrophes) may be followed by punctuation and spaces
@@ -33,6 +33,7 @@ LAST_WORD = re.compile(r"^(.*\S)[ \t]+([A-Za-z]+(?:'[A-Za-z]+)*)[^A-Za-z0-9'\n]*
 def validation_text(data_dir):
     """The val split of a prepared dataset, decoded back to text (char itos or GPT-2 BPE)."""
     meta = read_meta(data_dir)
+    check_readable(os.path.join(data_dir, "val.bin"))
     ids = load_tokens(data_dir, "val", 1, meta["vocab_size"])
     if "itos" in meta:
         return "".join(meta["itos"][i] for i in ids.tolist())
