@@ -222,6 +222,24 @@ def check_writable(path, what, directory=False):
         os.remove(tmp)
 
 
+def exit_on_bad_arguments(*checks):
+    """checks: (wrong, message) pairs, made where a script parses its arguments, before it reads
+    or writes anything: the first wrong one ends the process with one line and the usage error's
+    status, 2."""
+    for wrong, message in checks:
+        if wrong:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2)
+
+
+def exit_unless_writable(path, what, directory=False):
+    """check_writable, or one line and status 1 (an unusable path)."""
+    try:
+        check_writable(path, what, directory)
+    except PathError as e:
+        sys.exit(f"error: {e}")
+
+
 def exit_run(message, master=True):
     """End the process over a problem the user can act on: `error: message` on stderr and status 1
     on rank 0, status 1 alone on the other ranks. A progress bar still open is closed first, so
