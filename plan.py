@@ -142,6 +142,21 @@ def evaluation_flops(model, config, processes=1):
     return tokens * model.flops_per_token(backward=False)
 
 
+def long_work_notice(flops_per_step, flops_per_eval, peak, mfu=0.4, threshold_s=120):
+    """The line train.py prints before its loop when one step or one evaluation would take more
+    than threshold_s on this device: their FLOPs (over all processes) at the plan's MFU of the
+    device's peak (peak: FLOP/s of all processes). Without it a run that works looks hung until
+    its first log line. None when both are short."""
+    seconds = {what: flops / (mfu * peak) for what, flops in (("one step", flops_per_step),
+                                                                ("one evaluation", flops_per_eval))}
+    long = [f"{what} will take about {s / 60:,.0f} min" for what, s in seconds.items() if s > threshold_s]
+    if not long:
+        return None
+    return (f"note: {' and '.join(long)} on this device (plan: {flops_per_step / 1e12:,.1f} TFLOP per step, "
+            f"{flops_per_eval / 1e12:,.1f} per evaluation, at MFU {mfu:.0%} of {peak / 1e9:,.0f} GFLOP/s); "
+            f"the first log line comes after it")
+
+
 class PeakTensorBytes(TorchDispatchMode):
     """Counts the bytes of the tensors that the operations run under it create, as long as they
     live, and keeps the peak: a step's activations together with the transient buffers around
