@@ -140,8 +140,8 @@ def write(path, state, keep_previous=False):
     now at path becomes <name>_prev.pt first, so two full states exist at every moment after the
     second save (a kill between the two renames leaves only _prev, which resume falls back to);
     keep_previous=False replaces the file at path and leaves any _prev as it is.
-    A failed write (a full disk) removes its temporary file, leaves the previous checkpoint as it
-    was, and raises one CheckpointError that says how much space is left."""
+    A failed write removes its temporary file, leaves the previous checkpoint as it was, and raises
+    one CheckpointError that tells a full disk (and the space left) from a missing permission."""
     directory = os.path.dirname(os.path.abspath(path))
     prev = path[:-3] + "_prev.pt"
 

@@ -32,7 +32,8 @@ import parallelism
 from data import DataError, check_readable, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
-from utils import PathError, check_writable, choose_device, keep_freed_memory, save_json, widest_float, write_failure
+from utils import (PathError, check_writable, choose_device, exit_run, keep_freed_memory, save_json, widest_float,
+                   write_failure)
 
 
 def load_model(path, device="cpu"):
@@ -316,7 +317,11 @@ def write_run_metrics(out_dir, run_flops, device):
               f"{best_path}): python evaluate.py {best_path} --out={metrics_path} writes metrics.json", file=sys.stderr)
         sys.exit(130)
     result = with_run_flops(result, run_flops)
-    save_json(result, metrics_path)
+    try:
+        save_json(result, metrics_path)
+    except OSError as e:  # a full disk at the very end: training is complete all the same
+        exit_run(f"{write_failure(metrics_path, e)}; training is complete: python evaluate.py {best_path} "
+                 f"--out={metrics_path} writes it later")
     print(format_metrics(result))
 
 

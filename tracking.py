@@ -55,8 +55,9 @@ def start_wandb(config, out_dir, resuming):
 
 def append_record(log_path, record, wandb_run=None):
     """Append one record to log.jsonl (and send it to W&B when a run is tracked). A failed append
-    (a full disk, no permission: utils.write_failure) is returned as one line, None otherwise: ckpt.pt stays whole (its writes are
-    atomic), so the run can be resumed once there is space."""
+    (a full disk, no permission: utils.write_failure tells them apart) is returned as one line, None
+    otherwise: ckpt.pt stays whole (its writes are atomic), so the run can be resumed once the log
+    can be written."""
     try:
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
