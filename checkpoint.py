@@ -34,7 +34,7 @@ import torch
 import parallelism
 import tracking
 from data import DataError, dataset_mismatch, read_meta
-from utils import LogError, atomic_write, exit_run, read_log, save_json, save_text
+from utils import LogError, atomic_write, exit_run, read_log, save_json, save_text, write_failure
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
@@ -141,33 +141,36 @@ def write(path, state, keep_previous=False):
     now at path becomes <name>_prev.pt first, so two full states exist at every moment after the
     second save (a kill between the two renames leaves only _prev, which resume falls back to);
     keep_previous=False replaces the file at path and leaves any _prev as it is.
-    A failed write (a full disk) removes its temporary file, leaves the previous checkpoint as it
-    was, and raises one CheckpointError that says how much space is left."""
+    A failed write removes its temporary file, leaves the previous checkpoint as it was, and raises
+    one CheckpointError that tells a full disk (and the space left) from a missing permission."""
     directory = os.path.dirname(os.path.abspath(path))
     prev = path[:-3] + "_prev.pt"
+
+    def save(tmp):  # through a Python file: a failed write is the OSError that says why (ENOSPC, EACCES)
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
     try:
         if keep_previous:
             tmp = os.path.join(directory, "." + os.path.basename(path) + ".new.tmp")
-            torch.save(state, tmp)
+            save(tmp)
             if os.path.exists(path):
                 os.replace(path, prev)
                 if os.path.exists(path[:-3] + ".json"):
                     os.replace(path[:-3] + ".json", prev[:-3] + ".json")
             os.replace(tmp, path)
         else:
-            atomic_write(path, lambda tmp: torch.save(state, tmp))
+            atomic_write(path, save)
         # a kill before this line leaves the JSON a step behind its weights: load_latest rewrites it
         save_json(summary(state), path[:-3] + ".json")
     except (OSError, RuntimeError) as e:
         for name in os.listdir(directory):
             if name.startswith("." + os.path.basename(path)) and name.endswith(".tmp"):
                 os.remove(os.path.join(directory, name))
-        free = shutil.disk_usage(directory).free
         kept = [p for p in (path, prev) if os.path.exists(p)]
-        reason = os.strerror(e.errno) if isinstance(e, OSError) and e.errno else str(e).splitlines()[0][:100]
+        if not isinstance(e, OSError):
+            e = OSError(None, str(e).splitlines()[0][:100])
         raise CheckpointError(
-            f"could not write {path}: {reason} ({free / 2**20:,.0f} MiB free on that disk"
-            f"{', no space left' if isinstance(e, OSError) and e.errno == errno.ENOSPC else ''}). "
+            f"{write_failure(path, e)}. "
             + (f"{' and '.join(kept)} {'is' if len(kept) == 1 else 'are'} intact." if kept else "Nothing was saved.")
         ) from None
 
@@ -208,8 +211,9 @@ def lock_run(out_dir, command):
         os.makedirs(out_dir, exist_ok=True)
         lock = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
     except OSError as e:
-        raise CheckpointError(f"cannot use {out_dir} as a run's directory ({e.strerror}); give an --out_dir "
-                              f"you can write to") from None
+        told_apart = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
+        reason = write_failure(out_dir, e) if told_apart else f"cannot use {out_dir} as a run's directory ({e.strerror})"
+        raise CheckpointError(f"{reason}; give an --out_dir you can write to") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -572,7 +576,7 @@ def write_shards(directory, modules, optimizers, with_optimizers, master, path):
         parallelism.save_sharded(directory, modules, optimizers, with_optimizers=with_optimizers)
         problem = None
     except (OSError, RuntimeError, CheckpointException) as e:
-        problem = f"could not write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
+        problem = f"cannot write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
     agree(problem)
 
 

@@ -68,6 +68,9 @@ def read_config_file(path, _chain=()):
     namespace = {}
     try:
         exec(compile(source_code, path, "exec"), namespace)
+    except SystemExit as e:  # sys.exit(0) in a config would end a run as a success having trained nothing
+        raise ConfigError(f"config file '{path}' called sys.exit({e.code!r}); a config file only assigns keys") \
+            from None
     except Exception as e:
         raise ConfigError(f"config file '{path}' failed to run: {type(e).__name__}: {e}") from None
     own = {key: value for key, value in namespace.items()

@@ -105,6 +105,7 @@ def read_meta(data_dir):
     if not os.path.exists(path):
         raise DataError(f"no dataset in data_dir '{data_dir}' (missing meta.json); prepare it first: "
                         f"{preparation_command(data_dir)}")
+    check_readable(path)
     try:
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
@@ -120,6 +121,19 @@ def read_meta(data_dir):
                         f"tokenised, first {meta['unfinished'][0]}); rerun it to finish: "
                         f"{preparation_command(data_dir, len(meta.get('train_shards', [])) or 1)}")
     return meta
+
+
+def check_readable(*paths):
+    """DataError when a dataset file that exists cannot be read: a directory in its place, or a
+    file without read permission (read_meta, load_tokens: every file they open)."""
+    for path in paths:
+        if os.path.isdir(path):
+            raise DataError(f"{path} is a directory, not a file; prepare the dataset again")
+        if os.path.exists(path):
+            try:
+                open(path, "rb").close()
+            except OSError as e:
+                raise DataError(f"cannot read {path}: {e.strerror}") from None
 
 
 def dataset_mismatch(recorded, meta, data_dir, whole=True):
@@ -198,6 +212,7 @@ def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
     paths, counts = [], []
     for entry in files:
         path = os.path.join(data_dir, entry["file"])
+        check_readable(path)
         if not os.path.isfile(path):
             raise DataError(f"missing {path} (listed in {data_dir}/meta.json); prepare the dataset again: "
                             f"{preparation_command(data_dir)}")
@@ -239,6 +254,7 @@ def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
     if files:
         return _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens)
     path = os.path.join(data_dir, f"{split}.bin")
+    check_readable(path)
     if not os.path.isfile(path):
         raise DataError(f"missing {path}; prepare the dataset again")
     size = os.path.getsize(path)

@@ -32,7 +32,8 @@ import parallelism
 from data import DataError, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
-from utils import choose_device, keep_freed_memory, save_json, widest_float
+from utils import (PathError, check_writable, choose_device, exit_run, keep_freed_memory, save_json, widest_float,
+                   write_failure)
 
 
 def load_model(path, device="cpu"):
@@ -316,7 +317,11 @@ def write_run_metrics(out_dir, run_flops, device):
               f"{best_path}): python evaluate.py {best_path} --out={metrics_path} writes metrics.json", file=sys.stderr)
         sys.exit(130)
     result = with_run_flops(result, run_flops)
-    save_json(result, metrics_path)
+    try:
+        save_json(result, metrics_path)
+    except OSError as e:  # a full disk at the very end: training is complete all the same
+        exit_run(f"{write_failure(metrics_path, e)}; training is complete: python evaluate.py {best_path} "
+                 f"--out={metrics_path} writes it later")
     print(format_metrics(result))
 
 
@@ -378,9 +383,11 @@ if __name__ == "__main__":
     if os.path.exists(out) and not args.overwrite:
         sys.exit(f"error: {out} exists; pass --overwrite to replace it or --out to write elsewhere")
     try:
+        if args.out or os.path.exists(args.checkpoint):  # (no checkpoint: say that, not where its output goes)
+            check_writable(out, "--out" if args.out else "the output")  # now, not after the evaluation
         device = choose_device(args.device)
         result = evaluate_checkpoint(args.checkpoint, device, args.data_dir)
-    except (ValueError, checkpoints.CheckpointError, DataError) as e:
+    except (ValueError, checkpoints.CheckpointError, DataError, PathError) as e:
         sys.exit(f"error: {e}")
     previous = {}
     if os.path.exists(out):
@@ -391,6 +398,12 @@ if __name__ == "__main__":
             pass
     if isinstance(previous, dict) and "train" in previous.get("flops", {}):  # a run's metrics.json: keep its FLOPs
         result = with_run_flops(result, previous["flops"])
-    save_json(result, out)
+    try:
+        save_json(result, out)
+        failure = None
+    except OSError as e:  # the disk filled during the evaluation: the figures still reach the screen
+        failure = write_failure(out, e)
     print(format_metrics(result))
     print(json.dumps(result["checkpoint"]))
+    if failure:
+        sys.exit(f"error: {failure}")

@@ -68,7 +68,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from configurator import ConfigError, check_train_config, parse_config, train_defaults
+from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
 from losses import Objective
 from model import GPT, GPTConfig
@@ -148,6 +148,21 @@ def evaluation_flops(model, config, processes=1):
     batches = math.ceil(config["eval_iters"] / processes) * processes
     tokens = batches * languages * config["batch_size"] * config["block_size"]
     return tokens * model.flops_per_token(backward=False)
+
+
+def long_work_notice(flops_per_step, flops_per_eval, peak, mfu=0.4, threshold_s=120):
+    """The line train.py prints before its loop when one step or one evaluation would take more
+    than threshold_s on this device: their FLOPs (over all processes) at the plan's MFU of the
+    device's peak (peak: FLOP/s of all processes). Without it a run that works looks hung until
+    its first log line. None when both are short."""
+    seconds = {what: flops / (mfu * peak) for what, flops in (("one step", flops_per_step),
+                                                                ("one evaluation", flops_per_eval))}
+    long = [f"{what} will take about {s / 60:,.0f} min" for what, s in seconds.items() if s > threshold_s]
+    if not long:
+        return None
+    return (f"note: {' and '.join(long)} on this device (plan: {flops_per_step / 1e12:,.1f} TFLOP per step, "
+            f"{flops_per_eval / 1e12:,.1f} per evaluation, at MFU {mfu:.0%} of {peak / 1e9:,.0f} GFLOP/s); "
+            f"the first log line comes after it")
 
 
 class PeakTensorBytes(TorchDispatchMode):
@@ -652,8 +667,8 @@ def main(argv=None):
     try:
         config = parse_config(config_args, train_defaults())
         print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu, link_gbps=args.link_gbps)))
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    except ConfigError as e:  # a config, a key or an argument: the usage error's status
+        exit_config_error(e)
 
 
 if __name__ == "__main__":

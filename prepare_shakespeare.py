@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from data import BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file, \
     write_meta, write_tokens
-from utils import atomic_write
+from utils import atomic_write, exit_on_bad_arguments, exit_unless_writable
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
 DEFAULT_URL = (
@@ -308,6 +308,16 @@ def main(argv=None):
                         help="char: one id per character; gpt2: GPT-2 BPE through tiktoken "
                              f"({BPE_ENCODING}, vocab padded to {BPE_VOCAB_SIZE})")
     args = parser.parse_args(argv)
+    try:
+        _normalize_sha256(args.sha256)
+        bad_sha256 = None
+    except DataError as exc:
+        bad_sha256 = str(exc)
+    exit_on_bad_arguments(  # the usage error's status, before anything is downloaded or written
+        (bad_sha256 is not None, f"--sha256: {bad_sha256}"),
+        (args.input is not None and args.input.strip() == "", "--input must name a file"),
+        (args.out_dir is not None and args.out_dir.strip() == "", "--out_dir must not be empty"))
+    exit_unless_writable(args.out_dir or default_out_dir(args.tokenizer), "--out_dir", directory=True)
 
     try:
         meta = prepare(

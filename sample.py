@@ -16,7 +16,7 @@ import torch
 
 from checkpoint import CheckpointError
 from evaluate import load_model
-from utils import choose_device
+from utils import choose_device, exit_on_bad_arguments
 
 
 def sample_bpe(model, meta, args, device):
@@ -47,16 +47,13 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    for wrong, message in ((args.num_samples < 1, f"--num_samples must be >= 1, got {args.num_samples}"),
-                           (args.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {args.max_new_tokens}"),
-                           (not 0 < args.temperature < float("inf"),
-                            f"--temperature must be a finite number > 0 (lower: closer to the most likely token), "
-                            f"got {args.temperature}"),
-                           (args.top_k is not None and args.top_k < 1, f"--top_k must be >= 1, got {args.top_k}"),
-                           (args.start == "", "--start must not be empty (the default is a newline)")):
-        if wrong:  # before the checkpoint is read: one line, the usage error's status
-            print(f"error: {message}", file=sys.stderr)
-            sys.exit(2)
+    exit_on_bad_arguments(  # before the checkpoint is read: one line, the usage error's status
+        (args.num_samples < 1, f"--num_samples must be >= 1, got {args.num_samples}"),
+        (args.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {args.max_new_tokens}"),
+        (not 0 < args.temperature < float("inf"),
+         f"--temperature must be a finite number > 0 (lower: closer to the most likely token), got {args.temperature}"),
+        (args.top_k is not None and args.top_k < 1, f"--top_k must be >= 1, got {args.top_k}"),
+        (args.start == "", "--start must not be empty (the default is a newline)"))
 
     try:
         device = choose_device(args.device)

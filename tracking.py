@@ -17,7 +17,7 @@ import os
 import secrets
 import sys
 
-from utils import save_text
+from utils import save_text, write_failure
 
 ID_FILE = "wandb_id.txt"
 
@@ -55,13 +55,14 @@ def start_wandb(config, out_dir, resuming):
 
 def append_record(log_path, record, wandb_run=None):
     """Append one record to log.jsonl (and send it to W&B when a run is tracked). A failed append
-    (a full disk) is returned as one line, None otherwise: ckpt.pt stays whole (its writes are
-    atomic), so the run can be resumed once there is space."""
+    (a full disk, no permission: utils.write_failure tells them apart) is returned as one line, None
+    otherwise: ckpt.pt stays whole (its writes are atomic), so the run can be resumed once the log
+    can be written."""
     try:
         with open(log_path, "a") as f:
             f.write(json.dumps(record) + "\n")
     except OSError as e:
-        return f"could not append to {log_path}: {e.strerror}; resume with --init_from=resume once there is space"
+        return f"{write_failure(log_path, e)}; resume with --init_from=resume once it can be written"
     if wandb_run is not None:
         wandb_run.log(record, step=record["iter"])
     return None

@@ -286,6 +286,8 @@ if master:
     processes = f" | {world_size} process{'es' if world_size > 1 else ''}, {parallel}{hybrid}" if parallel != "none" else ""
     print(f"params: {model.num_params():,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
           f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s{processes}")
+    if notice := plan.long_work_notice(flops_per_iter, flops_per_eval, peak):  # a long wait before the first log
+        print(notice, flush=True)
 
 last_eval = None
 # a stop takes effect between steps; one process reads its own flag every step, under torchrun the

@@ -6,8 +6,10 @@ tokenizer process of prepare_c4.py) write their files with atomic_write without 
 
 import contextlib
 import ctypes
+import errno
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -165,6 +167,77 @@ def atomic_write(path, write_fn):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+class PathError(Exception):
+    """An output path that cannot be written: one line naming it and why."""
+
+
+def write_failure(path, error):
+    """One line for an OSError met writing path, the two usual causes told apart: no permission
+    (EACCES, EPERM, a read-only file system) is not a full disk (ENOSPC, a quota), and each needs
+    another fix. Anything else is named with the space left on that disk."""
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {path}: permission denied ({error.strerror})"
+    directory = os.path.abspath(path)
+    while not os.path.isdir(directory):
+        directory = os.path.dirname(directory)
+    free = f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free on that disk"
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"cannot write {path}: the disk is full ({error.strerror}; {free})"
+    return f"cannot write {path}: {error.strerror or error} ({free})"
+
+
+def check_writable(path, what, directory=False):
+    """Raise PathError unless `path` (a file, or with directory=True a folder to write files in)
+    can be written, before any long work: a script that would fail at its end loses the work.
+    Nothing is left behind: a byte is written to a temporary file in the nearest folder that
+    exists (where the missing folders would be made, or the file renamed into place), then removed.
+    `what` names the argument in the message (--out)."""
+    target = os.path.abspath(path)
+    if os.path.exists(target):
+        if directory and not os.path.isdir(target):
+            raise PathError(f"{what} {path} is a file, not a directory")
+        if not directory and not os.path.isfile(target):
+            raise PathError(f"{what} {path} is " + ("a directory, not a file" if os.path.isdir(target) else
+                                                     "not a regular file (a device or a pipe); give a file's path"))
+    parent = target if directory else os.path.dirname(target)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise PathError(f"{what} {path} is under {parent}, which is a file, not a directory")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=parent, prefix=".write-check-", suffix=".tmp")
+    except OSError as e:
+        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+            raise PathError(f"{what} {path}: {write_failure(parent, e)}") from None
+        raise PathError(f"{what} {path}: cannot create files in {parent} ({e.strerror})") from None
+    try:
+        os.write(fd, b"\0")
+        os.fsync(fd)
+    except OSError as e:
+        raise PathError(f"{what} {path}: {write_failure(parent, e)}") from None
+    finally:
+        os.close(fd)
+        os.remove(tmp)
+
+
+def exit_on_bad_arguments(*checks):
+    """checks: (wrong, message) pairs, made where a script parses its arguments, before it reads
+    or writes anything: the first wrong one ends the process with one line and the usage error's
+    status, 2."""
+    for wrong, message in checks:
+        if wrong:
+            print(f"error: {message}", file=sys.stderr)
+            sys.exit(2)
+
+
+def exit_unless_writable(path, what, directory=False):
+    """check_writable, or one line and status 1 (an unusable path)."""
+    try:
+        check_writable(path, what, directory)
+    except PathError as e:
+        sys.exit(f"error: {e}")
 
 
 def exit_run(message, master=True):

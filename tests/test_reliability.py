@@ -208,7 +208,7 @@ def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, data_dir):  # noqa:
                             cwd=REPO, env=ENV, capture_output=True, text=True, preexec_fn=limit_file_size)
     assert result.returncode == 1
     message = result.stderr.strip().splitlines()[-1]
-    assert message.startswith(f"error: could not write {out / 'ckpt.pt'}") and "MiB free on that disk" in message
+    assert message.startswith(f"error: cannot write {out / 'ckpt.pt'}") and "MiB free on that disk" in message
     assert f"{out / 'ckpt.pt'} and {out / 'ckpt_prev.pt'} are intact" in message
     assert "Traceback" not in result.stderr
     assert {name: (out / name).read_bytes() for name in before} == before

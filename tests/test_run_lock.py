@@ -137,7 +137,7 @@ def test_a_failed_save_ends_every_rank(tmp_path, data_dir, parallel):  # noqa: F
                             capture_output=True, text=True, preexec_fn=limit_file_size, timeout=300)
     assert result.returncode != 0
     failed = f"{out / 'ckpt.pt'}" if parallel == "ddp" else f"the shards in {out / 'ckpt_dcp'}"
-    assert result.stderr.count(f"error: could not write {failed}") == 1, result.stderr[-3000:]
+    assert result.stderr.count(f"error: cannot write {failed}") == 1, result.stderr[-3000:]
     assert "exitcode  : 1" in result.stderr and "exitcode  : -" not in result.stderr, result.stderr[-3000:]
     assert 'train.py", line' not in result.stderr and "checkpoint.py" not in result.stderr  # (torchrun's own)
     assert {path: path.read_bytes() for path in before} == before

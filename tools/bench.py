@@ -56,8 +56,8 @@ import plan
 from losses import Objective, _SoftmaxCrossEntropy, cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from optim import configure_optimizers
-from utils import (autocast_context, choose_device, choose_dtype, keep_freed_memory, measure_matmul_flops, save_text,
-                   seconds)
+from utils import (autocast_context, choose_device, choose_dtype, exit_on_bad_arguments, exit_unless_writable,
+                   keep_freed_memory, measure_matmul_flops, save_text, seconds)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
@@ -706,6 +706,11 @@ def main():
     parser.add_argument("--efficiency_child", choices=sorted(EFFICIENCY_SETTINGS), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--comm_child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    exit_on_bad_arguments((args.steps < 1, f"--steps must be >= 1, got {args.steps}"),
+                          (args.warmup < 0, f"--warmup must be >= 0, got {args.warmup}"),
+                          (args.repeats < 1, f"--repeats must be >= 1, got {args.repeats}"))
+    if args.out:
+        exit_unless_writable(args.out, "--out")  # before minutes of measuring
     if args.comm_child:
         return comm_child()
     if args.memory_child is not None:

@@ -21,7 +21,7 @@ import signal
 from tools.grids import GRIDS
 from tools.report import build_table, make_figures
 from tools.runner import run_grid, sync_archive
-from utils import save_text
+from utils import exit_on_bad_arguments, exit_unless_writable, save_text
 
 
 def main(argv=None):
@@ -35,6 +35,9 @@ def main(argv=None):
     parser.add_argument("overrides", nargs="*", help="--key=value passed to every run (e.g. --max_iters=50)")
     args, unknown = parser.parse_known_args(argv)
     overrides = args.overrides + unknown
+    exit_on_bad_arguments((args.workers < 1, f"--workers must be >= 1 (runs at a time), got {args.workers}"))
+    for name in ("results", "archive") if args.table_only else ("results", "archive", "root"):
+        exit_unless_writable(getattr(args, name), f"--{name}", directory=True)  # before hours of runs
     if not args.table_only:
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the grid as Ctrl-C does
         run_grid(args.grid, args.root, args.workers, overrides, args.archive)

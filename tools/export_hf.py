@@ -37,6 +37,7 @@ import checkpoint as checkpoints
 from data import DataError, read_meta
 from model import GPT, GPTConfig
 from tools import hf_tokenizer
+from utils import exit_unless_writable
 
 INSTALL = "pip install transformers safetensors"
 CHECK_TOLERANCE = 1e-4  # max |logit difference| / max(1, max |logit|) the load-back check accepts
@@ -315,6 +316,7 @@ def main(argv=None):
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
     parser.add_argument("--no_check", action="store_true", help="skip loading the export back to compare logits")
     args = parser.parse_args(argv)
+    exit_unless_writable(args.out_dir, "out_dir", directory=True)
     try:
         require_hf()
         import transformers

@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from configurator import ConfigError, parse_config, train_defaults
+from configurator import ConfigError, exit_config_error, parse_config, train_defaults
 from plan import make_plan
 
 
@@ -53,8 +53,8 @@ def main():
         sys.exit(f"error: no config file {missing[0]}")
     try:
         print("\n".join(table_lines(args.configs, args.gpus)))
-    except ConfigError as e:
-        sys.exit(f"error: {e}")
+    except ConfigError as e:  # a config, a key or --gpus: the usage error's status
+        exit_config_error(e)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import os
 import sys
 
 from tools.figures import _grid_of_axes, _pyplot, _save
-from utils import LogError, read_log  # noqa: F401 (read_log: this module's reader too)
+from utils import LogError, exit_unless_writable, read_log  # noqa: F401 (read_log: this module's reader too)
 
 # what a training record holds besides its loss terms (train.py's log); speed is not drawn
 NOT_TERMS = ("iter", "loss", "lr", "ms_per_iter", "tokens_per_s", "mfu", "loss_scale")
@@ -76,6 +76,7 @@ def main(argv=None):
     except LogError as e:
         sys.exit(f"error: {e}")
     path = args.out or os.path.join(args.out_dir, "log.png")
+    exit_unless_writable(path, "--out" if args.out else "the figure")
     _save(draw(records, title=os.path.normpath(args.out_dir)), plt, path)
     print(f"wrote {path}")
     return path
