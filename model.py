@@ -226,13 +226,13 @@ class MixtureOfExperts(nn.Module):
     their outputs are mixed with the top_k probabilities renormalised to sum to 1.
 
     Static shapes, no host sync (so torch.compile takes it whole and FSDP's prefetch never waits):
-    each expert has `capacity` = ceil(capacity_factor * N * top_k / E) slots (at most N), the N *
-    top_k routed slots are numbered within their expert (first choices before second choices,
-    then in token order, as GShard's Algorithm 1; capacity factor: Switch Transformer, Sec. 2.2),
-    scattered into an (E, capacity, C) buffer,
-    and the experts run as one batched matmul per projection on their stacked weights: gate and up
-    (E, hidden, C), down (E, C, hidden), each expert's matrix laid out as nn.Linear's. A slot past
-    its expert's capacity is dropped: it adds nothing, the residual stream carries the token on.
+    each expert has `capacity` = ceil(capacity_factor * N * top_k / E) slots (at most N; Switch
+    Transformer, Sec. 2.2). The N * top_k routed slots are numbered within their expert (first
+    choices before second choices, then in token order, as GShard's Algorithm 1), scattered into
+    an (E, capacity, C) buffer, and the experts run as one batched matmul per projection on their
+    stacked weights: gate and up (E, hidden, C), down (E, C, hidden), each expert's matrix laid out
+    as nn.Linear's. A slot past its expert's capacity is dropped: it adds nothing, the residual
+    stream carries the token on.
     `dropped_fraction` (a tensor, detached) is the share of the N * top_k slots dropped in the last
     forward. capacity_factor 0 (or >= E / top_k) gives capacity N: nothing can be dropped, and
     every expert computes all N rows (E / top_k times the routed work).
@@ -249,9 +249,10 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         E, C, H = config.n_expert, config.n_embd, config.ffn_width
         self.router = nn.Linear(C, E, bias=False)
-        self.gate = nn.Parameter(torch.empty(E, H, C))
-        self.up = nn.Parameter(torch.empty(E, H, C))
-        self.down = nn.Parameter(torch.empty(E, C, H))
+        # each expert's matrices stacked, (E, out, in) as nn.Linear's; N(0, init_std) as the model's init draws them
+        self.gate = nn.Parameter(torch.randn(E, H, C) * config.init_std)
+        self.up = nn.Parameter(torch.randn(E, H, C) * config.init_std)
+        self.down = nn.Parameter(torch.randn(E, C, H) * config.init_std)
         self.top_k, self.capacity_factor = config.top_k, config.capacity_factor
         self.aux_loss = self.dropped_fraction = None
 

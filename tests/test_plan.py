@@ -256,9 +256,12 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
     kept = plan.make_plan({**config, "fsdp_keep_gathered": True}, 64, measure=False)
     assert f"--fsdp_keep_gathered=True: {kept['communication']['seconds']:.2f} s" in warnings[0]
     assert f"{kept['memory']['fsdp']['checkpointed']:.1f} GiB per GPU" in warnings[0]
-    # the mixture of experts gathers all 8 experts: not even one micro-step is enough on 64 processes, and
-    # the warning names the most processes whose one micro-step computes longer than it communicates
-    config = config_of("config/baseline_moe_8x1b.py")
+    # the mixture of experts gathers all 8 experts: at capacity 1.25 (2.5 experts' worth of compute per token)
+    # not even one micro-step is enough on 64 processes, and the warning names the most processes whose one
+    # micro-step computes longer than it communicates. The config's capacity (every expert on every token) hides it.
+    assert "exceeds compute" not in plan.format_plan(plan.make_plan(config_of("config/baseline_moe_8x1b.py"), 64,
+                                                                    measure=False))
+    config = config_of("config/baseline_moe_8x1b.py", "--capacity_factor=1.25")
     warning = plan.format_plan(plan.make_plan(config, 64, measure=False)).split("warning: ")[1].split("\n")[0]
     n = int(warning.split(" processes, one micro-step")[0].split("on ")[-1])
     assert f"--batch_size={512 // n} each" in warning
