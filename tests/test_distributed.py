@@ -166,7 +166,7 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
            launch(full0, data_dir, *fsdp, "--max_iters=0", "--vocab_size=87", processes=2))
     assert_same_weights(single0, full0)
     assert_same_run(single, full)
-    assert "moe_aux" in read_log(full)[-2]
+    assert "moe_aux" in read_log(full)[-2] and read_log(full)[-2]["moe_dropped"] == 0.0  # the default: room for all
     result = finish(launch(part, data_dir, *fsdp, "--init_from=resume", processes=2))
     assert "resumed from" in result.stdout
     assert train_losses(part) == train_losses(full)
