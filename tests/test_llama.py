@@ -155,6 +155,19 @@ def test_moe_drops_the_slots_past_capacity_and_reports_their_share():
     assert lost.any() and torch.equal(out[lost], torch.zeros_like(out[lost]))
 
 
+def test_moe_shapes_do_not_depend_on_the_data():
+    """On the meta device tensors have shapes and no values: a forward whose shapes depended on the
+    routing (the loop over experts: torch.where) cannot run there; this one runs, backward too."""
+    with torch.device("meta"):
+        moe = MixtureOfExperts(GPTConfig(**{**MOE.__dict__, "capacity_factor": 1.25}))
+        x = torch.randn(2, 5, MOE.n_embd, requires_grad=True)
+        out = moe(x)
+        (out.sum() + moe.aux_loss).backward()
+        assert out.shape == x.shape and moe.gate.grad.shape == moe.gate.shape and moe.dropped_fraction.shape == ()
+        with pytest.raises(NotImplementedError, match="nonzero"):
+            moe_by_expert_loop(moe, x)
+
+
 def test_moe_gradcheck():
     moe = random_moe(MOE, 1)
     x = torch.randn(1, 4, MOE.n_embd, dtype=torch.float64, requires_grad=True)
