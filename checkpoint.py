@@ -64,7 +64,17 @@ def load(path, device="cpu", need=("model_config", "config", "iter_num"), mmap=F
     missing = [key for key in need if not isinstance(checkpoint, dict) or key not in checkpoint]
     if missing:
         raise CheckpointError(f"{path} is not a checkpoint written by train.py (no {', '.join(map(repr, missing))})")
+    check_expert_layout(checkpoint.get("model", {}), path)
     return checkpoint
+
+
+def check_expert_layout(weights, path):
+    """A mixture of experts written before issue 31 held one module per expert (h.0.mlp.experts.3.gate.weight);
+    the model now stacks them (h.0.mlp.gate, (E, hidden, C)) and does not read the old layout."""
+    old = next((name for name in weights if ".mlp.experts." in name), None)
+    if old:
+        raise CheckpointError(f"{path} holds a mixture of experts in the old per-expert layout ({old}); this version "
+                              f"stacks the experts (mlp.gate, mlp.up, mlp.down) and cannot read it")
 
 
 def load_with_weights(path, device="cpu", mmap=False):
@@ -102,6 +112,7 @@ def sharded_weights(directory, device="cpu"):
             weights[module][name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
     if not weights["model"]:
         raise CheckpointError(f"{directory} holds no model weights")
+    check_expert_layout(weights["model"], directory)
     flat = {f"{module}.{name}": tensor for module, part in weights.items() for name, tensor in part.items()}
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")

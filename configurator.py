@@ -153,7 +153,7 @@ TRAIN_RULES = {
                      "ffn_hidden", "simreg_chunk_size", "dispersion_positions", "nitp_layer", "nitp_hidden",
                      "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
     **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight", "moe_aux_weight",
-                     "min_lr", "weight_decay", "grad_clip"), NON_NEGATIVE_NUMBER),
+                     "min_lr", "weight_decay", "grad_clip", "capacity_factor"), NON_NEGATIVE_NUMBER),
     **dict.fromkeys(("simreg_tau", "dispersion_tau", "cwt_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
                     POSITIVE_NUMBER),
     **dict.fromkeys(("dropout", "beta1", "beta2", "adagc_beta"), FRACTION),

@@ -44,6 +44,8 @@ class GPTConfig:
     ffn_hidden: int = 0       # SwiGLU hidden width; 0 = 8/3 n_embd rounded up to a multiple of 256
     n_expert: int = 1         # > 1: Mixtral mixture-of-experts MLP with this many experts
     top_k: int = 2            # experts per token
+    capacity_factor: float = 0.0  # slots per expert: ceil(capacity_factor * tokens * top_k / n_expert), at most
+    #                               all tokens; 0 = all tokens, nothing dropped (MixtureOfExperts)
     rope_theta: float = 10000.0
     init_std: float = 0.01    # std of every weight matrix (LLaMA recipe); gpt2 uses 0.02
 
@@ -57,12 +59,23 @@ class GPTConfig:
         if self.n_expert > 1 and not (self.arch == "llama" and 1 <= self.top_k <= self.n_expert):
             raise ValueError(f"n_expert > 1 needs arch='llama' and 1 <= top_k <= n_expert, got arch={self.arch!r}, "
                              f"top_k={self.top_k}, n_expert={self.n_expert}")
+        if not self.capacity_factor >= 0:
+            raise ValueError(f"capacity_factor must be >= 0, got {self.capacity_factor}")
 
     @property
     def ffn_width(self):
         if self.ffn_hidden:
             return self.ffn_hidden
         return 256 * math.ceil(8 * self.n_embd / 3 / 256)
+
+    @property
+    def experts_computed(self):
+        """Experts' worth of compute per token in a mixture of experts: each expert runs over all of its
+        capacity slots, filled or not, min(capacity_factor * top_k, n_expert) (capacity's rounding up
+        aside); n_expert when nothing may be dropped (capacity_factor 0)."""
+        if not self.capacity_factor:
+            return self.n_expert
+        return min(self.capacity_factor * self.top_k, self.n_expert)
 
 
 class LayerNorm(nn.Module):
@@ -210,35 +223,62 @@ class SwiGLU(nn.Module):
 class MixtureOfExperts(nn.Module):
     """Mixtral's sparse MLP (Jiang et al. 2024; the SimReg paper's Mixtral-8x1B, Table 4): a linear
     router scores the experts, softmax in fp32 over all of them, each token goes to its top_k, and
-    their outputs are mixed with the top_k probabilities renormalised to sum to 1. Each expert sees
-    only its tokens (a loop over experts, never over tokens), so compute per token is top_k
-    experts' worth.
+    their outputs are mixed with the top_k probabilities renormalised to sum to 1.
 
-    aux_loss: the load-balancing loss E * sum_e f_e * P_e (Switch Transformer, eq. 4; Mixtral),
-    f_e = fraction of the N * top_k routed slots that went to expert e, P_e = mean router
-    probability of e. It is 1 for a perfectly balanced router and E when one expert takes all."""
+    Static shapes, no host sync (so torch.compile takes it whole and FSDP's prefetch never waits):
+    each expert has `capacity` = ceil(capacity_factor * N * top_k / E) slots (at most N; Switch
+    Transformer, Sec. 2.2). The N * top_k routed slots are numbered within their expert (first
+    choices before second choices, then in token order, as GShard's Algorithm 1), scattered into
+    an (E, capacity, C) buffer, and the experts run as one batched matmul per projection on their
+    stacked weights: gate and up (E, hidden, C), down (E, C, hidden), each expert's matrix laid out
+    as nn.Linear's. A slot past its expert's capacity is dropped: it adds nothing, the residual
+    stream carries the token on.
+    `dropped_fraction` (a tensor, detached) is the share of the N * top_k slots dropped in the last
+    forward. capacity_factor 0 (or >= E / top_k) gives capacity N: nothing can be dropped, and
+    every expert computes all N rows (E / top_k times the routed work).
+
+    aux_loss: the load-balancing loss E * sum_e f_e * P_e (Switch Transformer, eq. 4),
+    f_e = fraction of the N * top_k routed slots that went to expert e (before any drop),
+    P_e = mean router probability of e. It is 1 for a perfectly balanced router and E when one
+    expert takes all. Hugging Face's Mixtral (load_balancing_loss_func) counts f_e per top-k
+    choice and sums over the k choices, i.e. top_k times ours (2 at balance for top-2): its
+    router_aux_loss_coef of 0.02 is a weight of 0.04 on this loss. (It also pools the layers'
+    tokens before taking the product; ours is the mean over layers of each layer's loss.)"""
 
     def __init__(self, config):
         super().__init__()
-        self.router = nn.Linear(config.n_embd, config.n_expert, bias=False)
-        self.experts = nn.ModuleList([SwiGLU(config.n_embd, config.ffn_width) for _ in range(config.n_expert)])
-        self.top_k = config.top_k
-        self.aux_loss = None
+        E, C, H = config.n_expert, config.n_embd, config.ffn_width
+        self.router = nn.Linear(C, E, bias=False)
+        # each expert's matrices stacked, (E, out, in) as nn.Linear's; N(0, init_std) as the model's init draws them
+        self.gate = nn.Parameter(torch.randn(E, H, C) * config.init_std)
+        self.up = nn.Parameter(torch.randn(E, H, C) * config.init_std)
+        self.down = nn.Parameter(torch.randn(E, C, H) * config.init_std)
+        self.top_k, self.capacity_factor = config.top_k, config.capacity_factor
+        self.aux_loss = self.dropped_fraction = None
 
     def forward(self, x):
-        shape, E = x.shape, len(self.experts)
+        shape, E, k = x.shape, self.gate.size(0), self.top_k
         x = x.reshape(-1, shape[-1])  # (N, C)
+        N = x.size(0)
         probs = F.softmax(at_least_fp32(self.router(x)), dim=-1)  # (N, E), fp32 even under autocast
-        top_p, top_e = probs.topk(self.top_k, dim=-1)  # (N, k)
+        top_p, top_e = probs.topk(k, dim=-1)  # (N, k)
         top_p = top_p / top_p.sum(dim=-1, keepdim=True)
-        slots = F.one_hot(top_e, E).sum(dim=1).to(probs.dtype)  # (N, E): 1 where a token goes to e
-        self.aux_loss = E * (slots.mean(dim=0) / self.top_k * probs.mean(dim=0)).sum()
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.where(top_e == e)
-            if token.numel():
-                out.index_add_(0, token, (expert(x[token]) * top_p[token, slot, None]).type_as(x))
-        return out.view(shape)
+        # the k N routed slots, first choices before second choices: slot j N + n is token n's j-th
+        expert = top_e.t().reshape(-1)  # (k N,)
+        chosen = expert[:, None] == torch.arange(E, device=x.device)  # (k N, E), one True per row
+        self.aux_loss = E * (chosen.mean(dim=0, dtype=probs.dtype) * probs.mean(dim=0)).sum()
+        # each slot's place in its expert's queue, and whether that is within the capacity
+        capacity = min(N, math.ceil(self.capacity_factor * N * k / E)) if self.capacity_factor else N
+        place = ((chosen.cumsum(dim=0) - 1) * chosen).sum(dim=1)  # (k N,)
+        kept = place < capacity
+        self.dropped_fraction = 1 - kept.mean(dtype=probs.dtype).detach()
+        where = torch.where(kept, expert * capacity + place, 0)  # a dropped slot adds 0 to slot 0
+        tokens = x.repeat(k, 1) * kept[:, None].to(x.dtype)  # (k N, C)
+        buffer = x.new_zeros(E * capacity, x.size(1)).index_add(0, where, tokens).view(E, capacity, -1)
+        hidden = F.silu(buffer @ self.gate.transpose(1, 2)) * (buffer @ self.up.transpose(1, 2))
+        y = (hidden @ self.down.transpose(1, 2)).view(E * capacity, -1)[where]  # (k N, C): each slot's output
+        weight = top_p.t().reshape(-1, 1) * kept[:, None]  # (k N, 1), 0 for a dropped slot
+        return (y * weight).view(k, N, -1).sum(dim=0).type_as(x).view(shape)
 
 
 class LlamaBlock(nn.Module):
@@ -271,6 +311,7 @@ class GPT(nn.Module):
         self.ln_f = RMSNorm(config.n_embd) if llama else LayerNorm(config.n_embd, config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.aux_loss = None  # MoE: the router's load-balancing loss of the last forward, mean over layers
+        self.dropped_fraction = None  # MoE: share of routed slots past their expert's capacity, mean over layers
         self.tie_weights()
 
     def tie_weights(self):
@@ -290,7 +331,7 @@ class GPT(nn.Module):
         if self.config.arch == "llama":  # N(0, init_std) for every matrix, ones for the norms
             normal = lambda t: nn.init.normal_(t, 0.0, self.config.init_std)  # noqa: E731
             for name, p in self.named_parameters():
-                yield name, normal if p.dim() == 2 else nn.init.ones_
+                yield name, normal if p.dim() >= 2 else nn.init.ones_  # stacked experts: (E, out, in)
             return
         std = 0.02
         for name, p in self.named_parameters():
@@ -326,7 +367,7 @@ class GPT(nn.Module):
         if non_embedding and self.wpe is not None:
             n -= self.wpe.weight.numel()
         if active and self.config.n_expert > 1:
-            expert = sum(p.numel() for p in self.h[0].mlp.experts[0].parameters())
+            expert = 3 * self.config.n_embd * self.config.ffn_width  # gate, up, down
             n -= self.config.n_layer * (self.config.n_expert - self.config.top_k) * expert
         return n
 
@@ -334,10 +375,15 @@ class GPT(nn.Module):
         """Training FLOPs per token (forward + backward), PaLM appendix B style:
         6 per parameter for the matmuls plus 12 * n_layer * n_embd * T for attention scores.
         with_head=False: a headless run that never computes the LM head. backward=False: the
-        forward pass alone (evaluation), a third of that: 2 per parameter + 4 * n_layer * n_embd * T."""
+        forward pass alone (evaluation), a third of that: 2 per parameter + 4 * n_layer * n_embd * T.
+        A mixture of experts counts the experts its capacity computes (config.experts_computed), not
+        the top_k a token uses: the padding of the capacity slots is work the hardware does."""
         T = seq_len or self.config.block_size
         # matmul weights: the blocks and the LM head. Lookups (wpe, and wte when untied) are free.
         n = self.num_params(non_embedding=True, active=True)
+        if self.config.n_expert > 1:
+            expert = 3 * self.config.n_embd * self.config.ffn_width
+            n += round(self.config.n_layer * (self.config.experts_computed - self.config.top_k) * expert)
         if not self.config.tie_weights:
             n -= self.wte.weight.numel()
         if not with_head:
@@ -363,6 +409,7 @@ class GPT(nn.Module):
             hidden_states.append(x)
         if self.config.n_expert > 1:
             self.aux_loss = torch.stack([block.mlp.aux_loss for block in self.h]).mean()
+            self.dropped_fraction = torch.stack([block.mlp.dropped_fraction for block in self.h]).mean()
         x = self.ln_f(x)
         hidden_states.append(x)
         logits = self.lm_head(x) if compute_logits else None

@@ -88,8 +88,8 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
 
     param_dtype: FSDP2 all-gathers the weights in this dtype for compute (bf16 on GPU) and
         reduces gradients in float32; None = float32 throughout.
-    unused_parameters: some parameters may get no gradient on some ranks (a mixture of experts
-        routes no token to an expert; a headless untied run never uses its LM head), which
+    unused_parameters: some parameters may get no gradient on some ranks (a headless untied run
+        never uses its LM head), which
         DDP and FSDP must be told, or the ranks wait on each other forever. FSDP then reduces
         zeros for them: a parameter that no rank used gets a zero gradient rather than none
         (AdamW still decays it), unlike in a single process.

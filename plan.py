@@ -24,8 +24,8 @@ GPU with DDP (plus DDP's gradient buckets, another 4 bytes) and 1/N of them with
 largest unit FSDP gathers whole while it runs, and the unsharded gradient that FSDP keeps
 between micro-steps when there are several: 4 bytes per parameter). Activations
 are measured, not guessed: the model at its real width with 1 and 2 blocks runs one training
-micro-step (forward, the run's objective, backward) on the meta device (nothing allocated; a
-mixture of experts on the CPU) at the run's batch and sequence length, and the peak of the tensors
+micro-step (forward, the run's objective, backward) on the meta device (nothing allocated) at
+the run's batch and sequence length, and the peak of the tensors
 it creates is extrapolated to the run's depth (activation_gib).
 They are float32 figures, an upper bound for bf16 autocast. train.py compares this plan with the
 device's memory before it allocates anything (memory_problem); tools/bench.py --section
@@ -239,10 +239,8 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="
     backward into gradients that already exist) with the model cut to n_layer blocks, in fp32. On
     the meta device by default: nothing is allocated, any width takes a fraction of a second, and
     the attention is the CPU flash kernel's (flash_attention_on_meta), so the figure is the CPU's.
-    A mixture of experts cannot run on meta (its routing has data-dependent shapes): it is
-    measured on the CPU, two of its blocks allocated. Cached: a plan asks for the same step often."""
-    if model_config.n_expert > 1:
-        device = "cpu"
+    A mixture of experts runs there too (static shapes: its capacity buffers are counted).
+    Cached: a plan asks for the same step often."""
     keys = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))
     return _step_peak_bytes(keys, tuple(sorted(model_config.__dict__.items())), n_layer, batch_size, seq_len, device)
 
@@ -365,19 +363,15 @@ def memory_problem(config, processes, vocab, available_gib, where, heap=0.0):
     """None when the run fits in available_gib per process (the plan's figure), else one line: what
     it needs, what `where` has, and what the plan says would fit: activation checkpointing, a
     smaller batch_size (more micro-steps when global_batch_size fixes the batch), or FSDP on N
-    processes with this much memory each. Nothing is allocated, except for a mixture of experts
-    whose states fit (its step is measured on the CPU: step_peak_bytes); one whose states alone do
-    not fit is judged on those. heap: process_gib's allowance for the allocator."""
-    states = process_gib(config, processes, vocab, measure=False)[1]
-    measure = config["n_expert"] == 1 or states <= available_gib
-    need = process_gib(config, processes, vocab, measure, heap)[0] if measure else states
+    processes with this much memory each. Nothing is allocated (step_peak_bytes runs on meta).
+    heap: process_gib's allowance for the allocator."""
+    need = process_gib(config, processes, vocab, heap=heap)[0]
     if need <= available_gib:
         return None
 
     def fits(**changes):
         changed = {**config, **changes}
-        gib = process_gib(changed, changed.pop("processes", processes), vocab, measure, heap)
-        return (gib[0] if measure else gib[1]) <= available_gib
+        return process_gib(changed, changed.pop("processes", processes), vocab, heap=heap)[0] <= available_gib
 
     options = []
     if not config["activation_checkpointing"] and fits(activation_checkpointing=True):
@@ -402,10 +396,9 @@ def memory_problem(config, processes, vocab, available_gib, where, heap=0.0):
         n *= 2
     if n <= 4096:
         flags = "".join(f" --{key}={value}" for key, value in fsdp_fits(n).items())
-        options.append(f"--parallel=fsdp{flags} on {n} processes (torchrun) of {available_gib:.1f} GiB each"
-                       + ("" if measure else " (for the states; plan.py --processes N adds the activations)"))
+        options.append(f"--parallel=fsdp{flags} on {n} processes (torchrun) of {available_gib:.1f} GiB each")
     would = ("; it would fit with " + ", or with ".join(options)) if options else "; nothing the plan tries fits"
-    what = "weights, gradients, AdamW states and activations" if measure else "weights, gradients and AdamW states alone"
+    what = "weights, gradients, AdamW states and activations"
     return (f"this run needs {need:.1f} GiB per process ({what}; `python plan.py <config>` gives the parts) but "
             f"{where} has {available_gib:.1f} GiB{would}; to start it anyway: --check_memory=False")
 

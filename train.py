@@ -79,6 +79,7 @@ arch = "gpt2"                        # gpt2 | llama (RMSNorm, RoPE, SwiGLU; SimR
 ffn_hidden = 0                       # llama: SwiGLU width; 0 = 8/3 n_embd rounded up to a multiple of 256
 n_expert = 1                         # llama: > 1 = Mixtral mixture of experts
 top_k = 2                            # experts per token
+capacity_factor = 0.0                # slots per expert: x tokens * top_k / n_expert; 0 = all tokens, none dropped
 moe_aux_weight = 0.02                # weight of the router's load-balancing loss (Mixtral-8x7B's 0.02)
 rope_theta = 10000.0
 init_std = 0.01                      # llama: std of every weight matrix
@@ -236,8 +237,8 @@ if compile == "True" or (compile == "auto" and on_cuda):
     parallelism.compile_blocks(model)
 train_model, train_objective = parallelism.parallelize(
     model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
-    # parameters without a gradient on some rank: experts that got no token; a headless run's untied LM head
-    unused_parameters=n_expert > 1 or not (objective.needs_logits or tie_weights), weights=start_weights,
+    # parameters without a gradient: a headless run's untied LM head (experts always get one, stacked)
+    unused_parameters=not (objective.needs_logits or tie_weights), weights=start_weights,
     keep_gathered=fsdp_keep_gathered, shard_size=fsdp_shard_size)
 del start_weights  # copied in (whole in memory if read from FSDP shards); parameters are now shards under fsdp
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2),
@@ -343,7 +344,8 @@ while True:
             grad_recorder.watch(logits, hidden_states)
             scaler.scale(loss).backward()
         step_loss = step_loss + loss.detach()  # the step's loss: the mean over its micro-steps
-        for name, value in terms.items():
+        dropped = {} if model.dropped_fraction is None else {"moe_dropped": model.dropped_fraction}  # share past capacity
+        for name, value in {**terms, **dropped}.items():
             step_terms[name] = step_terms.get(name, 0) + value.detach() / gradient_accumulation_steps
         grad_recorder.add(x, y, logits, hidden_states, scaler)
         del logits, hidden_states  # or they live on into the next forward: one more logits at the peak

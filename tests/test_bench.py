@@ -61,3 +61,16 @@ def test_out_writes_the_report_with_how_it_was_made_and_the_goals(tmp_path):
     (goal,) = [line for line in text.splitlines() if line.startswith("- CWT step, speed-up over CE")]
     assert goal.endswith(f": {speed_up:.2f}x, {'met' if speed_up >= 2 else 'NOT met'}")
     assert f"wrote {path}" in out
+
+
+def test_moe_section_times_the_loop_and_the_static_forward_on_the_same_function():
+    times = bench.moe_times(C=16, H=32, N=40, steps=1, warmup=0, device="cpu", factors=(1.0, 0.0))
+    assert len(times) == 3 and all(t > 0 and 0 <= d < 1 for t, d in times.values())
+    assert times["static, capacity_factor 0.0"][1] == 0.0
+    # what it times as "before" is the model's function where nothing is dropped
+    import torch
+    from model import MixtureOfExperts
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(GPTConfig(arch="llama", n_embd=16, n_head=1, ffn_hidden=32, n_expert=8, top_k=2))
+    x = torch.randn(40, 16)
+    torch.testing.assert_close(bench.expert_loop(moe, x), moe(x))

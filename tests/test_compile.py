@@ -2,12 +2,14 @@
 train.py's `compile` key) computes what the eager blocks compute, and the losses' full-fp32 region
 (model.full_fp32) switches TF32 off for its matmuls and restores the step's setting after."""
 
+import copy
+
 import torch
 from torch.overrides import TorchFunctionMode
 
 import losses
 import parallelism
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, LlamaBlock, rope_angles
 
 
 def test_compiled_blocks_match_eager():
@@ -26,6 +28,29 @@ def test_compiled_blocks_match_eager():
         loss.backward()
         model.loss = loss.detach()
     torch.testing.assert_close(compiled.loss, eager.loss, rtol=1e-5, atol=1e-6)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_mixture_of_experts_block_compiles_as_one_graph():
+    """fullgraph=True: no graph break (the routing has static shapes and no host sync), at a
+    capacity that drops slots, so the dropping is traced too; aot_eager as above."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=50, block_size=16, n_layer=1, n_head=2, n_embd=16, arch="llama", ffn_hidden=32,
+                       n_expert=4, top_k=2, capacity_factor=0.75)
+    eager = LlamaBlock(config)
+    for p in eager.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.3)
+    compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, backend="aot_eager")
+    cos, sin = rope_angles(16, 8, config.rope_theta, "cpu")
+    x = torch.randn(3, 16, 16)
+    for block in (eager, compiled):
+        out = block(x, cos, sin)
+        (out.square().mean() + block.mlp.aux_loss).backward()
+        block.out = out.detach()
+    assert eager.mlp.dropped_fraction.item() > 0
+    torch.testing.assert_close(compiled.mlp.dropped_fraction, eager.mlp.dropped_fraction)
+    torch.testing.assert_close(compiled.out, eager.out, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
 

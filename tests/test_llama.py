@@ -49,7 +49,7 @@ def test_rope_scores_depend_only_on_relative_position():
 
 def moe_by_hand(moe, x):
     """Mixtral's MLP token by token: softmax over all experts, keep the top_k, renormalise."""
-    E, k = len(moe.experts), moe.top_k
+    E, k = moe.gate.size(0), moe.top_k
     out = torch.zeros_like(x)
     f, P = torch.zeros(E, dtype=x.dtype), torch.zeros(E, dtype=x.dtype)
     for n in range(x.size(0)):
@@ -57,19 +57,39 @@ def moe_by_hand(moe, x):
         chosen = sorted(range(E), key=lambda e: -probs[e].item())[:k]
         total = sum(probs[e] for e in chosen)
         for e in chosen:
-            expert = moe.experts[e]
-            h = F.silu(expert.gate.weight @ x[n]) * (expert.up.weight @ x[n])
-            out[n] += probs[e] / total * (expert.down.weight @ h)
+            h = F.silu(moe.gate[e] @ x[n]) * (moe.up[e] @ x[n])
+            out[n] += probs[e] / total * (moe.down[e] @ h)
             f[e] += 1.0 / (x.size(0) * k)
         P += probs / x.size(0)
     return out, E * (f * P).sum()
 
 
-def test_moe_matches_token_by_token_routing_and_balance_loss():
-    torch.manual_seed(0)
-    moe = MixtureOfExperts(MOE).double()
+def moe_by_expert_loop(moe, x):
+    """The MoE forward as model.py had it before its static shapes (issue 31): a loop over the
+    experts, each on the tokens routed to it (torch.where: a data-dependent shape), nothing dropped."""
+    shape, E = x.shape, moe.gate.size(0)
+    x = x.reshape(-1, shape[-1])
+    probs = torch.softmax(moe.router(x), dim=-1)
+    top_p, top_e = probs.topk(moe.top_k, dim=-1)
+    top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(E):
+        token, slot = torch.where(top_e == e)
+        h = F.silu(x[token] @ moe.gate[e].t()) * (x[token] @ moe.up[e].t())
+        out = out.index_add(0, token, (h @ moe.down[e].t()) * top_p[token, slot, None])
+    return out.view(shape)
+
+
+def random_moe(config, seed, std=0.5):
+    torch.manual_seed(seed)
+    moe = MixtureOfExperts(config).double()
     for p in moe.parameters():
-        torch.nn.init.normal_(p, 0.0, 0.5)
+        torch.nn.init.normal_(p, 0.0, std)
+    return moe
+
+
+def test_moe_matches_token_by_token_routing_and_balance_loss():
+    moe = random_moe(MOE, 0)
     x = torch.randn(2, 5, MOE.n_embd, dtype=torch.float64)
     out = moe(x)
     expected, aux = moe_by_hand(moe, x.view(-1, MOE.n_embd))
@@ -77,11 +97,79 @@ def test_moe_matches_token_by_token_routing_and_balance_loss():
     torch.testing.assert_close(moe.aux_loss, aux)
 
 
+@pytest.mark.parametrize("capacity", ["all tokens", "the fullest expert's load"])
+def test_moe_outputs_and_gradients_equal_the_loop_over_experts_when_nothing_is_dropped(capacity):
+    """Float64, every parameter's gradient and the input's: at the default factor (n_expert /
+    top_k: room for every token in every expert), and at the factor whose capacity is exactly
+    the fullest expert's load (one slot less drops)."""
+    moe, loop = random_moe(MOE, 2), random_moe(MOE, 2)
+    x = torch.randn(3, 8, MOE.n_embd, dtype=torch.float64, requires_grad=True)
+    x_loop = x.detach().clone().requires_grad_()
+    if capacity != "all tokens":
+        N, E, k = 24, MOE.n_expert, MOE.top_k
+        fullest = torch.bincount(moe.router(x.view(N, -1)).topk(k, dim=-1).indices.flatten(), minlength=E).max().item()
+        assert fullest < N
+        moe.capacity_factor = (fullest - 1) * E / (N * k)
+        moe(x)
+        assert moe.dropped_fraction.item() > 0
+        moe.capacity_factor = (fullest - 0.5) * E / (N * k)  # ceil(capacity_factor * N * k / E) = fullest
+    out, expected = moe(x), moe_by_expert_loop(loop, x_loop)
+    assert moe.dropped_fraction.item() == 0.0
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    grad_out = torch.randn_like(out)
+    (out * grad_out).sum().backward()
+    (expected * grad_out).sum().backward()
+    torch.testing.assert_close(x.grad, x_loop.grad, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(moe.named_parameters(), loop.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_moe_drops_the_slots_past_capacity_and_reports_their_share():
+    """Brute force: walk the slots in GShard's order (every token's first choice in token order,
+    then every second choice), fill each expert up to `capacity`; a slot that finds its expert
+    full adds nothing. Each token's output is the sum over its kept slots."""
+    config = GPTConfig(**{**MOE.__dict__, "capacity_factor": 0.5})
+    moe = random_moe(config, 3)
+    x = torch.randn(2, 12, MOE.n_embd, dtype=torch.float64)
+    out = moe(x).view(-1, MOE.n_embd)
+    xs = x.view(-1, MOE.n_embd)
+    N, E, k = xs.size(0), MOE.n_expert, MOE.top_k
+    capacity = math.ceil(0.5 * N * k / E)
+    probs = torch.softmax(xs @ moe.router.weight.t(), dim=-1)
+    top_p, top_e = probs.topk(k, dim=-1)
+    top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+    load, dropped, expected = [0] * E, 0, torch.zeros_like(xs)
+    for j in range(k):
+        for n in range(N):
+            e = top_e[n, j].item()
+            if load[e] == capacity:
+                dropped += 1
+                continue
+            load[e] += 1
+            h = F.silu(moe.gate[e] @ xs[n]) * (moe.up[e] @ xs[n])
+            expected[n] += top_p[n, j] * (moe.down[e] @ h)
+    assert 0 < dropped < N * k  # the case is a real one: some slots dropped, not all
+    assert moe.dropped_fraction.item() == pytest.approx(dropped / (N * k), abs=1e-12)
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    lost = expected.abs().sum(dim=1) == 0  # tokens whose every slot was dropped get exactly zero
+    assert lost.any() and torch.equal(out[lost], torch.zeros_like(out[lost]))
+
+
+def test_moe_shapes_do_not_depend_on_the_data():
+    """On the meta device tensors have shapes and no values: a forward whose shapes depended on the
+    routing (the loop over experts: torch.where) cannot run there; this one runs, backward too."""
+    with torch.device("meta"):
+        moe = MixtureOfExperts(GPTConfig(**{**MOE.__dict__, "capacity_factor": 1.25}))
+        x = torch.randn(2, 5, MOE.n_embd, requires_grad=True)
+        out = moe(x)
+        (out.sum() + moe.aux_loss).backward()
+        assert out.shape == x.shape and moe.gate.grad.shape == moe.gate.shape and moe.dropped_fraction.shape == ()
+        with pytest.raises(NotImplementedError, match="nonzero"):
+            moe_by_expert_loop(moe, x)
+
+
 def test_moe_gradcheck():
-    torch.manual_seed(1)
-    moe = MixtureOfExperts(MOE).double()
-    for p in moe.parameters():
-        torch.nn.init.normal_(p, 0.0, 0.5)
+    moe = random_moe(MOE, 1)
     x = torch.randn(1, 4, MOE.n_embd, dtype=torch.float64, requires_grad=True)
     # top-k is piecewise constant; a step of 1e-6 does not change which experts are chosen here
     assert torch.autograd.gradcheck(lambda x: (moe(x), moe.aux_loss), (x,))
@@ -114,8 +202,13 @@ def test_paper_sizes_match_closed_form(name, L, H, C, F_, E):
         model = GPT(config)
     total, active = closed_form_params(L, C, F_, 50304, E, 2 if E > 1 else None)
     assert model.num_params() == total and model.num_params(active=True) == active
-    # FLOPs per token: 6 x (active matmul weights: no input embedding lookup) + attention
-    assert model.flops_per_token() == 6 * (active - 50304 * C) + 12 * L * C * 2048
+    # FLOPs per token: 6 x (computed matmul weights: no input embedding lookup) + attention; a
+    # mixture of experts that may drop nothing computes every expert on every token
+    assert model.flops_per_token() == 6 * (total - 50304 * C) + 12 * L * C * 2048
+    if E > 1:  # capacity 1.25 * N * top_k / E per expert: 2.5 experts' worth per token
+        with torch.device("meta"):
+            model = GPT(GPTConfig(**{**config.__dict__, "capacity_factor": 1.25}))
+        assert model.flops_per_token() == 6 * (active + L * 3 * C * F_ // 2 - 50304 * C) + 12 * L * C * 2048
 
 
 @pytest.mark.parametrize("config", [GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16), LLAMA, MOE],
@@ -147,6 +240,9 @@ def test_llama_init_std_and_untied_head():
     assert model.h[0].mlp.gate.weight.std().item() == pytest.approx(0.01, rel=0.02)
     assert model.config.ffn_width == 768  # 8/3 * 256 = 682.7 -> next multiple of 256
     assert torch.equal(model.h[0].attn_norm.weight, torch.ones(256))
+    moe = build_model(GPTConfig(**{**model.config.__dict__, "n_expert": 4, "n_embd": 64, "n_head": 2}))
+    for w in (moe.h[0].mlp.gate, moe.h[0].mlp.up, moe.h[0].mlp.down):  # each expert's weights as a dense MLP's
+        assert w.shape[0] == 4 and w.mean().abs().item() < 1e-3 and w.std().item() == pytest.approx(0.01, rel=0.02)
 
 
 def test_bad_architecture_settings_say_which_key():
@@ -156,3 +252,14 @@ def test_bad_architecture_settings_say_which_key():
         GPTConfig(arch="llama", n_expert=4, top_k=5)
     with pytest.raises(ValueError, match="n_expert"):
         GPTConfig(arch="gpt2", n_expert=4)
+
+
+def test_balance_loss_is_hugging_faces_mixtral_loss_divided_by_top_k():
+    """transformers' load_balancing_loss_func counts the routed slots per token (they sum to top_k)
+    where ours takes their fraction (sums to 1): for one layer it is exactly top_k times ours."""
+    mixtral = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    moe = random_moe(MOE, 4)
+    x = torch.randn(2, 9, MOE.n_embd, dtype=torch.float64)
+    moe(x)
+    theirs = mixtral.load_balancing_loss_func((moe.router(x.view(18, -1)),), MOE.n_expert, MOE.top_k)
+    assert theirs.item() == pytest.approx(MOE.top_k * moe.aux_loss.item(), rel=1e-6)

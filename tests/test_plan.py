@@ -288,17 +288,23 @@ def test_memory_problem_of_a_7b_model_suggests_the_smallest_fsdp_that_fits():
     assert plan.process_gib(fsdp, n, 50304)[0] <= 24.0 < plan.process_gib(fsdp, n // 2, 50304)[0]
 
 
-def test_memory_problem_of_experts_whose_states_cannot_fit_counts_states_alone():
-    """A mixture of experts is measured on the CPU (its routing cannot run on meta): when its
-    weights, gradients and AdamW states alone do not fit, nothing is measured."""
+def test_memory_problem_of_experts_counts_their_activations_measured_on_meta():
+    """A mixture of experts runs on meta like the rest (static shapes): nothing is allocated, and
+    the activations, capacity buffers included, are counted with the states."""
     config = {**config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--global_batch_size=0"), "dtype": "float32"}
     message = plan.memory_problem(config, 1, 50304, 24.0, "cpu")
-    states = plan.process_gib(config, 1, 50304, measure=False)[1]
-    assert message.startswith(f"this run needs {states:.1f} GiB per process (weights, gradients and AdamW states alone")
-    assert "--parallel=fsdp --fsdp_keep_gathered=False on " in message  # (see the 7B test above)
-    n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp", "fsdp_keep_gathered": False}
-    assert plan.process_gib(fsdp, n, 50304, measure=False)[1] <= 24.0 < \
-        plan.process_gib(fsdp, n // 2, 50304, measure=False)[1]
+    need = plan.process_gib(config, 1, 50304)[0]
+    assert need > plan.process_gib(config, 1, 50304, measure=False)[1]  # the activations are in
+    assert message.startswith(f"this run needs {need:.1f} GiB per process (weights, gradients, AdamW states and "
+                              "activations")
+    assert "--parallel=fsdp --activation_checkpointing=True --fsdp_keep_gathered=False on " in message
+    n = smallest_fsdp(message)
+    fsdp = {**config, "parallel": "fsdp", "activation_checkpointing": True, "fsdp_keep_gathered": False}
+    assert plan.process_gib(fsdp, n, 50304)[0] <= 24.0 < plan.process_gib(fsdp, n // 2, 50304)[0]
+    # the capacity's buffers are counted: a capacity of 1.25 x the routed slots needs less than every token
+    fewer = {**config, "capacity_factor": 1.25}
+    assert plan.activation_gib(fewer, plan.model_config(fewer, 50304), 16, 2048)["block"] < \
+        plan.activation_gib(config, plan.model_config(config, 50304), 16, 2048)["block"]
 
 
 def test_ddp_communication_is_one_all_reduce_per_step():
@@ -366,9 +372,12 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
     kept = plan.make_plan({**config, "fsdp_keep_gathered": True}, 64, measure=False)
     assert f"--fsdp_keep_gathered=True: {kept['communication']['seconds']:.2f} s" in warnings[0]
     assert f"{kept['memory']['fsdp']['checkpointed']:.1f} GiB per GPU" in warnings[0]
-    # the mixture of experts gathers all 8 experts: not even one micro-step is enough on 64 processes, and
-    # the warning names the most processes whose one micro-step computes longer than it communicates
-    config = config_of("config/baseline_moe_8x1b.py", "--batch_size=1")
+    # the mixture of experts gathers all 8 experts: at capacity 1.25 (2.5 experts' worth of compute per token)
+    # not even one micro-step is enough on 64 processes, and the warning names the most processes whose one
+    # micro-step computes longer than it communicates. The config's capacity (every expert on every token) hides it.
+    assert "exceeds compute" not in plan.format_plan(plan.make_plan(config_of("config/baseline_moe_8x1b.py"), 64,
+                                                                    measure=False))
+    config = config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--capacity_factor=1.25")
     warning = plan.format_plan(plan.make_plan(config, 64, measure=False)).split("warning: ")[1].split("\n")[0]
     n = int(warning.split(" processes, one micro-step")[0].split("on ")[-1])
     assert f"--batch_size={512 // n} each" in warning

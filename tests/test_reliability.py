@@ -388,8 +388,12 @@ def test_sample_refuses_bad_arguments_in_one_line(tmp_path, args, message):
 def test_evaluate_and_sample_on_broken_paths(tmp_path, script):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"\x00" * 100)
+    old = tmp_path / "old_experts.pt"  # a mixture of experts saved before issue 31 stacked the experts
+    torch.save({"model_config": {}, "config": {}, "iter_num": 0,
+                "model": {"h.0.mlp.experts.0.gate.weight": torch.zeros(2, 2)}}, old)
     for path, expected in ((garbage, "cannot read checkpoint"), (tmp_path, "is a directory"),
-                           (tmp_path / "missing.pt", "no checkpoint at")):
+                           (tmp_path / "missing.pt", "no checkpoint at"),
+                           (old, "old per-expert layout (h.0.mlp.experts.0.gate.weight)")):
         result = run_tool(script, str(path))
         lines = [line for line in result.stderr.splitlines() if line.strip()]
         assert result.returncode == 1 and len(lines) == 1 and expected in lines[0], result.stderr[-2000:]

@@ -4,7 +4,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
     python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory | compile
-                                          # | plan_memory | plan_comm | prepare
+                                          # | plan_memory | plan_comm | prepare | moe
     python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
   toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
@@ -32,6 +32,9 @@ switched on, as ratios to the cross-entropy step measured in the same process:
   prepare prepare_c4.py's throughput with 1 and 2 workers on C4-format shards made from tiny
           Shakespeare, against tiktoken's own single-core speed on the same documents, and what
           that predicts for 350 C4 shards on a 32-core node
+  moe     one mixture-of-experts layer (half the 8x1B width, 2048 tokens), forward + backward: the
+          per-expert loop it had before issue 31 against the static forward at capacity factors
+          1, 1.25, 2 and 0 (no drop), in turn, with the share of slots dropped
 
 Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
 model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
@@ -54,7 +57,7 @@ from torch.utils._pytree import tree_flatten
 import parallelism
 import plan
 from losses import Objective, _SoftmaxCrossEntropy, cross_entropy, simreg
-from model import GPT, GPTConfig, build_model
+from model import GPT, GPTConfig, MixtureOfExperts, build_model
 from optim import configure_optimizers
 from utils import (autocast_context, choose_device, choose_dtype, exit_on_bad_arguments, exit_unless_writable,
                    keep_freed_memory, measure_matmul_flops, save_text, seconds)
@@ -351,6 +354,53 @@ def compile_step(args, device, dtype):
     table(f"toy CE step (4 x 128, T 64, batch 12), eager vs compiled blocks, {torch.get_num_threads()} thread(s)",
           ["model", "median ms", "ratio to eager"],
           [(name, f"{1000 * statistics.median(t):.1f}", f"{statistics.median(t) / base:.2f}") for name, t in times.items()])
+
+
+def expert_loop(moe, x):
+    """MixtureOfExperts.forward before issue 31, for timing: a loop over the experts, each on the
+    tokens routed to it (torch.where: a data-dependent shape, a host sync on a GPU), nothing dropped."""
+    probs = F.softmax(moe.router(x), dim=-1)
+    top_p, top_e = probs.topk(moe.top_k, dim=-1)
+    top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+    out = torch.zeros_like(x)
+    for e in range(moe.gate.size(0)):
+        token, slot = torch.where(top_e == e)
+        h = F.silu(F.linear(x[token], moe.gate[e])) * F.linear(x[token], moe.up[e])
+        out.index_add_(0, token, F.linear(h, moe.down[e]) * top_p[token, slot, None])
+    return out
+
+
+def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
+    """{way: (median seconds of one MoE layer's forward + backward, median share of slots dropped)}
+    for the per-expert loop and the static forward at each capacity factor, in turn (a background
+    load slows all alike). 8 experts, top-2, weights N(0, 0.01): a near-uniform router."""
+    torch.manual_seed(0)
+    moe = MixtureOfExperts(GPTConfig(arch="llama", n_embd=C, n_head=1, ffn_hidden=H, n_expert=8, top_k=2)).to(device)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, 0.0, 0.01)
+    x = torch.randn(N, C, device=device)
+    ways = {"loop over experts (before)": lambda: expert_loop(moe, x)}
+    for factor in factors:
+        ways[f"static, capacity_factor {factor}"] = (lambda f: lambda: setattr(moe, "capacity_factor", f) or moe(x))(factor)
+    times, dropped = {name: [] for name in ways}, {name: [] for name in ways}
+    for i in range(warmup + steps):
+        for name, forward in ways.items():
+            moe.zero_grad(set_to_none=True)
+            elapsed = seconds(lambda: forward().square().mean().backward(), device)
+            if i >= warmup:
+                times[name].append(elapsed)
+                dropped[name].append(moe.dropped_fraction.item() if name.startswith("static") else 0.0)
+    return {name: (statistics.median(times[name]), statistics.median(dropped[name])) for name in ways}
+
+
+def moe(args, device, dtype):
+    """One MoE layer at half the 8x1B width (C 1024, H 2816, 8 experts, top-2) on one 2048-token
+    sequence, float32: the per-expert loop against the static forward (model.py)."""
+    times = moe_times(1024, 2816, 2048, args.steps, args.warmup, device)
+    base = times["loop over experts (before)"][0]
+    table("one MoE layer, forward + backward (C 1024, H 2816, 8 experts, top-2, 2048 tokens, float32)",
+          ["forward", "median ms", "ratio to the loop", "slots dropped"],
+          [(name, f"{1000 * t:.0f}", f"{t / base:.2f}", f"{100 * d:.1f} %") for name, (t, d) in times.items()])
 
 
 PAPER_CONFIGS = ["config/c4_tiny.py", "config/baseline_350m.py", "config/baseline_1b3.py", "config/baseline_3b.py",
@@ -679,7 +729,7 @@ def prepare_throughput(args, device, dtype):
 
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
             "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory, "compile": compile_step,
-            "plan_memory": plan_memory, "plan_comm": plan_comm, "prepare": prepare_throughput}
+            "plan_memory": plan_memory, "plan_comm": plan_comm, "prepare": prepare_throughput, "moe": moe}
 
 
 def write_report(path, argv):

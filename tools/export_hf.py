@@ -126,9 +126,9 @@ def llama_weights(sd, config):
                     hf + "self_attn.o_proj.weight": sd[ours + "attn.wo.weight"]})
         if config.n_expert > 1:
             out[hf + "block_sparse_moe.gate.weight"] = sd[ours + "mlp.router.weight"]
-            for e in range(config.n_expert):
+            for e in range(config.n_expert):  # ours are stacked (E, out, in): expert e's matrix is row e
                 for theirs, mine in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
-                    out[f"{hf}block_sparse_moe.experts.{e}.{theirs}.weight"] = sd[f"{ours}mlp.experts.{e}.{mine}.weight"]
+                    out[f"{hf}block_sparse_moe.experts.{e}.{theirs}.weight"] = sd[f"{ours}mlp.{mine}"][e]
         else:
             for theirs, mine in (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down")):
                 out[f"{hf}mlp.{theirs}.weight"] = sd[f"{ours}mlp.{mine}.weight"]
