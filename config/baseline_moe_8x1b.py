@@ -16,3 +16,4 @@ max_iters = 50000
 lr_decay_iters = 50000
 parallel = "fsdp"             # FSDP2: 7.3B parameters in all (2.3B active), sharded over the GPUs
 fsdp_keep_gathered = True     # gather each block once per optimizer step, not twice per micro-step (--dry_run: the bytes)
+activation_checkpointing = True   # every expert's (tokens x 5632) activations at capacity N: recompute them
