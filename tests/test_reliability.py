@@ -239,7 +239,7 @@ BAD_INPUTS = [
     ("margin negative", ["--margin=-1"], None, 2, "key 'margin' must be None or a finite number > 0, got -1"),
     ("eval_interval 0", ["--eval_interval=0"], None, 2, "key 'eval_interval' must be a positive integer, got 0"),
     ("max_iters negative", ["--max_iters=-1"], None, 2, "key 'max_iters' must be an integer >= 0, got -1"),
-    ("batch_size 0", ["--batch_size=0"], None, 2, "key 'batch_size' must be a positive integer, got 0"),
+    ("batch_size 0", ["--batch_size=0"], None, 2, "key 'batch_size' must be a positive integer or 'auto', got 0"),
     ("block_size 0", ["--block_size=0"], None, 2, "key 'block_size' must be a positive integer, got 0"),
     ("learning rate inf", ["--learning_rate=1e999"], None, 2, "key 'learning_rate' must be a finite number > 0"),
     ("dropout 1", ["--dropout=1.0"], None, 2, "key 'dropout' must be a number in [0, 1), got 1.0"),
