@@ -233,6 +233,10 @@ def _dispersion_one_layer(z, tau, variant, form="paper"):
         # squared distances per channel via |a|^2 + |b|^2 - 2ab (no (B,T,T,C) difference tensor)
         sq_norm = z.square().sum(-1)
         sq_dist = sq_norm.unsqueeze(2) + sq_norm.unsqueeze(1) - 2 * z @ z.transpose(1, 2)
+        # a state's distance to itself is 0, set rather than computed: |a|^2 + |a|^2 - 2 a.a leaves
+        # rounding noise whose gradient, in a TF32 backward on CUDA, outweighed the true gradient of
+        # the released form 5 to 1 (tools/gpu_check.py, results/gpu.md)
+        sq_dist = sq_dist.masked_fill(~off_diagonal, 0.0)
         distance = sq_dist.clamp_min(0) / (1 if authors else C)      # the released code: not / C
         # all T^2 pairs, i = j included: each diagonal term is exp(0) = 1, so the log-mean-exp
         # never falls below log(T / T^2) = -log T however far apart the states are pushed

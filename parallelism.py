@@ -66,13 +66,14 @@ def apply_activation_checkpointing(model):
         model.h[i] = checkpoint_wrapper(block)  # non-reentrant torch.utils.checkpoint
 
 
-def compile_blocks(model, backend="inductor"):
+def compile_blocks(model, backend="inductor", fullgraph=False):
     """torch.compile every block in place (nn.Module.compile: the state-dict keys stay the same):
     the block's matmuls, norms and pointwise ops are fused into fewer kernels. Block by block,
-    not the whole model, so that activation checkpointing (applied before) and FSDP (after) keep
-    working per block, and a compiled block is reused by all the identical ones."""
+    not the whole model, so that activation checkpointing and FSDP (both applied after) keep
+    working per block, and a compiled block is reused by all the identical ones. fullgraph=True:
+    a graph break is an error instead of a silent split (tools/gpu_check.py checks every block so)."""
     for block in model.h:
-        block.compile(backend=backend)
+        block.compile(backend=backend, fullgraph=fullgraph)
 
 
 def parallelize(model, objective, parallel, device, param_dtype=None, unused_parameters=False, weights=None,

@@ -228,13 +228,14 @@ if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fre
     if master:
         print(f"initialised from {init_from}" + (" (LM head := copy of wte)" if head_from_embedding else ""))
 
-# parallelism goes on from outside, in one place: activation checkpointing first, then DDP or
-# FSDP2 (parallelism.py). train_model / train_objective are what the training step runs
+# parallelism goes on from outside, in one place: compile, activation checkpointing around the
+# compiled blocks (a MoE block's routing statistics cannot be traced inside a checkpoint), then DDP
+# or FSDP2 (parallelism.py). train_model / train_objective are what the training step runs
 # forward through; `model` and `objective` stay the modules themselves for everything else.
-if activation_checkpointing:
-    parallelism.apply_activation_checkpointing(model)
 if compile == "True" or (compile == "auto" and on_cuda):
     parallelism.compile_blocks(model)
+if activation_checkpointing:
+    parallelism.apply_activation_checkpointing(model)
 train_model, train_objective = parallelism.parallelize(
     model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # parameters without a gradient: a headless run's untied LM head (experts always get one, stacked)

@@ -4,6 +4,7 @@ train.py's `compile` key) computes what the eager blocks compute, and the losses
 
 import copy
 
+import pytest
 import torch
 from torch.overrides import TorchFunctionMode
 
@@ -53,6 +54,30 @@ def test_a_mixture_of_experts_block_compiles_as_one_graph():
     torch.testing.assert_close(compiled.out, eager.out, rtol=1e-5, atol=1e-6)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_compiled_mixture_of_experts_blocks_under_activation_checkpointing_match_eager():
+    """train.py's order, compile then activation checkpointing around the compiled blocks, takes a MoE
+    block whole (fullgraph=True). The other order cannot: the block's routing statistics (aux_loss,
+    dropped_fraction) are attributes set in forward, a side effect torch.compile refuses inside a
+    checkpoint, so the blocks would have run uncompiled."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32, arch="llama", ffn_hidden=64,
+                       n_expert=4, tie_weights=False)
+    eager, compiled = GPT(config), GPT(config)
+    compiled.load_state_dict(eager.state_dict())
+    parallelism.compile_blocks(compiled, backend="aot_eager", fullgraph=True)
+    parallelism.apply_activation_checkpointing(compiled)
+    x = torch.randint(0, 64, (2, 16))
+    for model in (eager, compiled):
+        (losses.cross_entropy(model(x), x) + 0.02 * model.aux_loss).backward()
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
+    other_order = GPT(config)
+    parallelism.apply_activation_checkpointing(other_order)
+    parallelism.compile_blocks(other_order, backend="aot_eager", fullgraph=True)
+    with pytest.raises(Exception, match="side effect"):
+        other_order(x)
 
 
 class MatmulPrecision(TorchFunctionMode):

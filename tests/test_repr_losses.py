@@ -537,3 +537,16 @@ def test_l2_repel_is_bounded_below_as_states_grow_apart():
     assert abs(repulsion[-1] + math.log(T)) < 1e-6                 # at the floor
     losses = [dispersion(z * s, 1.0, "l2_repel").item() for s in (10.0, 100.0, 1000.0)]
     assert losses[0] < losses[1] < losses[2]
+
+
+def test_released_l2_repel_self_distance_adds_no_rounding_noise_to_the_gradient():
+    """Without the /C the released l2_repel's repulsion is exp(-2C)-small on spread states, so its gradient
+    is the norm term's alone. A state's distance to itself is set to 0, not computed as |a|^2 + |a|^2 - 2a.a:
+    the computed one left float32 rounding noise in the gradient 1e-4 of its size (5 times the whole gradient
+    in a TF32 backward on CUDA, tools/gpu_check.py), now float32's own rounding."""
+    torch.manual_seed(0)
+    z = torch.randn(4, 256, 256, dtype=torch.float64)
+    exact = 0.1 * 2 * z / z.numel()  # d/dz of 0.1 mean(z^2); the repulsion adds ~exp(-512)
+    z32 = z.float().requires_grad_()
+    dispersion([z32], 1.0, "l2_repel", form="authors").backward()
+    assert ((z32.grad.double() - exact).norm() / exact.norm()).item() < 1e-6
