@@ -1,15 +1,13 @@
 """
-Checkpoints of a training run, kept apart from train.py: what is saved, how it is written so that
-no crash or full disk can leave a run without a good checkpoint, and how a run resumes.
+What a checkpoint holds and how it is written and read, so that no crash or full disk can leave a
+run without a good checkpoint (run.py decides when and where a run writes them).
 
-A run's out_dir holds
-    ckpt.pt / ckpt.json            the latest full state: weights, optimizer, step, data and RNG state
-    ckpt_prev.pt / ckpt_prev.json  the full state before it, kept in case the latest cannot be read
-    best.pt / best.json            weights only, the best validation loss so far (what evaluate.py scores)
-    run.lock                       flock-ed by the run writing out_dir (lock_run); names it; not a run file
-Every .pt has a readable .json beside it (config, step, losses). Under FSDP the full state is
-sharded into ckpt_dcp/<slot>/ and ckpt.pt names the slot (parallelism.save_sharded); best.pt's
-weights likewise into best_dcp/step_<iter>/.
+    ckpt.pt    the full state: weights, optimizer, step, data and RNG state (run_state, TrainingState)
+    best.pt    the weights alone (save_weights)
+Every .pt has a readable .json beside it (config, step, losses). Under FSDP every rank writes its
+own shards with torch.distributed.checkpoint (DCP; save_sharded, load_sharded): the full state
+into ckpt_dcp/<slot>/ and ckpt.pt names the slot; best.pt's weights into best_dcp/step_<iter>/.
+load_with_weights reads either kind whole in one process.
 
 Writes go to a temporary file that is renamed into place (utils.atomic_write), so a kill at any
 moment leaves either the old or the new file, never half of one. Every function takes what it
@@ -17,31 +15,20 @@ needs as arguments; errors a user can fix are raised as CheckpointError with one
 the file.
 """
 
-import errno
-import fcntl
 import json
-import math
 import os
 import pickle
-import shlex
 import shutil
-import socket
-import time
 import zipfile
 
 import torch
 
 import parallelism
-import tracking
 from data import DataError, dataset_mismatch, read_meta
-from utils import LogError, atomic_write, exit_run, read_log, save_json, save_text, write_failure
+from utils import atomic_write, save_json, write_failure
 
-# the files of a run: a fresh run refuses an out_dir holding any of them
-RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
-             "metrics.json", "marginalization.json", tracking.ID_FILE)
-LOCK_FILE = "run.lock"  # held (flock) by the one run that writes out_dir; not a run file
-DCP_SLOTS = ("a", "b", "c")
-BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)  # FSDP shard folders: the latest, the previous, and the one being written
+DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders of ckpt.pt: the latest, the previous, and the one being written
+BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)
 
 
 class CheckpointError(Exception):
@@ -94,7 +81,7 @@ def load_with_weights(path, device="cpu", mmap=False):
 
 def sharded_weights(directory, device="cpu"):
     """{'model': {name: tensor}, 'objective': {...}}: the whole weights from the shards that
-    parallelism.save_sharded wrote into directory, without the optimizer state (for a 7B run that
+    save_sharded wrote into directory, without the optimizer state (for a 7B run that
     reads 28 GB, not 84). The shapes and dtypes come from the checkpoint's own metadata, so no
     model has to be built first."""
     import warnings
@@ -123,22 +110,54 @@ def sharded_weights(directory, device="cpu"):
 def run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, training=None):
     """What a checkpoint holds besides the weights (save_full and save_weights add those): config,
     step and losses; the dataset's meta and resolved path (evaluate.py and sample.py run from
-    anywhere); training: what continuing exactly needs as well (training_state), for ckpt.pt."""
+    anywhere); training: what continuing exactly needs as well (TrainingState.state_dict), for ckpt.pt."""
     return {"model_config": model_config.__dict__, "config": config, "iter_num": iter_num,
             "best_val_loss": best_val_loss, "last_eval": last_eval, "meta": meta,
             "data_dir_resolved": os.path.realpath(config["data_dir"]), "processes": parallelism.world_size(),
             **(training or {})}
 
 
-def training_state(data_generator, epoch_windows, clipper, scaler, grad_parts, flops_done, device):
-    """The state besides weights and optimizers that resume() sets back: data order and RNG states
-    (epoch_windows: the position in data_order 'epoch', else None), AdaGC's EMAs, the loss scale,
-    FLOPs so far. Every rank draws the same random numbers and windows, so rank 0's states are everyone's."""
-    return dict(data_rng=data_generator.get_state(), torch_rng=torch.get_rng_state(), grad_parts=grad_parts,
-                data_position=epoch_windows.state_dict() if epoch_windows is not None else None,
-                cuda_rng=torch.cuda.get_rng_state() if torch.device(device).type == "cuda" else None,
-                flops_done=dict(flops_done), adagc=clipper.state_dict() if clipper is not None else None,
-                grad_scaler=scaler.state_dict())
+class TrainingState:
+    """What a full checkpoint holds besides the weights and the optimizer states, as one object with
+    state_dict / load_state_dict like the modules saved beside it: the FLOPs executed so far, the
+    data order (its generator and, with data_order 'epoch', the position in the epoch), the global
+    RNG states, AdaGC's EMAs (clipper), the float16 loss scale (scaler) and Stop Jostling's recorded
+    gradient parts (grad_recorder). Every rank draws the same random numbers and windows, so rank
+    0's state is everyone's. The step and the best validation loss are the loop's own (run_state)."""
+
+    def __init__(self, data_generator, epoch_windows=None, clipper=None, scaler=None, grad_recorder=None,
+                 device="cpu"):
+        self.data_generator, self.epoch_windows, self.clipper, self.scaler = data_generator, epoch_windows, clipper, scaler
+        self.grad_recorder, self.cuda = grad_recorder, torch.device(device).type == "cuda"
+        self.flops_done = {"train": 0, "eval": 0}  # what this run has executed (the grids' efficiency)
+
+    def state_dict(self):
+        return dict(flops_done=dict(self.flops_done), data_rng=self.data_generator.get_state(),
+                    data_position=self.epoch_windows.state_dict() if self.epoch_windows is not None else None,
+                    torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if self.cuda else None,
+                    adagc=self.clipper.state_dict() if self.clipper is not None else None,
+                    grad_scaler=self.scaler.state_dict() if self.scaler is not None else None,
+                    grad_parts=self.grad_recorder.steps if self.grad_recorder is not None else [])
+
+    def load_state_dict(self, state):
+        """Set everything back from a checkpoint's dict; a key an older checkpoint lacks keeps its
+        start value (no FLOPs counted before the count existed: 0; random data order until now: epoch 0)."""
+        self.flops_done = dict(state.get("flops_done") or self.flops_done)
+        self.data_generator.set_state(state["data_rng"].cpu())  # RNG states are CPU tensors wherever they were loaded
+        if self.epoch_windows is not None and state.get("data_position"):
+            try:
+                self.epoch_windows.load_state_dict(state["data_position"])
+            except DataError as e:
+                raise CheckpointError(f"cannot resume: {e}") from None
+        torch.set_rng_state(state["torch_rng"].cpu())
+        if self.cuda and state.get("cuda_rng") is not None:
+            torch.cuda.set_rng_state(state["cuda_rng"].cpu())
+        if self.clipper is not None and state.get("adagc") is not None:
+            self.clipper.load_state_dict(state["adagc"])
+        if self.scaler is not None and state.get("grad_scaler"):  # a float16 run's loss scale
+            self.scaler.load_state_dict(state["grad_scaler"])
+        if self.grad_recorder is not None:
+            self.grad_recorder.steps = state.get("grad_parts", [])
 
 
 def summary(state):
@@ -184,218 +203,6 @@ def write(path, state, keep_previous=False):
             f"{write_failure(path, e)}. "
             + (f"{' and '.join(kept)} {'is' if len(kept) == 1 else 'are'} intact." if kept else "Nothing was saved.")
         ) from None
-
-
-def remove_temporaries(out_dir):
-    """The temporary files a killed write left behind (this module and utils.atomic_write)."""
-    if os.path.isdir(out_dir):
-        for name in os.listdir(out_dir):
-            if name.startswith(".") and name.endswith(".tmp"):
-                os.remove(os.path.join(out_dir, name))
-
-
-def existing_run(out_dir):
-    """The run files already in out_dir (empty if none)."""
-    return [name for name in RUN_FILES if os.path.exists(os.path.join(out_dir, name))]
-
-
-def clear_run(out_dir):
-    """Delete a run on purpose (--overwrite=True): its files and FSDP shards, nothing else."""
-    for name in existing_run(out_dir):
-        os.remove(os.path.join(out_dir, name))
-    for shards in ("ckpt_dcp", BEST_DCP):
-        shutil.rmtree(os.path.join(out_dir, shards), ignore_errors=True)
-
-
-def lock_run(out_dir, command):
-    """Make out_dir this process's for its whole life: an exclusive flock on out_dir/run.lock, so
-    that two runs never write one out_dir (a requeued job beside one still running, a command run
-    twice). Returns the open lock file: keep it open; the kernel drops the lock when the process
-    ends however it ends (kill -9 too), so a lock a dead run left is no obstacle. The holder (pid,
-    host, start, command) is written into the locked file itself, not renamed into place: a rename
-    would put an unlocked file at the path. Raises CheckpointError, before anything in out_dir is
-    changed, when out_dir cannot be a run's directory or a live run holds it."""
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise CheckpointError(f"out_dir {out_dir} is a file, not a directory; give another --out_dir")
-    path = os.path.join(out_dir, LOCK_FILE)
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        lock = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
-    except OSError as e:
-        told_apart = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
-        reason = write_failure(out_dir, e) if told_apart else f"cannot use {out_dir} as a run's directory ({e.strerror})"
-        raise CheckpointError(f"{reason}; give an --out_dir you can write to") from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        for _ in range(50):  # the holder writes its name just after it locks
-            holder = lock.read().strip()
-            if holder:
-                break
-            time.sleep(0.02)
-            lock.seek(0)
-        lock.close()
-        raise CheckpointError(f"{out_dir} is in use by a run that is still going ({holder or 'holder unknown'}); "
-                              f"wait for it to end or stop it, or give another --out_dir") from None
-    except OSError as e:  # ENOLCK: a network file system without lock support
-        lock.close()
-        raise CheckpointError(f"cannot lock {path} ({e.strerror}): the file system does not support locks; "
-                              f"put out_dir on a local or lock-capable file system (docs/runs.md)") from None
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()} on {socket.gethostname()}, started {time.strftime('%Y-%m-%d %H:%M:%S')}: "
-               f"{' '.join(command)}\n")
-    lock.flush()
-    return lock
-
-
-def start_of(init_from, out_dir):
-    """What init_from='auto' means for out_dir: 'resume' when it holds a checkpoint, 'scratch' when
-    it holds no run (the same command starts a job and continues it when it is requeued); a run
-    without a checkpoint to resume is refused. Other values are returned as they are."""
-    existing = existing_run(out_dir)
-    if init_from != "auto":
-        return init_from
-    if not existing:
-        return "scratch"
-    if "ckpt.pt" in existing or "ckpt_prev.pt" in existing:
-        return "resume"
-    raise CheckpointError(f"init_from='auto' but {out_dir} holds a run with no checkpoint to resume "
-                          f"({', '.join(existing)}); start it over with --init_from=scratch --overwrite=True or "
-                          f"give another --out_dir")
-
-
-def open_run(out_dir, init_from, overwrite, master, command):
-    """Take out_dir for this run, before anything in it changes: rank 0 locks it (lock_run), 'auto'
-    becomes 'resume' or 'scratch' (start_of), and a fresh run refuses a run already there (a
-    forgotten --init_from=resume would lose it) unless overwrite, which then deletes it whole.
-    Returns (lock or None, init_from). Collective: a CheckpointError on any rank is raised on all."""
-    lock, problem, existing = None, None, []
-    try:
-        lock = lock_run(out_dir, command) if master else None
-        init_from = start_of(init_from, out_dir)
-        existing = existing_run(out_dir) if init_from != "resume" else []
-        if existing and not overwrite:
-            raise CheckpointError(f"{out_dir} already holds a run ({', '.join(existing)}). Continue it with "
-                                  f"--init_from=resume, start it over on purpose with --overwrite=True, or give "
-                                  f"another --out_dir.")
-    except CheckpointError as e:
-        problem = str(e)
-    agree(problem)
-    if master:
-        if existing:
-            clear_run(out_dir)
-        remove_temporaries(out_dir)  # of a write that was killed
-    return lock, init_from
-
-
-def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_slots, data_generator,
-           epoch_windows, clipper, scaler):
-    """Continue the run in out_dir exactly: the newest readable full checkpoint (load_latest),
-    checked against config, loaded into modules and optimizers, and the data order, RNG, AdaGC and
-    loss-scale states set from it; the log lines from its step on are dropped (the loop logs them
-    again: the evaluation at that step, the steps a killed run logged after its checkpoint).
-    Returns (checkpoint, path, changes): changes as check_resumable returns them."""
-    checkpoint, path = load_latest(out_dir, device, master)
-    changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
-    restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
-    if master:
-        trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
-    # RNG states must be CPU tensors, whatever map_location moved them to
-    data_generator.set_state(checkpoint["data_rng"].cpu())
-    if epoch_windows is not None and checkpoint.get("data_position"):  # else (random order until now): epoch 0
-        try:
-            epoch_windows.load_state_dict(checkpoint["data_position"])
-        except DataError as e:
-            raise CheckpointError(f"cannot resume: {e}") from None
-    torch.set_rng_state(checkpoint["torch_rng"].cpu())
-    if torch.device(device).type == "cuda" and checkpoint.get("cuda_rng") is not None:
-        torch.cuda.set_rng_state(checkpoint["cuda_rng"].cpu())
-    if clipper is not None and checkpoint.get("adagc") is not None:
-        clipper.load_state_dict(checkpoint["adagc"])
-    if checkpoint.get("grad_scaler"):  # a float16 run's loss scale
-        scaler.load_state_dict(checkpoint["grad_scaler"])
-    if master:
-        print(f"resumed from {path} at iter {checkpoint['iter_num']}"
-              + "".join(f"; {key} {before!r} -> {after!r}" for key, (before, after) in changes.items()))
-    return checkpoint, path, changes
-
-
-class RunFiles:
-    """What a run writes in out_dir while it trains, every failure ending the run on every rank
-    with one line (utils.exit_run) and ckpt.pt intact: log.jsonl (and W&B), ckpt.pt with the
-    previous one kept as ckpt_prev.pt (FSDP: shards in ckpt_dcp/), best.pt. A non-finite loss or
-    weight ends the run before anything from it is written, naming the last good checkpoint.
-    modules: ModuleDict {'model', 'objective'}; under torchrun only rank 0 (master) writes files."""
-
-    def __init__(self, out_dir, modules, optimizers, parallel, master, device, learning_rate):
-        self.out_dir, self.modules, self.optimizers, self.parallel, self.master = (out_dir, modules, optimizers,
-                                                                                  parallel, master)
-        self.device, self.learning_rate = device, learning_rate  # the divergence message suggests a smaller one
-        self.dcp_slots = [None, None]  # FSDP: the ckpt_dcp/ folders that ckpt_prev.pt and ckpt.pt name
-        self.keep_previous = True  # False: ckpt.pt is the unreadable file a resume fell back from
-        self.saved_step = None  # the step ckpt.pt holds
-        self.wandb_run = None
-        # the training keys changed on a resume (--resume_changes), in every checkpoint from then on:
-        # [{"iter": step, "changes": {key: [before, after]}}]; the first 'before' of a key is its original value
-        self.config_changes = []
-
-    def resume(self, config, data_generator, epoch_windows, clipper, scaler):
-        """resume() into this run's modules: the checkpoint it continues from. The config changes
-        it allowed join the run's history, and the history's events from the resumed step on go
-        (back) into log.jsonl, which resume() cut at that step."""
-        state, path, changes = resume(self.out_dir, config, self.device, self.master, self.modules, self.optimizers,
-                                      self.parallel, self.dcp_slots, data_generator, epoch_windows, clipper, scaler)
-        self.keep_previous = path == os.path.join(self.out_dir, "ckpt.pt")
-        self.saved_step = state["iter_num"]
-        self.config_changes = state.get("config_changes", []) + (
-            [{"iter": state["iter_num"], "changes": changes}] if changes else [])
-        for event in self.config_changes:
-            if event["iter"] >= state["iter_num"]:
-                self.log({"iter": event["iter"], "event": "resume_changes", "changes": event["changes"]})
-        return state
-
-    def log(self, record):
-        if self.master and (problem := tracking.append_record(os.path.join(self.out_dir, "log.jsonl"), record,
-                                                              self.wandb_run)):
-            exit_run(problem)
-
-    def stop_if_diverged(self, values, where, step, check_weights=False):
-        """End the run when training has diverged, before anything is written from it: values
-        {name: float} are numbers already on the host (the logged losses, the evaluation), so this
-        adds no device sync to a training step; check_weights also looks at every weight, agreed
-        over all ranks. Exits with status 1 naming the step, the non-finite terms and the last
-        checkpoint that is still good."""
-        bad = [name for name, value in values.items() if isinstance(value, float) and not math.isfinite(value)]
-        if check_weights and not parallelism.all_finite(self.modules["model"].parameters(), self.device):
-            bad.append("weights")
-        if bad:
-            last = os.path.join(self.out_dir, "ckpt.pt" if self.keep_previous else "ckpt_prev.pt")
-            exit_run(f"training diverged at step {step}: non-finite {', '.join(bad)} ({where}). Nothing from this "
-                     f"step on was saved; the last good checkpoint is {last} (step {self.saved_step}). Resume from it "
-                     f"with a smaller learning_rate (now {self.learning_rate:g}): --init_from=resume "
-                     f"--learning_rate=...", self.master)
-
-    def save(self, state, training, best=False):
-        """ckpt.pt from run_state() + training_state(), and best=True also best.pt (weights only),
-        once every weight is checked finite. Collective."""
-        self.stop_if_diverged({}, "before writing a checkpoint", state["iter_num"], check_weights=True)
-        state = {**state, "config_changes": self.config_changes}
-        try:
-            if best:
-                save_weights(os.path.join(self.out_dir, "best.pt"), state, self.modules, self.parallel, self.master)
-            save_full(self.out_dir, {**state, **training}, self.modules, self.optimizers, self.parallel, self.master,
-                      self.dcp_slots, self.keep_previous)
-        except CheckpointError as e:  # on every rank (agree)
-            exit_run(str(e), self.master)
-        self.keep_previous, self.saved_step = True, state["iter_num"]
-
-
-def resume_command(argv, world_size):
-    """The command that continues a stopped run: its own arguments with --init_from=resume (an
-    --overwrite dropped: it would start the run over)."""
-    args = [a for a in argv[1:] if not a.startswith(("--init_from=", "--overwrite="))]
-    launcher = f"torchrun --nproc_per_node={world_size}" if world_size > 1 else "python"
-    return f"{launcher} {os.path.basename(argv[0])} {shlex.join(args)} --init_from=resume"
 
 
 def json_step(path):
@@ -451,63 +258,6 @@ def starting_weights(path, model_config, head_from_embedding, data_dir, device="
     return weights
 
 
-# the config keys that give the weights their shapes and the data its meaning: never changed on a resume
-RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias", "tie_weights",
-               "vocab_size", "low_resource", "separate_embeddings")
-# the keys a resume may change: how long and how often, where and with what it runs, logging. Every
-# other key changes what is trained or what the run's record means, and must equal the checkpoint's
-# unless --resume_changes names it. The batch may be split differently (batch_size, accumulation,
-# processes) as long as the global batch stays the same: the data order does not depend on the split.
-RESUME_MAY_CHANGE = ("out_dir", "data_dir", "data_source", "init_from", "head_from_embedding", "overwrite",
-                     "resume_changes", "max_iters", "eval_interval", "checkpoint_interval", "log_interval",
-                     "final_eval", "dry_run", "check_memory", "device", "num_threads", "compile", "parallel",
-                     "activation_checkpointing", "fsdp_keep_gathered", "fsdp_shard_size", "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
-                     "gradient_accumulation_steps", "global_batch_size")
-
-
-def global_batch(config, processes):
-    """Sequences per optimizer step over all processes."""
-    return config["global_batch_size"] or config["batch_size"] * config["gradient_accumulation_steps"] * processes
-
-
-def check_resumable(checkpoint, config, data_dir, processes=1):
-    """Refuse to resume with a config that changes what the checkpoint means or how it goes on
-    training, in one line listing every differing key with both values; the keys the user names
-    in config['resume_changes'] (comma-separated) may differ, and are returned as {key: [the
-    checkpoint's value, this config's]} for the run's record. Keys newer than the checkpoint count
-    as their default. data_dir compares resolved paths: the same data named relatively or
-    absolutely is the same data."""
-    from configurator import train_defaults  # a key newer than the checkpoint: it trained with its default
-    saved = {**train_defaults(), **checkpoint["config"]}  # (data_order before the key: 'random', its default)
-    for key in RESUME_KEYS:
-        if saved.get(key, config[key]) != config[key]:
-            raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was trained "
-                                  f"with {saved[key]!r} (it fixes the weights' shapes or the data's meaning)")
-    saved_data = checkpoint.get("data_dir_resolved") or os.path.realpath(saved["data_dir"])
-    if os.path.realpath(data_dir) != saved_data:
-        raise CheckpointError(f"cannot resume: key 'data_dir' is {data_dir!r} ({os.path.realpath(data_dir)}) but "
-                              f"the checkpoint was trained on {saved_data}")
-    check_dataset(checkpoint, data_dir)  # the same folder may hold other data by now
-    differing = {key: [saved[key], value] for key, value in config.items()
-                 if key not in RESUME_MAY_CHANGE and key in saved and saved[key] != value}
-    batch = "global batch (sequences per step)"  # named by any of its keys in resume_changes
-    if "processes" in checkpoint:  # a checkpoint from before the processes were recorded: per key
-        before, after = global_batch(saved, checkpoint["processes"]), global_batch(config, processes)
-        if before != after:
-            differing[batch] = [before, after]
-    allowed = {name.strip() for name in config.get("resume_changes", "").split(",") if name.strip()}
-    if allowed & {"batch_size", "gradient_accumulation_steps", "global_batch_size"}:
-        allowed.add(batch)
-    refused = {key: values for key, values in differing.items() if key not in allowed}
-    if refused:
-        listed = "; ".join(f"{key}: {before!r} there, {after!r} here" for key, (before, after) in refused.items())
-        names = ",".join("batch_size" if key == batch else key for key in refused)
-        raise CheckpointError(f"cannot resume: this command changes how the run trains ({listed}). Resume with the "
-                              f"checkpoint's values, or name what you mean to change: --resume_changes={names} "
-                              f"(recorded in the log and the checkpoint)")
-    return differing
-
-
 def check_dataset(checkpoint, data_dir, whole=True):
     """Raise CheckpointError when data_dir's dataset is not the one the checkpoint was trained on
     (data.dataset_mismatch; whole=False: another text with the same tokens is fine)."""
@@ -530,19 +280,6 @@ def data_dir_of(checkpoint, path, override=None):
             return candidate
     named = " or ".join(repr(c) for c in candidates if c)
     raise CheckpointError(f"the dataset of {path} is not at {named} (no meta.json there); pass --data_dir=...")
-
-
-def trim_log(log_path, iter_num):
-    """Drop the log lines from iter_num on (the resumed loop logs them again) and a torn last line
-    (a kill in the middle of a write); a damaged line elsewhere is an error."""
-    if not os.path.exists(log_path):
-        return
-    try:
-        records = read_log(log_path, allow_empty=True)
-    except LogError as e:
-        raise CheckpointError(f"cannot resume: {e} (ckpt.pt itself may be fine: move the log aside to resume "
-                              f"without it)") from None
-    save_text("".join(json.dumps(r) + "\n" for r in records if r["iter"] < iter_num), log_path)
 
 
 # full training state -----------------------------------------------------------------------------
@@ -584,7 +321,7 @@ def write_shards(directory, modules, optimizers, with_optimizers, master, path):
     parallelism.barrier()
     from torch.distributed.checkpoint.api import CheckpointException
     try:
-        parallelism.save_sharded(directory, modules, optimizers, with_optimizers=with_optimizers)
+        save_sharded(directory, modules, optimizers, with_optimizers=with_optimizers)
         problem = None
     except (OSError, RuntimeError, CheckpointException) as e:
         problem = f"cannot write the shards in {directory} ({str(e).splitlines()[0][:200]}); {path} is intact"
@@ -644,7 +381,7 @@ def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
         shapes = {k: list(v.shape) for k, v in modules["objective"].state_dict().items()}
         if checkpoint["objective_shapes"] != shapes:
             raise CheckpointError(objective_mismatch)
-        parallelism.load_sharded(os.path.join(out_dir, checkpoint["dcp"]), modules, optimizers,
+        load_sharded(os.path.join(out_dir, checkpoint["dcp"]), modules, optimizers,
                                  with_optimizers=checkpoint["dcp_optimizers"])
         dcp_slots[:] = [checkpoint.get("dcp_previous"), os.path.basename(checkpoint["dcp"])]
         return
@@ -658,3 +395,39 @@ def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
         raise CheckpointError(objective_mismatch) from None
     for opt, opt_state in zip(optimizers, checkpoint["optimizers"]):
         opt.load_state_dict(opt_state)
+
+
+# FSDP shards ----------------------------------------------------------------------------------
+# Sharded: every rank writes and reads only its own shards (torch.distributed.checkpoint, DCP),
+# which can be loaded back on a different number of ranks. `modules` is an nn.ModuleDict holding
+# the model and the objective, so the checkpoint's keys are model.<name> and objective.<name>.
+
+def save_sharded(directory, modules, optimizers, with_optimizers=True):
+    """Write the shards of modules (and optimizers) into directory; collective.
+    with_optimizers=False before the first optimizer step: get_state_dict would otherwise
+    initialise the empty AdamW state with a zero-gradient step (step count 1), and the run would
+    no longer match a single-process one."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+    if with_optimizers:
+        model_state, optimizer_state = get_state_dict(modules, optimizers)
+        state = {"model": model_state, "optimizers": optimizer_state}
+    else:
+        state = {"model": get_model_state_dict(modules)}
+    dcp.save(state, checkpoint_id=directory)
+
+
+def load_sharded(directory, modules, optimizers, with_optimizers=True):
+    """Read back what save_sharded wrote, in place; collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
+                                                         set_model_state_dict, set_state_dict)
+    if with_optimizers:
+        model_state, optimizer_state = get_state_dict(modules, optimizers)
+        state = {"model": model_state, "optimizers": optimizer_state}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(modules, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
+    else:
+        state = {"model": get_model_state_dict(modules)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(modules, state["model"])

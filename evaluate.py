@@ -257,7 +257,7 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
                     logits = torch.where(pick, passes["low"][0], logits)
                     hidden = [torch.where(pick, low_h, high_h) for low_h, high_h in zip(passes["low"][1], hidden)]
                 with autocast:
-                    _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1), model.input_embedding())
+                    _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1), model.embeddings())
                 row[2 * B:] = torch.stack([terms[name].float() for name in aux])
             if i < eval_iters:
                 results[i] = row

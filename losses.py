@@ -406,10 +406,11 @@ class Objective(nn.Module):
     @classmethod
     def from_config(cls, config):
         """The objective train.py's keys describe: `<loss>_weight` for each loss, SETTINGS by name."""
-        weights = {name: config[f"{name}_weight"] for name in ("ce", "simreg", "dispersion", "nitp", "cwt")}
+        weights = {name: config[f"{name}_weight"] for name in ("ce", "simreg", "dispersion", "nitp", "cwt")
+                   if f"{name}_weight" in config}  # a key the config lacks keeps __init__'s default
         moe_aux = config["moe_aux_weight"] if config.get("n_expert", 1) > 1 else 0.0
-        return cls(config["n_layer"], config["n_embd"], **weights, **{key: config[key] for key in cls.SETTINGS},
-                   moe_aux=moe_aux)
+        return cls(config["n_layer"], config["n_embd"], **weights,
+                   **{key: config[key] for key in cls.SETTINGS if key in config}, moe_aux=moe_aux)
 
     def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
                  simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
@@ -457,8 +458,11 @@ class Objective(nn.Module):
     def init_weights(self, std=0.02):
         fill_parameters(self, self.initializers(std))
 
-    def forward(self, logits, hidden_states, targets, wte, ignore_index=-1, router_loss=None):
+    def forward(self, logits, hidden_states, targets, embeddings, ignore_index=-1, router_loss=None):
         """-> (total, terms): the weighted sum and a dict of each active term's unweighted value.
+        embeddings: the weights a loss may need, by name (model.embeddings()): 'input', the (V, C)
+        rows looked up for input tokens, and 'output', the rows the final state is scored against
+        (the LM head; the same tensor as 'input' on a tied model).
         router_loss: a mixture of experts' load-balancing loss of this forward (Mixtral; model.aux_loss),
         added with weight moe_aux (computed per micro-batch like every term)."""
         terms = {}
@@ -480,9 +484,21 @@ class Objective(nn.Module):
             source = hidden_states[self.n_layer] if self.nitp_prenorm else final
             terms["nitp"] = nitp(self.nitp_head(source), hidden_states[self.nitp_layer])
         if self.weights["cwt"]:
-            terms["cwt"] = cwt(final, targets, wte, ignore_index, self.cwt_tau)
+            terms["cwt"] = cwt(final, targets, embeddings["input"], ignore_index, self.cwt_tau)
         if self.moe_aux and router_loss is not None:
             terms["moe_aux"] = router_loss
         weights = {**self.weights, "moe_aux": self.moe_aux}
         total = sum(weights[name] * value for name, value in terms.items())
         return total, terms
+
+
+def objective_step(model, objective, x, targets, run_model=None, run_objective=None):
+    """One micro-batch's training objective, the one way train.py, plan.py and the benchmarks
+    compute it: the model's forward (through run_model, the parallel wrapper a step runs, else the
+    model), then every loss of the objective on its outputs, each reaching the weights it needs by
+    name (model.embeddings()), and a mixture of experts' router loss. -> (loss, terms, logits,
+    hidden_states); logits is None for a headless objective (no LM head computed)."""
+    logits, hidden_states = (run_model or model)(x, return_hidden_states=True, compute_logits=objective.needs_logits)
+    loss, terms = (run_objective or objective)(logits, hidden_states, targets, model.embeddings(),
+                                               router_loss=model.aux_loss)
+    return loss, terms, logits, hidden_states

@@ -49,6 +49,13 @@ class GPTConfig:
     rope_theta: float = 10000.0
     init_std: float = 0.01    # std of every weight matrix (LLaMA recipe); gpt2 uses 0.02
 
+    @classmethod
+    def from_config(cls, config, vocab_size):
+        """The model train.py's keys describe (those of this dataclass), with the run's vocabulary
+        (the dataset's, doubled for the low-resource language, or vocab_size): ValueError if bad."""
+        return cls(**{**{key: config[key] for key in cls.__dataclass_fields__ if key in config},
+                      "vocab_size": vocab_size})
+
     def __post_init__(self):
         if self.arch not in ("gpt2", "llama"):
             raise ValueError(f"arch must be 'gpt2' or 'llama', got {self.arch!r}")
@@ -91,6 +98,7 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
+    attention = staticmethod(F.scaled_dot_product_attention)  # the kernel; GPT.use_attention swaps it per model
 
     def __init__(self, config):
         super().__init__()
@@ -105,8 +113,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.c_attn(x).split(C, dim=2)
         # (B, T, C) -> (B, n_head, T, head_dim)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        y = self.attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -192,6 +199,7 @@ def apply_rope(x, cos, sin):
 
 
 class RotaryAttention(nn.Module):
+    attention = staticmethod(F.scaled_dot_product_attention)  # the kernel; GPT.use_attention swaps it per model
 
     def __init__(self, config):
         super().__init__()
@@ -202,7 +210,7 @@ class RotaryAttention(nn.Module):
     def forward(self, x, cos, sin):
         B, T, C = x.shape
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.wqkv(x).split(C, dim=2))
-        y = F.scaled_dot_product_attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
+        y = self.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
         return self.wo(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -350,6 +358,20 @@ class GPT(nn.Module):
         cheaply with to_empty() and then initialised once."""
         self.tie_weights()  # to_empty() may have un-shared the tied tensor
         fill_parameters(self, self.initializers())
+
+    def use_attention(self, kernel):
+        """Every block's attention calls kernel(q, k, v, is_causal=True, ...) instead of
+        F.scaled_dot_product_attention, in this model only (plan.py measures a step on the meta
+        device with the CPU flash kernel's memory this way)."""
+        for module in self.modules():
+            if isinstance(module, (CausalSelfAttention, RotaryAttention)):
+                module.attention = kernel
+
+    def embeddings(self):
+        """The weights a loss may need, by name (losses.Objective): 'input', the rows looked up for
+        input tokens, and 'output', the rows the final state is scored against; on a tied model
+        both are the one matrix."""
+        return {"input": self.input_embedding(), "output": self.output_embedding()}
 
     def input_embedding(self):
         """(V, C) rows looked up for input tokens."""

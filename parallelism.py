@@ -333,39 +333,3 @@ def shutdown():
     gc.collect()
     barrier()
     dist.destroy_process_group()
-
-
-# FSDP checkpoints ------------------------------------------------------------------------------
-# Sharded: every rank writes and reads only its own shards (torch.distributed.checkpoint, DCP),
-# which can be loaded back on a different number of ranks. `modules` is an nn.ModuleDict holding
-# the model and the objective, so the checkpoint's keys are model.<name> and objective.<name>.
-
-def save_sharded(directory, modules, optimizers, with_optimizers=True):
-    """Write the shards of modules (and optimizers) into directory; collective.
-    with_optimizers=False before the first optimizer step: get_state_dict would otherwise
-    initialise the empty AdamW state with a zero-gradient step (step count 1), and the run would
-    no longer match a single-process one."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-    if with_optimizers:
-        model_state, optimizer_state = get_state_dict(modules, optimizers)
-        state = {"model": model_state, "optimizers": optimizer_state}
-    else:
-        state = {"model": get_model_state_dict(modules)}
-    dcp.save(state, checkpoint_id=directory)
-
-
-def load_sharded(directory, modules, optimizers, with_optimizers=True):
-    """Read back what save_sharded wrote, in place; collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                         set_model_state_dict, set_state_dict)
-    if with_optimizers:
-        model_state, optimizer_state = get_state_dict(modules, optimizers)
-        state = {"model": model_state, "optimizers": optimizer_state}
-        dcp.load(state, checkpoint_id=directory)
-        set_state_dict(modules, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
-    else:
-        state = {"model": get_model_state_dict(modules)}
-        dcp.load(state, checkpoint_id=directory)
-        set_model_state_dict(modules, state["model"])

@@ -56,7 +56,6 @@ takes exposed + max(compute, communication - exposed).
 """
 
 import argparse
-import contextlib
 import functools
 import math
 import os
@@ -70,7 +69,7 @@ from torch.utils._pytree import tree_flatten
 
 from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
-from losses import Objective
+from losses import Objective, objective_step
 from model import GPT, GPTConfig
 from utils import GPU_PEAK_BF16_FLOPS, available_memory
 
@@ -119,15 +118,10 @@ def run_vocab(config):
     return 2 * base if config["low_resource"] else base
 
 
-def model_config(config, vocab):
-    """The GPTConfig that train.py's keys describe, with the run's vocabulary (ValueError if bad)."""
-    return GPTConfig(**{**{k: config[k] for k in GPTConfig.__dataclass_fields__ if k in config}, "vocab_size": vocab})
-
-
 def meta_model(config, vocab):
     """(model, objective) of the config on the meta device: shapes, no memory."""
     with torch.device("meta"):
-        return GPT(model_config(config, vocab)), Objective.from_config(config)
+        return GPT(GPTConfig.from_config(config, vocab)), Objective.from_config(config)
 
 
 def training_flops_per_token(model, objective, micro_batch_tokens, cwt):
@@ -192,23 +186,15 @@ class PeakTensorBytes(TorchDispatchMode):
         self.storages.discard(key)
 
 
-@contextlib.contextmanager
-def flash_attention_on_meta():
-    """On the meta device scaled_dot_product_attention takes its math form, which holds the T x T
-    scores that the flash kernels of the CPU and of GPUs never do: inside, a causal attention on
-    meta tensors runs the CPU flash kernel's own meta function instead, so a step measured on meta
-    holds what the same step holds on the CPU."""
-    sdpa = F.scaled_dot_product_attention
-
-    def routed(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-        if q.device.type == "meta" and attn_mask is None and is_causal and not kwargs:
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, True)[0]
-        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, **kwargs)
-    F.scaled_dot_product_attention = routed
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = sdpa
+def cpu_flash_attention_on_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+    """The attention of a step measured on the meta device (GPT.use_attention): there
+    scaled_dot_product_attention takes its math form, which holds the T x T scores that the flash
+    kernels of the CPU and of GPUs never do; a causal attention runs the CPU flash kernel's own meta
+    function instead, so a step measured on meta holds what the same step holds on the CPU."""
+    if q.device.type == "meta" and attn_mask is None and is_causal and not kwargs:
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, True)[0]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                          **kwargs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -226,9 +212,9 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
     for p in [*model.parameters(), *objective.parameters()]:
         p.grad = torch.zeros_like(p)  # the gradients are the plan's states, not the step's
     x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
-    with PeakTensorBytes() as counter, flash_attention_on_meta():
-        logits, hidden = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
-        loss, _ = objective(logits, hidden, x, model.input_embedding(), router_loss=model.aux_loss)
+    model.use_attention(cpu_flash_attention_on_meta)
+    with PeakTensorBytes() as counter:
+        loss, _, logits, hidden = objective_step(model, objective, x, x)
         loss.backward()
         del loss, logits, hidden
     return counter.peak
@@ -238,7 +224,7 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="
     """Peak bytes of the tensors one training micro-step creates (forward, the run's objective,
     backward into gradients that already exist) with the model cut to n_layer blocks, in fp32. On
     the meta device by default: nothing is allocated, any width takes a fraction of a second, and
-    the attention is the CPU flash kernel's (flash_attention_on_meta), so the figure is the CPU's.
+    the attention is the CPU flash kernel's (cpu_flash_attention_on_meta), so the figure is the CPU's.
     A mixture of experts runs there too (static shapes: its capacity buffers are counted).
     Cached: a plan asks for the same step often."""
     keys = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))

@@ -29,11 +29,12 @@ import metrics
 import parallelism
 import plan
 import prepare_shakespeare
+import run
 import tracking
 from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, EpochWindows, load_tokens, read_meta, read_windows, sample_windows
-from losses import Objective
-from model import GPT
+from losses import Objective, objective_step
+from model import GPT, GPTConfig
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, exit_run, keep_freed_memory,
                    peak_flops, save_json)
@@ -211,7 +212,7 @@ if global_batch_size:  # the config names the batch the recipe needs; micro-step
 if check_memory and (problem := plan.device_memory_problem({**config, "dtype": dtype}, world_size, vocab_size, device)):
     exit_run(problem, master)
 try:
-    model_config = plan.model_config(config, vocab_size)
+    model_config = GPTConfig.from_config(config, vocab_size)
     with torch.device("meta"):  # nothing allocated: parallelism.parallelize materialises each process's part
         model, objective = GPT(model_config), Objective.from_config(config)  # objective: NITP's head, if any
 except ValueError as e:
@@ -255,18 +256,19 @@ scaler = torch.amp.GradScaler(torch.device(device).type, enabled=dtype == "float
 iter_num, best_val_loss = 0, float("inf")
 # Stop Jostling's per-row gradient parts, every step (log_marginalization; metrics.py)
 grad_recorder = metrics.EmbeddingGradientRecorder(log_marginalization, vocab_size)
+# the rest of what a checkpoint holds to go on exactly: FLOPs so far, data order, RNGs, AdaGC, loss scale
+training = checkpoint.TrainingState(data_generator, epoch_windows, clipper, scaler, grad_recorder, device)
 
 # out_dir: only now, with every setting and file checked, is anything in it touched ------
 # one run at a time (rank 0 holds out_dir/run.lock for every rank); 'auto' becomes 'resume' or 'scratch';
 # a fresh run refuses a run already in out_dir unless overwrite=True
-run_files = checkpoint.RunFiles(out_dir, torch.nn.ModuleDict({"model": model, "objective": objective}), optimizers,
+run_files = run.RunFiles(out_dir, torch.nn.ModuleDict({"model": model, "objective": objective}), optimizers,
                                 parallel, master, device, learning_rate)
 try:
-    run_lock, init_from = checkpoint.open_run(out_dir, init_from, overwrite, master, sys.orig_argv)
+    run_lock, init_from = run.open_run(out_dir, init_from, overwrite, master, sys.orig_argv)
     if init_from == "resume":
-        resumed = run_files.resume(config, data_generator, epoch_windows, clipper, scaler)
+        resumed = run_files.resume(config, training)
         iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
-        grad_recorder.steps = resumed.get("grad_parts", [])
 except checkpoint.CheckpointError as e:
     exit_run(e, master)
 # Weights & Biases gets a copy of every log record; a resume continues the same W&B run
@@ -279,9 +281,6 @@ tokens_per_iter = gradient_accumulation_steps * batch_size * block_size * world_
 # the FLOPs train.py counts for MFU and the grids' cost (plan.py: 6N + attention + the objective's own)
 flops_per_iter = plan.training_flops_per_token(model, objective, batch_size * block_size, cwt_weight > 0) * tokens_per_iter
 flops_per_eval = plan.evaluation_flops(model, config, world_size)  # its batches split over the processes
-flops_done = {"train": 0, "eval": 0}  # what this run has executed (the grids' efficiency, tools/report.py)
-if init_from == "resume":
-    flops_done = resumed.get("flops_done", flops_done)  # checkpoints from before the count: from 0
 peak = peak_flops(device, dtype) * world_size
 if master:
     hybrid = f" sharded in groups of {fsdp_shard_size}" if parallel == "fsdp" and 0 < fsdp_shard_size < world_size else ""
@@ -308,7 +307,7 @@ while True:
     if evaluating:  # the batches split over the ranks, the result the same everywhere
         last_eval = evaluate.validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift,
                                                low_resource_prob, device, autocast, rank, world_size)
-        flops_done["eval"] += flops_per_eval
+        training.flops_done["eval"] += flops_per_eval
         run_files.log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
         run_files.stop_if_diverged(last_eval, "validation", iter_num)  # no checkpoint holds a NaN
@@ -318,8 +317,7 @@ while True:
     if evaluating or (checkpoint_interval and iter_num % checkpoint_interval == 0) or \
             (stopping and run_files.saved_step != iter_num):
         run_files.save(checkpoint.run_state(config, model_config, meta, iter_num, best_val_loss, last_eval),
-                       checkpoint.training_state(data_generator, epoch_windows, clipper, scaler,
-                                                 grad_recorder.steps, flops_done, device), best)
+                       training, best)
         t_window, window_iters = time.perf_counter(), 0  # keep evaluation and saving out of the speed figures
     if iter_num >= max_iters or stopping:
         break
@@ -338,9 +336,7 @@ while True:
         with parallelism.gradient_sync((train_model, train_objective), micro_step == gradient_accumulation_steps - 1,
                                        fsdp_keep_gathered):
             with autocast:
-                logits, hidden_states = train_model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
-                loss, terms = train_objective(logits, hidden_states, y, model.input_embedding(),
-                                              router_loss=model.aux_loss)
+                loss, terms, logits, hidden_states = objective_step(model, objective, x, y, train_model, train_objective)
             loss = loss / gradient_accumulation_steps
             grad_recorder.watch(logits, hidden_states)
             scaler.scale(loss).backward()
@@ -354,7 +350,7 @@ while True:
     grad_recorder.end_step(stepped)
     iter_num += 1
     window_iters += 1
-    flops_done["train"] += flops_per_iter
+    training.flops_done["train"] += flops_per_iter
     bar.update(1)
     if world_size == 1:
         stopping = stop.signum is not None
@@ -380,10 +376,11 @@ bar.close()
 stopped = stopping and iter_num < max_iters  # a stop signal ended the run (at max_iters it is complete)
 if stopped and master:  # the step is finished and saved: say how to go on, then exit 128 + signal
     print(f"stopped by {stop.name or 'a stop signal on another rank'} at step {iter_num}; the full state is in "
-          f"{os.path.join(out_dir, 'ckpt.pt')}. Resume with:\n  {checkpoint.resume_command(sys.argv, world_size)}",
+          f"{os.path.join(out_dir, 'ckpt.pt')}. Resume with:\n  {run.resume_command(sys.argv, world_size)}",
           flush=True)
+flops_done = training.flops_done  # what the run executed, for metrics.json
 if parallel != "none":  # nothing below needs the live model: the final evaluation reads best.pt
-    del train_model, train_objective, model, objective, run_files, optimizers, clipper, clip
+    del train_model, train_objective, model, objective, run_files, optimizers, clipper, clip, training
     parallelism.shutdown()
 if stopped:
     sys.exit(128 + (stop.signum or 15))

@@ -366,7 +366,7 @@ class LogError(Exception):
 def read_log(path, allow_empty=False):
     """log.jsonl's records. A torn last line (a run killed mid-write, or one writing right now) is
     left out with a note; a missing log, a damaged line elsewhere or (unless allow_empty) a log
-    without records is a LogError. train.py's resume (checkpoint.trim_log), the plot and the grid
+    without records is a LogError. train.py's resume (run.trim_log), the plot and the grid
     tools all read logs here."""
     try:
         with open(path) as f:

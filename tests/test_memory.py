@@ -9,6 +9,7 @@ import torch
 
 import plan  # noqa: E402
 from configurator import train_defaults  # noqa: E402
+from model import GPTConfig  # noqa: E402
 from tools import memory  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,7 +36,7 @@ def test_activations_extrapolated_in_depth_match_a_direct_measurement(arch):
     for extra in ({}, {"simreg_weight": 1.0, "dispersion_weight": 0.1}):
         config = {**train_defaults(), "arch": arch, "tie_weights": arch == "gpt2", "n_layer": 4, "n_head": 4,
                   "n_embd": 64, "block_size": 128, **extra}
-        model_config = plan.model_config(config, 500)
+        model_config = GPTConfig.from_config(config, 500)
         estimate = plan.activation_gib(config, model_config, batch_size=2, seq_len=128)
         direct = plan.step_peak_bytes(config, model_config, 4, 2, 128) / plan.GiB
         assert direct <= estimate["act"] <= 1.06 * direct  # the extra: the 1-block step's own transients
@@ -48,7 +49,7 @@ def test_a_step_measured_on_meta_holds_what_it_holds_on_the_cpu(arch):
     kernel: byte for byte the peak of the same step run for real on the CPU."""
     config = {**train_defaults(), "arch": arch, "tie_weights": arch == "gpt2", "n_layer": 2, "n_head": 4,
               "n_embd": 64, "block_size": 256, "simreg_weight": 1.0}
-    model_config = plan.model_config(config, 300)
+    model_config = GPTConfig.from_config(config, 300)
     for n_layer in (1, 2):
         assert plan.step_peak_bytes(config, model_config, n_layer, 2, 256, "meta") == \
             plan.step_peak_bytes(config, model_config, n_layer, 2, 256, "cpu")

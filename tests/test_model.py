@@ -37,6 +37,32 @@ def test_untied_model_has_its_own_head():
     assert model.num_params() == build_model(TINY).num_params() + 30 * 32
 
 
+def test_a_loss_reaches_each_embedding_by_name_on_tied_and_untied_models():
+    """losses.objective_step hands the objective model.embeddings(): 'input' is the table looked up
+    for input tokens, 'output' the LM head. A term on 'output' trains the LM head of an untied
+    model and the one shared matrix of a tied one; a term on 'input' (CWT) trains the token table."""
+    from losses import Objective, objective_step
+    x = torch.randint(0, 30, (2, 8))
+    for tied in (True, False):
+        model = build_model(GPTConfig(**{**TINY.__dict__, "tie_weights": tied}))
+        names = model.embeddings()
+        assert names["input"] is model.wte.weight and names["output"] is model.lm_head.weight
+        assert (names["input"] is names["output"]) == tied
+
+        class OnOutput(Objective):  # a term on the output embedding alone, as docs/adding_a_loss.md adds one
+            def forward(self, logits, hidden_states, targets, embeddings, ignore_index=-1, router_loss=None):
+                return embeddings["output"].square().sum(), {}
+        objective_step(model, OnOutput(TINY.n_layer, TINY.n_embd), x, x)[0].backward()
+        assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
+        assert (model.wte.weight.grad is not None) == tied
+        model.zero_grad(set_to_none=True)
+        headless = Objective(TINY.n_layer, TINY.n_embd, ce=0.0, cwt=1.0)
+        loss, terms, logits, _ = objective_step(model, headless, x, x)
+        loss.backward()
+        assert logits is None and set(terms) == {"cwt"} and model.wte.weight.grad.abs().sum() > 0
+        assert (model.lm_head.weight.grad is not None) == tied
+
+
 def test_init_follows_gpt2():
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=500, block_size=64, n_layer=4, n_head=4, n_embd=256, bias=True)

@@ -17,6 +17,7 @@ import parallelism  # noqa: E402
 import plan  # noqa: E402
 from tools import bench  # noqa: E402
 from configurator import ConfigError, parse_config, train_defaults  # noqa: E402
+from model import GPTConfig  # noqa: E402
 from utils import GPU_PEAK_BF16_FLOPS  # noqa: E402
 
 GiB = 2 ** 30
@@ -304,8 +305,8 @@ def test_memory_problem_of_experts_counts_their_activations_measured_on_meta():
     assert plan.process_gib(fsdp, n, 50304)[0] <= 24.0 < plan.process_gib(fsdp, n // 2, 50304)[0]
     # the capacity's buffers are counted: a capacity of 1.25 x the routed slots needs less than every token
     fewer = {**config, "capacity_factor": 1.25}
-    assert plan.activation_gib(fewer, plan.model_config(fewer, 50304), 16, 2048)["block"] < \
-        plan.activation_gib(config, plan.model_config(config, 50304), 16, 2048)["block"]
+    assert plan.activation_gib(fewer, GPTConfig.from_config(fewer, 50304), 16, 2048)["block"] < \
+        plan.activation_gib(config, GPTConfig.from_config(config, 50304), 16, 2048)["block"]
 
 
 def test_ddp_communication_is_one_all_reduce_per_step():

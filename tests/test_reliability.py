@@ -463,10 +463,10 @@ def test_checkpoints_work_from_any_directory_and_evaluate_keeps_what_a_run_wrote
 
 def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
     """check_resumable against a checkpoint of train.py's defaults: each key outside the stated list
-    (checkpoint.RESUME_MAY_CHANGE) changed alone is refused in one line naming it with both values,
+    (run.RESUME_MAY_CHANGE) changed alone is refused in one line naming it with both values,
     and accepted, with the change returned for the record, when --resume_changes names it. The keys
     that may change, changed all at once (the global batch kept), pass."""
-    import checkpoint
+    import run
     from configurator import train_defaults
     defaults = {**train_defaults(), "data_dir": data_dir}
     saved = {"config": dict(defaults), "meta": {}, "processes": 1, "data_dir_resolved": os.path.realpath(data_dir)}
@@ -477,37 +477,37 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
         if isinstance(value, (int, float)):
             return value + 1
         return (value or "x") + "_other" if isinstance(value, str) else 7
-    checked = [key for key in defaults if key not in checkpoint.RESUME_MAY_CHANGE]
+    checked = [key for key in defaults if key not in run.RESUME_MAY_CHANGE]
     assert {"seed", "data_seed", "data_order", "learning_rate", "margin", "dispersion_weight", "low_resource_prob",
             "dropout", "grad_clip_mode", "eval_iters", "dtype"} <= set(checked)
     for key in checked:
         config = {**defaults, key: other(defaults[key])}
-        with pytest.raises(checkpoint.CheckpointError, match=f"key '{key}'|{key}: ") as refused:
-            checkpoint.check_resumable(saved, config, defaults["data_dir"])
+        with pytest.raises(run.CheckpointError, match=f"key '{key}'|{key}: ") as refused:
+            run.check_resumable(saved, config, defaults["data_dir"])
         assert "\n" not in str(refused.value)
-        if key not in checkpoint.RESUME_KEYS:  # the weights' shapes and the data's meaning never change
-            changes = checkpoint.check_resumable(saved, {**config, "resume_changes": key}, defaults["data_dir"])
+        if key not in run.RESUME_KEYS:  # the weights' shapes and the data's meaning never change
+            changes = run.check_resumable(saved, {**config, "resume_changes": key}, defaults["data_dir"])
             assert changes == {key: [defaults[key], config[key]]}
     free = {"max_iters": 9, "eval_interval": 7, "log_interval": 3, "checkpoint_interval": 5, "device": "cpu",
             "num_threads": 2, "compile": "False", "parallel": "ddp", "activation_checkpointing": True,
             "wandb_log": True, "final_eval": False, "batch_size": defaults["batch_size"] // 2,
             "gradient_accumulation_steps": 2 * defaults["gradient_accumulation_steps"]}
-    assert checkpoint.check_resumable(saved, {**defaults, **free}, defaults["data_dir"]) == {}
+    assert run.check_resumable(saved, {**defaults, **free}, defaults["data_dir"]) == {}
     # the same split on 2 processes is twice the global batch: refused by name
-    with pytest.raises(checkpoint.CheckpointError, match=r"global batch \(sequences per step\): 12 there, 24 here"
+    with pytest.raises(run.CheckpointError, match=r"global batch \(sequences per step\): 12 there, 24 here"
                                                        r".*--resume_changes=batch_size "):
-        checkpoint.check_resumable(saved, {**defaults, **free}, defaults["data_dir"], processes=2)
-    assert checkpoint.check_resumable(saved, {**defaults, **free, "resume_changes": "batch_size"},
+        run.check_resumable(saved, {**defaults, **free}, defaults["data_dir"], processes=2)
+    assert run.check_resumable(saved, {**defaults, **free, "resume_changes": "batch_size"},
                                       defaults["data_dir"], processes=2) == {"global batch (sequences per step)": [12, 24]}
     # a checkpoint from before data_order drew its windows at random: going on in epochs is a change
     del saved["config"]["data_order"]
-    assert checkpoint.check_resumable(saved, defaults, defaults["data_dir"]) == {}
-    with pytest.raises(checkpoint.CheckpointError, match="data_order: 'random' there, 'epoch' here"):
-        checkpoint.check_resumable(saved, {**defaults, "data_order": "epoch"}, defaults["data_dir"])
+    assert run.check_resumable(saved, defaults, defaults["data_dir"]) == {}
+    with pytest.raises(run.CheckpointError, match="data_order: 'random' there, 'epoch' here"):
+        run.check_resumable(saved, {**defaults, "data_order": "epoch"}, defaults["data_dir"])
     # any key newer than the checkpoint counts as its default (the checkpoint trained that way)
     del saved["config"]["cwt_tau"], saved["config"]["dispersion_form"]
-    assert checkpoint.check_resumable(saved, defaults, defaults["data_dir"]) == {}
-    with pytest.raises(checkpoint.CheckpointError) as refused:
-        checkpoint.check_resumable(saved, {**defaults, "cwt_tau": 0.5, "dispersion_form": "authors"}, defaults["data_dir"])
+    assert run.check_resumable(saved, defaults, defaults["data_dir"]) == {}
+    with pytest.raises(run.CheckpointError) as refused:
+        run.check_resumable(saved, {**defaults, "cwt_tau": 0.5, "dispersion_form": "authors"}, defaults["data_dir"])
     assert "cwt_tau: 1.0 there, 0.5 here" in str(refused.value)
     assert "dispersion_form: 'paper' there, 'authors' here" in str(refused.value)

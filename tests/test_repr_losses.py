@@ -466,7 +466,7 @@ def test_cwt_temperature_divides_the_logits(tau):
     assert torch.autograd.gradcheck(lambda x: cwt(x, targets, wte, tau=tau), (h.clone().requires_grad_(),))
     from configurator import TRAIN_RULES, ConfigError, check_values, parse_config, train_defaults
     from losses import Objective
-    total, terms = Objective(1, 3, ce=0.0, cwt=1.0, cwt_tau=tau)(None, [h, h, h], targets, wte)
+    total, terms = Objective(1, 3, ce=0.0, cwt=1.0, cwt_tau=tau)(None, [h, h, h], targets, {"input": wte})
     assert torch.equal(terms["cwt"], cwt(h, targets, wte, tau=tau))
     assert train_defaults()["cwt_tau"] == 1.0
     with pytest.raises(ConfigError, match="key 'cwt_tau' must be a finite number > 0, got 0"):
@@ -491,7 +491,7 @@ def test_objective_is_the_weighted_sum_of_the_plain_functions():
     targets = torch.randint(0, V, (B, T))
     objective = Objective(L, C, ce=1.0, margin=2.0, simreg=3.0, dispersion=0.5, dispersion_layers="last",
                           nitp=2.0).double()
-    total, terms = objective(logits, hidden, targets, wte=None)
+    total, terms = objective(logits, hidden, targets, embeddings={})
     expected = {"ce": cross_entropy(logits, targets, margin=2.0), "simreg": simreg(hidden[-1], targets),
                 "dispersion": dispersion(hidden[L]),
                 "nitp": nitp(objective.nitp_head(hidden[-1]), hidden[max(1, round(0.2 * L))])}
@@ -514,10 +514,10 @@ def test_objective_adds_the_router_loss_of_a_mixture_of_experts():
     logits, targets = torch.randn(B, T, V, dtype=torch.float64), torch.randint(0, V, (B, T))
     router_loss = torch.tensor(1.7, dtype=torch.float64)
     ce = cross_entropy(logits, targets)
-    total, terms = Objective(L, C, moe_aux=0.02)(logits, hidden, targets, None, router_loss=router_loss)
+    total, terms = Objective(L, C, moe_aux=0.02)(logits, hidden, targets, {}, router_loss=router_loss)
     assert terms.keys() == {"ce", "moe_aux"} and torch.equal(total, ce + 0.02 * router_loss)
-    assert Objective(L, C, moe_aux=0.02)(logits, hidden, targets, None)[1].keys() == {"ce"}
-    assert Objective(L, C)(logits, hidden, targets, None, router_loss=router_loss)[1].keys() == {"ce"}
+    assert Objective(L, C, moe_aux=0.02)(logits, hidden, targets, {})[1].keys() == {"ce"}
+    assert Objective(L, C)(logits, hidden, targets, {}, router_loss=router_loss)[1].keys() == {"ce"}
     defaults = inspect.signature(Objective).parameters
     config = dict(n_layer=L, n_embd=C, ce_weight=1.0, simreg_weight=0.0, dispersion_weight=0.0, nitp_weight=0.0,
                   cwt_weight=0.0, moe_aux_weight=0.02, **{key: defaults[key].default for key in Objective.SETTINGS})

@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-import checkpoint
+import run
 from test_train import REPO, TINY, read_log
 
 
@@ -98,7 +98,7 @@ def test_wandb_records_equal_log_jsonl_and_resume_continues_the_run(tmp_path, da
     first, resumed = (read_wandb_run(d) for d in run_dirs)
     stored_id = (out / "wandb_id.txt").read_text().strip()
     assert first[0] == resumed[0] == stored_id  # one W&B run
-    assert "wandb_id.txt" in checkpoint.existing_run(str(out))  # a run file: --overwrite=True starts a new W&B run
+    assert "wandb_id.txt" in run.existing_run(str(out))  # a run file: --overwrite=True starts a new W&B run
 
     # the history: the resumption logs again from its checkpoint's step on, as log.jsonl does
     rows = {**first[2], **resumed[2]}

@@ -56,7 +56,7 @@ from torch.utils._pytree import tree_flatten
 
 import parallelism
 import plan
-from losses import Objective, _SoftmaxCrossEntropy, cross_entropy, simreg
+from losses import Objective, _SoftmaxCrossEntropy, cross_entropy, objective_step, simreg
 from model import GPT, GPTConfig, MixtureOfExperts, build_model
 from optim import configure_optimizers
 from utils import (autocast_context, choose_device, choose_dtype, exit_on_bad_arguments, exit_unless_writable,
@@ -80,8 +80,7 @@ def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device,
 
     def step():
         with autocast:
-            logits, hidden = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
-            loss, _ = objective(logits, hidden, y, model.input_embedding())
+            loss, *_ = objective_step(model, objective, x, y)
         loss.backward()
         for opt in optimizers:
             opt.step()
@@ -155,7 +154,7 @@ def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
 
     def step():
         with autocast:
-            loss, _ = objective(None, hidden, targets, wte)
+            loss, _ = objective(None, hidden, targets, {"input": wte, "output": wte})
         loss.backward()
         if optimizer:
             optimizer.step()
@@ -551,7 +550,7 @@ def comm_child():
                 print(json.dumps({"run": name, "skipped": parallelism.fsdp_unavailable("cpu")}), flush=True)
             continue
         torch.manual_seed(0)
-        model = build_model(plan.model_config(config, plan.run_vocab(config)))
+        model = build_model(GPTConfig.from_config(config, plan.run_vocab(config)))
         objective = Objective.from_config(config)
         objective.init_weights()
         if config["activation_checkpointing"]:
@@ -566,8 +565,7 @@ def comm_child():
         with CollectiveBytes() as counter:
             for micro_step in range(micro_steps):
                 with parallelism.gradient_sync((train_model, train_objective), micro_step == micro_steps - 1, keep):
-                    logits, hidden = train_model(x, return_hidden_states=True)
-                    loss, _ = train_objective(logits, hidden, x, model.input_embedding())
+                    loss, *_ = objective_step(model, objective, x, x, train_model, train_objective)
                     (loss / micro_steps).backward()
             apply_gradients(optimizers, torch.amp.GradScaler("cpu", enabled=False),
                             lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), config["grad_clip"]))
