@@ -71,6 +71,7 @@ from torch.utils._pytree import tree_flatten
 from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
 from losses import Objective
+import parallelism
 from model import GPT, GPTConfig
 from utils import GPU_PEAK_BF16_FLOPS, available_memory
 
@@ -271,13 +272,13 @@ def memory(model, config, processes, micro_steps, measure=True):
     every unit, for the whole step), plus, with several micro-steps, the whole fp32 gradient
     between them (gradient sync is off until the last).
     measure: True (step_peak_bytes' device), False (activations NaN) or a device to measure them on."""
-    n = model.num_params()
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
-    root = n - sum(blocks)  # embedding, head, final norm: FSDP's root unit
+    n, group = model.num_params(), shard_group(config, processes)
+    blocks, root = fsdp_units(model, group)  # as FSDP holds them: padded where no dimension divides
+    padded = sum(blocks) + root
     param_bytes = gathered_bytes(config)  # what FSDP gathers (its mixed-precision policy)
-    gathered = n * param_bytes if config.get("fsdp_keep_gathered") else max(max(blocks), root) * param_bytes
+    gathered = padded * param_bytes if config.get("fsdp_keep_gathered") else max(max(blocks), root) * param_bytes
     parts = {"ddp": (16 + (4 if processes > 1 else 0)) * n / GiB,
-             "fsdp": (16 * n / shard_group(config, processes) + gathered + max(max(blocks), root) * 4
+             "fsdp": (16 * padded / group + gathered + max(max(blocks), root) * 4
                       + (4 * n if micro_steps > 1 else 0)) / GiB}
     parts.update(activation_gib(config, model.config, config["batch_size"], config["block_size"],
                                 **({} if measure is True else {"device": measure})) if measure
@@ -285,6 +286,16 @@ def memory(model, config, processes, micro_steps, measure=True):
     table = {mode: {"plain": parts[mode] + parts["act"], "checkpointed": parts[mode] + parts["act_ckpt"]}
              for mode in ("ddp", "fsdp")}
     return table, parts
+
+
+def fsdp_units(model, shards):
+    """(elements of each block, of the root: embeddings, final norm, LM head) as FSDP holds them on
+    `shards` ranks: each parameter padded where no dimension divides (parallelism.padded_numel; the
+    whole count on 1). A tied matrix counts once."""
+    blocks = [sum(parallelism.padded_numel(p.shape, shards) for p in block.parameters()) for block in model.h]
+    in_blocks = {id(p) for block in model.h for p in block.parameters()}
+    root = sum(parallelism.padded_numel(p.shape, shards) for p in model.parameters() if id(p) not in in_blocks)
+    return blocks, root
 
 
 def shard_group(config, processes):
@@ -306,9 +317,9 @@ def communication_bytes(model, objective, parallel, processes, micro_steps, para
     (all_reduce, between the groups: a slower link when a group is a node)."""
     group = group or processes
     share = (group - 1) / group
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
-    root = model.num_params() - sum(blocks)  # embeddings, final norm, LM head
-    head = sum(p.numel() for p in objective.parameters())  # the objective's own unit (NITP's head)
+    blocks, root = fsdp_units(model, group if parallel == "fsdp" else 1)  # FSDP's buffers: padded where they must be
+    head = sum(parallelism.padded_numel(p.shape, group if parallel == "fsdp" else 1)
+               for p in objective.parameters())  # the objective's own unit (NITP's head)
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0, "exposed_between": 0.0}
     if parallel == "ddp":
         out["all_reduce"] = 2 * share * 4 * (root + sum(blocks) + head)
@@ -554,6 +565,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
             "fsdp_keep_gathered": config.get("fsdp_keep_gathered", False),
             "memory": per_gpu, "memory_parts": parts, "parallel": config["parallel"],
             "activation_checkpointing": config["activation_checkpointing"],
+            "padding": parallelism.padding_note([*model.named_parameters(), *objective.named_parameters()],
+                                                shard_group(config, processes)) if config["parallel"] == "fsdp" else None,
             "data": data_needed(config, tokens_per_step * config["max_iters"])}
 
 
@@ -571,7 +584,7 @@ def format_plan(p):
              f"{p['tokens_per_run']:,} tokens",
              f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run (evaluations "
              f"included) = {p['hours']:,.1f} h on {p['processes']} x {p['gpu']} at MFU {p['mfu']:.0%}",
-             *communication_lines(p),
+             *communication_lines(p), *([p["padding"]] if p["padding"] else []),
              "memory per GPU (GiB; activations fp32, an upper bound under bf16):"]
     chosen = p["parallel"] if p["parallel"] != "none" else "ddp"
     for mode in ("ddp", "fsdp"):

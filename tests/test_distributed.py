@@ -195,6 +195,27 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
 
 
 @needs_fsdp_on_cpu
+@pytest.mark.parametrize("experts", [2, 8])
+def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir, experts):
+    """4 ranks. 2 experts: cut on dim 0 the stacked experts (2, 32, 16) would leave ranks 2-3 empty and
+    pad every all-gather to twice the weights; they, the router (2, 16), the embedding and the head
+    (vocabulary 41, 16) are cut on a dimension 4 divides (parallelism.shard_dim: Shard(1)), so nothing
+    is padded and no note is printed. 8 experts: dim 0 divides. The same run as one process, and saved
+    (DCP) and resumed mid-run it is the uninterrupted run bit for bit."""
+    moe = [*LLAMA, f"--n_expert={experts}"]
+    fsdp = [*moe, "--parallel=fsdp"]
+    single, full, part = tmp_path / "single", tmp_path / "full", tmp_path / "part"
+    runs = finish(launch(single, data_dir, *moe), launch(full, data_dir, *fsdp, processes=4),
+                  launch(part, data_dir, *fsdp, "--max_iters=3", processes=4))
+    assert "fsdp pads" not in runs[1].stdout + runs[1].stderr
+    assert_same_run(single, full)
+    resumed = finish(launch(part, data_dir, *fsdp, "--init_from=resume", processes=4))
+    assert "resumed from" in resumed.stdout
+    assert train_losses(part) == train_losses(full)
+    assert_same_weights(part, full)
+
+
+@needs_fsdp_on_cpu
 def test_hybrid_sharding_on_2x2_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir):
     """fsdp_shard_size=2 on 4 processes: two groups of 2 ranks, each group holding the model sharded in
     two, replicated across the groups (HSDP). The same run as one process; initialised as it is."""
