@@ -251,12 +251,13 @@ def padded_numel(shape, shards):
 
 def padding_note(named_parameters, shards):
     """One line when FSDP on `shards` ranks pads some parameters (no dimension of theirs divides), else None."""
-    padded = {name: tuple(p.shape) for name, p in named_parameters if padded_numel(p.shape, shards) > p.numel()}
+    extra = {name: (padded_numel(p.shape, shards) - p.numel(), list(p.shape)) for name, p in named_parameters}
+    padded = sorted(((e, name, shape) for name, (e, shape) in extra.items() if e), key=lambda x: -x[0])
     if not padded:
         return None
     total = sum(p.numel() for _, p in named_parameters)
-    extra = sum(padded_numel(p.shape, shards) - p.numel() for _, p in named_parameters)
-    names = ", ".join(f"{n} {list(s)}" for n, s in list(padded.items())[:3]) + (" ..." if len(padded) > 3 else "")
+    extra = sum(e for e, _, _ in padded)
+    names = ", ".join(f"{n} {s}" for _, n, s in padded[:3]) + (" ..." if len(padded) > 3 else "")  # the most padded
     why = "no dimension divides" if PLACES_SHARDS else "this torch cuts dim 0 only"
     return (f"note: fsdp pads {len(padded)} parameters to a multiple of {shards} ranks ({why}: {names}): "
             f"its all-gathers and reduce-scatters move {100 * extra / total:.1f} % more than the weights")

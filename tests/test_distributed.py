@@ -199,7 +199,7 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
 def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir, experts):
     """4 ranks. 2 experts: cut on dim 0 the stacked experts (2, 32, 16) would leave ranks 2-3 empty and
     pad every all-gather to twice the weights; they, the router (2, 16), the embedding and the head
-    (vocabulary 41, 16) are cut on a dimension 4 divides (parallelism.shard_dim: Shard(1)), so nothing
+    (vocabulary 42, 16) are cut on a dimension 4 divides (parallelism.shard_dim: Shard(1)), so nothing
     is padded and no note is printed. 8 experts: dim 0 divides. The same run as one process, and saved
     (DCP) and resumed mid-run it is the uninterrupted run bit for bit."""
     moe = [*LLAMA, f"--n_expert={experts}"]
