@@ -27,7 +27,8 @@ are measured, not guessed: the model at its real width with 1 and 2 blocks runs 
 micro-step (forward, the run's objective, backward) on the meta device (nothing allocated) at
 the run's batch and sequence length, and the peak of the tensors
 it creates is extrapolated to the run's depth (activation_gib).
-They are float32 figures, an upper bound for bf16 autocast. train.py compares this plan with the
+They are float32 figures, an upper bound for bf16 autocast, except the loss: a plan for a GPU
+measures the GPU's (logits in the compute dtype, F.cross_entropy: gpu_cross_entropy). train.py compares this plan with the
 device's memory before it allocates anything (memory_problem); tools/bench.py --section
 plan_memory sets it against the measured peak of real runs (docs/performance.md).
 
@@ -70,6 +71,7 @@ from torch.utils._pytree import tree_flatten
 
 from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
+import losses
 from losses import Objective
 import parallelism
 from model import GPT, GPTConfig
@@ -92,8 +94,11 @@ C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roug
 # in a plan made for a GPU named (train.py asks the device itself)
 GPU_MEMORY_GIB = {"H100": 79.6, "H200": 140.4, "H800": 79.6, "A100": 80.0, "A800": 80.0, "L40S": 45.0,
                   "A10G": 22.5, "4090": 24.0}
-# the share of it batch_size = 'auto' fills: the CUDA context, the collectives' buffers and the caching
-# allocator's fragmentation are not in the plan
+# the share of it batch_size = 'auto' fills: the CUDA context and the collectives' buffers are not in the
+# plan. Measured margin (one H100, results/gpu.md section 5: the 7B width at 2 and 4 blocks, batch 8 x 2048,
+# bf16, activation checkpointing): the plan, with the GPU's loss (gpu_cross_entropy), is 38.0 and 46.8 GiB
+# where the device peaked at 25.4 and 32.4 GiB allocated, 33.6 and 41.1 GiB reserved (the caching
+# allocator's whole footprint): 4.4 and 5.7 GiB above reserved, plus the 10 % (8.0 GiB of an H100) here
 AUTO_BATCH_MEMORY = 0.9
 GPUS_PER_NODE = 8
 LINK_GBPS = {  # gpu: (Gb/s within a node, Gb/s between nodes, the link within, the link between)
@@ -212,6 +217,23 @@ def flash_attention_on_meta():
         F.scaled_dot_product_attention = sdpa
 
 
+@contextlib.contextmanager
+def gpu_cross_entropy(on_gpu=True):
+    """losses.cross_entropy takes F.cross_entropy on CUDA logits (upcast to float32) and its own
+    _SoftmaxCrossEntropy elsewhere, the meta device included: inside (on_gpu), meta tensors take the
+    CUDA path, so a step measured on meta holds the GPU's loss. On (8 x 2048, 50304) bf16 logits
+    F.cross_entropy's forward and backward hold 9.21 GiB above the logits on meta, as an H100
+    measured (results/gpu.md, section 5); the CPU path 6.14 GiB."""
+    own = losses._SoftmaxCrossEntropy.apply
+    if on_gpu:
+        losses._SoftmaxCrossEntropy.apply = lambda logits, targets, ignore_index: F.cross_entropy(
+            logits, targets, ignore_index=ignore_index)
+    try:
+        yield
+    finally:
+        losses._SoftmaxCrossEntropy.apply = own
+
+
 @functools.lru_cache(maxsize=64)
 def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_len, device):
     config, model_config = dict(config_items), GPTConfig(**dict(model_config_items))
@@ -227,8 +249,11 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
     for p in [*model.parameters(), *objective.parameters()]:
         p.grad = torch.zeros_like(p)  # the gradients are the plan's states, not the step's
     x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
-    with PeakTensorBytes() as counter, flash_attention_on_meta():
+    on_gpu = str(config.get("device", "")).startswith("cuda")
+    with PeakTensorBytes() as counter, flash_attention_on_meta(), gpu_cross_entropy(on_gpu):
         logits, hidden = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
+        if on_gpu and logits is not None and config.get("dtype") in ("bfloat16", "float16"):
+            logits = logits.to(getattr(torch, config["dtype"]))  # autocast's LM head gives them in the compute dtype
         loss, _ = objective(logits, hidden, x, model.input_embedding(), router_loss=model.aux_loss)
         loss.backward()
         del loss, logits, hidden
@@ -239,7 +264,9 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="
     """Peak bytes of the tensors one training micro-step creates (forward, the run's objective,
     backward into gradients that already exist) with the model cut to n_layer blocks, in fp32. On
     the meta device by default: nothing is allocated, any width takes a fraction of a second, and
-    the attention is the CPU flash kernel's (flash_attention_on_meta), so the figure is the CPU's.
+    the attention is the CPU flash kernel's (flash_attention_on_meta). The loss is the device's:
+    where config['device'] is cuda (plan.py's plans, train.py on a GPU), the logits reach the objective
+    in the compute dtype and cross-entropy is F.cross_entropy's (gpu_cross_entropy), else the CPU's.
     A mixture of experts runs there too (static shapes: its capacity buffers are counted).
     Cached: a plan asks for the same step often."""
     keys = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))
@@ -446,7 +473,7 @@ def device_batch_size(config, processes, vocab, device):
     (utils.available_memory), with the heap's allowance on the CPU."""
     available, _ = available_memory(device)
     heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
-    return resolve_batch_size(config, processes, vocab, available / GiB, heap)[0]["batch_size"]
+    return resolve_batch_size({**config, "device": device}, processes, vocab, available / GiB, heap)[0]["batch_size"]
 
 
 def cpu_heap_allowance(processes):
@@ -459,7 +486,7 @@ def device_memory_problem(config, processes, vocab, device):
     the heap's allowance on the CPU."""
     available, source = available_memory(device)
     heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
-    return memory_problem(config, processes, vocab, available / GiB, f"{device} ({source})", heap)
+    return memory_problem({**config, "device": device}, processes, vocab, available / GiB, f"{device} ({source})", heap)
 
 
 def data_needed(config, tokens_per_run):
@@ -506,6 +533,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
         raise ConfigError(f"unknown gpu {gpu!r}: expected one of {', '.join(GPU_PEAK_BF16_FLOPS)}")
     if link_gbps is not None and not link_gbps > 0:
         raise ConfigError(f"link_gbps must be > 0, got {link_gbps}")
+    config = {**config, "device": "cuda"}  # its step measured with the GPU's loss (gpu_cross_entropy)
     model, objective = meta_model(config, run_vocab(config))
     auto = config["batch_size"] == "auto"
     config, fits = resolve_batch_size(config, processes, run_vocab(config), GPU_MEMORY_GIB[gpu])
