@@ -44,7 +44,6 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
 
 from model import fill_parameters
 
@@ -120,7 +119,7 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
         return wrap(model), (wrap(objective) if has_params else objective)
     assert parallel == "fsdp", parallel
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     world, mesh_device = dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu"
     if shard_size and shard_size < world:  # (replicate, shard): FSDP2 over a 2-D mesh is hybrid sharding
         mesh = init_device_mesh(mesh_device, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
@@ -227,7 +226,15 @@ def local_rows(full, sharded):
 # FSDP2 cuts a parameter on dim 0 and pads it to a multiple of the ranks: a MoE's (8, hidden, C)
 # experts on 64 ranks would be 8 rows on 8 ranks and none on 56, each all-gather 8x the weights.
 # fully_shard's shard_placement_fn (torch >= 2.6) cuts another dimension, which must divide evenly.
-PLACES_SHARDS = "shard_placement_fn" in inspect.signature(fully_shard).parameters
+def _places_shards():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # a torch built without distributed
+        return False
+    return "shard_placement_fn" in inspect.signature(fully_shard).parameters
+
+
+PLACES_SHARDS = _places_shards()
 
 
 def shard_dim(shape, shards):

@@ -419,8 +419,8 @@ def test_moe_shards_on_a_dimension_the_ranks_divide_and_the_plan_counts_the_padd
     weight and nothing is padded, so the plan's bytes and memory are the weights'. Where no dimension
     divides (or on a torch without shard_placement_fn), the plan counts the padding and says so."""
     assert parallelism.shard_dim((8, 5632, 2048), 64) == (1 if parallelism.PLACES_SHARDS else 0)
-    assert parallelism.shard_dim((50304, 2048), 64) == 0 and parallelism.shard_dim((8, 2048), 64) == 1 - (
-        not parallelism.PLACES_SHARDS)
+    assert parallelism.shard_dim((50304, 2048), 64) == 0  # the router's (8, 2048): dim 1, as the experts'
+    assert parallelism.shard_dim((8, 2048), 64) == (1 if parallelism.PLACES_SHARDS else 0)
     assert parallelism.padded_numel((2, 30, 18), 4) == 4 * 30 * 18  # nothing divides 4: 2 experts padded to 4
     assert parallelism.padded_numel((10, 3), 4) == 12 * 3  # torch.chunk's rows: 3, 3, 3, 1, padded to 3 each
     config = {**config_of("config/simreg_moe_8x1b.py"), "batch_size": 8}
