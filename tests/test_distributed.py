@@ -12,8 +12,11 @@ import os
 import subprocess
 import sys
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import parallelism  # noqa: E402
@@ -213,6 +216,21 @@ def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_pat
     assert "resumed from" in resumed.stdout
     assert train_losses(part) == train_losses(full)
     assert_same_weights(part, full)
+
+
+@pytest.mark.parametrize("placements", [(Shard(0),), (Shard(1),), (Shard(2),), (Replicate(), Shard(1))], ids=str)
+def test_local_rows_is_the_shard_fsdp_holds_on_any_dimension(placements):
+    """parallelism.local_rows (sharded init, copy_shards from a whole checkpoint) cuts the dimension
+    FSDP's placement names as torch.chunk does (FSDP's layout: uneven chunks, the last ranks' empty),
+    over the mesh's sharded dimension; the ranks' parts put together are the tensor."""
+    shards, full = 4, torch.arange(6 * 8 * 4).reshape(6, 8, 4)
+    dim = placements[-1].dim
+    for rank in range(shards):
+        mesh = SimpleNamespace(size=lambda mesh_dim: (2, shards)[mesh_dim] if len(placements) == 2 else shards,
+                               get_local_rank=lambda mesh_dim, rank=rank: rank)
+        part = parallelism.local_rows(full, SimpleNamespace(placements=placements, device_mesh=mesh))
+        expected = torch.chunk(full, shards, dim=dim)
+        assert torch.equal(part, expected[rank] if rank < len(expected) else full.narrow(dim, 0, 0)), rank
 
 
 @needs_fsdp_on_cpu
