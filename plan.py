@@ -28,7 +28,8 @@ micro-step (forward, the run's objective, backward) on the meta device (nothing 
 the run's batch and sequence length, and the peak of the tensors
 it creates is extrapolated to the run's depth (activation_gib).
 They are float32 figures, an upper bound for bf16 autocast, except the loss: a plan for a GPU
-measures the GPU's (logits in the compute dtype, F.cross_entropy: gpu_cross_entropy). train.py compares this plan with the
+measures the GPU's (logits in the compute dtype, F.cross_entropy: gpu_cross_entropy).
+train.py compares this plan with the
 device's memory before it allocates anything (memory_problem); tools/bench.py --section
 plan_memory sets it against the measured peak of real runs (docs/performance.md).
 
@@ -253,7 +254,7 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
     with PeakTensorBytes() as counter, flash_attention_on_meta(), gpu_cross_entropy(on_gpu):
         logits, hidden = model(x, return_hidden_states=True, compute_logits=objective.needs_logits)
         if on_gpu and logits is not None and config.get("dtype") in ("bfloat16", "float16"):
-            logits = logits.to(getattr(torch, config["dtype"]))  # autocast's LM head gives them in the compute dtype
+            logits = logits.to(getattr(torch, config["dtype"]))  # as autocast's LM head gives them
         loss, _ = objective(logits, hidden, x, model.input_embedding(), router_loss=model.aux_loss)
         loss.backward()
         del loss, logits, hidden
@@ -303,9 +304,10 @@ def memory(model, config, processes, micro_steps, measure=True):
     blocks, root = fsdp_units(model, group)  # as FSDP holds them: padded where no dimension divides
     padded = sum(blocks) + root
     param_bytes = gathered_bytes(config)  # what FSDP gathers (its mixed-precision policy)
-    gathered = padded * param_bytes if config.get("fsdp_keep_gathered") else max(max(blocks), root) * param_bytes
+    largest = max(max(blocks), root)
+    gathered = (padded if config.get("fsdp_keep_gathered") else largest) * param_bytes
     parts = {"ddp": (16 + (4 if processes > 1 else 0)) * n / GiB,
-             "fsdp": (16 * padded / group + gathered + max(max(blocks), root) * 4
+             "fsdp": (16 * padded / group + gathered + largest * 4
                       + (4 * n if micro_steps > 1 else 0)) / GiB}
     parts.update(activation_gib(config, model.config, config["batch_size"], config["block_size"],
                                 **({} if measure is True else {"device": measure})) if measure
@@ -344,9 +346,9 @@ def communication_bytes(model, objective, parallel, processes, micro_steps, para
     (all_reduce, between the groups: a slower link when a group is a node)."""
     group = group or processes
     share = (group - 1) / group
-    blocks, root = fsdp_units(model, group if parallel == "fsdp" else 1)  # FSDP's buffers: padded where they must be
-    head = sum(parallelism.padded_numel(p.shape, group if parallel == "fsdp" else 1)
-               for p in objective.parameters())  # the objective's own unit (NITP's head)
+    shards = group if parallel == "fsdp" else 1  # FSDP's buffers: padded where no dimension divides
+    blocks, root = fsdp_units(model, shards)
+    head = sum(parallelism.padded_numel(p.shape, shards) for p in objective.parameters())  # NITP's head's unit
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0, "exposed_between": 0.0}
     if parallel == "ddp":
         out["all_reduce"] = 2 * share * 4 * (root + sum(blocks) + head)
@@ -473,7 +475,8 @@ def device_batch_size(config, processes, vocab, device):
     (utils.available_memory), with the heap's allowance on the CPU."""
     available, _ = available_memory(device)
     heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
-    return resolve_batch_size({**config, "device": device}, processes, vocab, available / GiB, heap)[0]["batch_size"]
+    config = {**config, "device": device}  # the step measured with this device's loss (step_peak_bytes)
+    return resolve_batch_size(config, processes, vocab, available / GiB, heap)[0]["batch_size"]
 
 
 def cpu_heap_allowance(processes):
@@ -486,7 +489,8 @@ def device_memory_problem(config, processes, vocab, device):
     the heap's allowance on the CPU."""
     available, source = available_memory(device)
     heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
-    return memory_problem({**config, "device": device}, processes, vocab, available / GiB, f"{device} ({source})", heap)
+    config = {**config, "device": device}  # the step measured with this device's loss (step_peak_bytes)
+    return memory_problem(config, processes, vocab, available / GiB, f"{device} ({source})", heap)
 
 
 def data_needed(config, tokens_per_run):
@@ -593,8 +597,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
             "fsdp_keep_gathered": config.get("fsdp_keep_gathered", False),
             "memory": per_gpu, "memory_parts": parts, "parallel": config["parallel"],
             "activation_checkpointing": config["activation_checkpointing"],
-            "padding": parallelism.padding_note([*model.named_parameters(), *objective.named_parameters()],
-                                                shard_group(config, processes)) if config["parallel"] == "fsdp" else None,
+            "padding": None if config["parallel"] != "fsdp" else parallelism.padding_note(
+                [*model.named_parameters(), *objective.named_parameters()], shard_group(config, processes)),
             "data": data_needed(config, tokens_per_step * config["max_iters"])}
 
 
