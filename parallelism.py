@@ -15,7 +15,9 @@ uses these pieces in this order:
            parameters are all-gathered just before it runs and its gradients reduce-scattered
            right after its backward, so each rank keeps 1/world of the weights, gradients and
            AdamW moments; fsdp_shard_size = k (hybrid sharding) shards over each group of k
-           ranks, a node, and replicates across the groups, keeping those collectives on the node
+           ranks, a node, and replicates across the groups, keeping those collectives on the node;
+           each parameter is cut on a dimension that the ranks divide (shard_dim), so a MoE's 8
+           stacked experts on 64 ranks are cut on their hidden dimension, not padded to 64 rows
 
 Sharded initialisation (torchtitan's recipe, made exact): train.py builds the model and the
 objective on the meta device and parallelize materialises them. Under fsdp, fully_shard goes on
@@ -35,6 +37,8 @@ loss does not change with the number of GPUs as long as batch_size does.
 
 import contextlib
 import gc
+import inspect
+import math
 import os
 
 import torch
@@ -122,14 +126,22 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
     else:
         mesh = init_device_mesh(mesh_device, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    shards = mesh.size(mesh.ndim - 1)
+    placed = {}
+    if PLACES_SHARDS:
+        from torch.distributed.tensor import Shard
+        placed = {"shard_placement_fn": lambda p: Shard(shard_dim(p.shape, shards))}
     for block in model.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered, **placed)
     # the root holds the embeddings, ln_f and the LM head; FSDP2 keeps a root's parameters
     # unsharded from its forward to its backward, which is why losses.cwt can use
     # model.input_embedding() (the gathered wte) after the forward pass
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy, **placed)
+    if (note := padding_note([*model.named_parameters(), *objective.named_parameters()], shards)) \
+            and dist.get_rank() == 0:
+        print(note, flush=True)
     if has_params:  # the objective is its own root; it gets float32 logits and states as they are
-        fully_shard(objective, mesh=mesh,
+        fully_shard(objective, mesh=mesh, **placed,
                     mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False))
     if on_meta:
@@ -200,14 +212,62 @@ def copy_shards(module, weights):
 
 
 def local_rows(full, sharded):
-    """This rank's part of the whole tensor `full` as FSDP2 lays out the DTensor `sharded`: dim 0 cut
-    as torch.chunk cuts it (ceil(n / shards) rows each, the last ranks' fewer or none), over the
-    mesh's one sharded dimension (hybrid sharding: the other one replicates)."""
+    """This rank's part of the whole tensor `full` as FSDP2 lays out the DTensor `sharded`: its
+    sharded dimension (shard_dim) cut as torch.chunk cuts it (ceil(n / shards) each, the last ranks'
+    fewer or none), over the mesh's one sharded dimension (hybrid sharding: the other one replicates)."""
     (mesh_dim,) = [i for i, placement in enumerate(sharded.placements) if not placement.is_replicate()]
-    assert sharded.placements[mesh_dim].is_shard(0), sharded.placements
-    rows = -(-full.size(0) // sharded.device_mesh.size(mesh_dim))
-    start = sharded.device_mesh.get_local_rank(mesh_dim) * rows
-    return full[start:start + rows]
+    placement = sharded.placements[mesh_dim]
+    assert placement.is_shard(), sharded.placements
+    size = -(-full.size(placement.dim) // sharded.device_mesh.size(mesh_dim))
+    start = sharded.device_mesh.get_local_rank(mesh_dim) * size
+    return full[(slice(None),) * placement.dim + (slice(start, start + size),)]
+
+
+# FSDP2 cuts a parameter on dim 0 and pads it to a multiple of the ranks: a MoE's (8, hidden, C)
+# experts on 64 ranks would be 8 rows on 8 ranks and none on 56, each all-gather 8x the weights.
+# fully_shard's shard_placement_fn (torch >= 2.6) cuts another dimension, which must divide evenly.
+def _places_shards():
+    try:
+        from torch.distributed.fsdp import fully_shard
+    except ImportError:  # a torch built without distributed
+        return False
+    return "shard_placement_fn" in inspect.signature(fully_shard).parameters
+
+
+PLACES_SHARDS = _places_shards()
+
+
+def shard_dim(shape, shards):
+    """The dimension FSDP cuts a parameter of `shape` on over `shards` ranks: 0 where `shards`
+    divides it (FSDP2's own), else the first dimension that it divides (the hidden dimension of
+    stacked experts), else 0, padded (all of them on a torch without shard_placement_fn)."""
+    if not PLACES_SHARDS or not shape:
+        return 0
+    return next((d for d, n in enumerate(shape) if n % shards == 0), 0)
+
+
+def padded_numel(shape, shards):
+    """Elements of a parameter as FSDP holds it over `shards` ranks: its sharded dimension rounded
+    up to a multiple of the ranks (what each all-gather and reduce-scatter moves, and shards x what
+    each rank stores)."""
+    if not shape:
+        return shards  # a scalar: one element on every rank
+    d = shard_dim(shape, shards)
+    return math.prod(shape) // max(shape[d], 1) * (-(-shape[d] // shards) * shards)
+
+
+def padding_note(named_parameters, shards):
+    """One line when FSDP on `shards` ranks pads some parameters (no dimension of theirs divides), else None."""
+    extra = {name: (padded_numel(p.shape, shards) - p.numel(), list(p.shape)) for name, p in named_parameters}
+    padded = sorted(((e, name, shape) for name, (e, shape) in extra.items() if e), key=lambda x: -x[0])
+    if not padded:
+        return None
+    total = sum(p.numel() for _, p in named_parameters)
+    extra = sum(e for e, _, _ in padded)
+    names = ", ".join(f"{n} {s}" for _, n, s in padded[:3]) + (" ..." if len(padded) > 3 else "")  # the most padded
+    why = "no dimension divides" if PLACES_SHARDS else "this torch cuts dim 0 only"
+    return (f"note: fsdp pads {len(padded)} parameters to a multiple of {shards} ranks ({why}: {names}): "
+            f"its all-gathers and reduce-scatters move {100 * extra / total:.1f} % more than the weights")
 
 
 def fsdp_unavailable(device):

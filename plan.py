@@ -27,7 +27,9 @@ are measured, not guessed: the model at its real width with 1 and 2 blocks runs 
 micro-step (forward, the run's objective, backward) on the meta device (nothing allocated) at
 the run's batch and sequence length, and the peak of the tensors
 it creates is extrapolated to the run's depth (activation_gib).
-They are float32 figures, an upper bound for bf16 autocast. train.py compares this plan with the
+They are float32 figures, an upper bound for bf16 autocast, except the loss: a plan for a GPU
+measures the GPU's (logits in the compute dtype, F.cross_entropy: gpu_cross_entropy).
+train.py compares this plan with the
 device's memory before it allocates anything (memory_problem); tools/bench.py --section
 plan_memory sets it against the measured peak of real runs (docs/performance.md).
 
@@ -56,6 +58,7 @@ takes exposed + max(compute, communication - exposed).
 """
 
 import argparse
+import contextlib
 import functools
 import math
 import os
@@ -69,6 +72,8 @@ from torch.utils._pytree import tree_flatten
 
 from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
+import losses
+import parallelism
 from losses import Objective, objective_step
 from model import GPT, GPTConfig
 from utils import GPU_PEAK_BF16_FLOPS, available_memory
@@ -90,8 +95,11 @@ C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roug
 # in a plan made for a GPU named (train.py asks the device itself)
 GPU_MEMORY_GIB = {"H100": 79.6, "H200": 140.4, "H800": 79.6, "A100": 80.0, "A800": 80.0, "L40S": 45.0,
                   "A10G": 22.5, "4090": 24.0}
-# the share of it batch_size = 'auto' fills: the CUDA context, the collectives' buffers and the caching
-# allocator's fragmentation are not in the plan
+# the share of it batch_size = 'auto' fills: the CUDA context and the collectives' buffers are not in the
+# plan. Measured margin (one H100, results/gpu.md section 5: the 7B width at 2 and 4 blocks, batch 8 x 2048,
+# bf16, activation checkpointing): the plan, with the GPU's loss (gpu_cross_entropy), is 38.0 and 46.8 GiB
+# where the device peaked at 25.4 and 32.4 GiB allocated, 33.6 and 41.1 GiB reserved (the caching
+# allocator's whole footprint): 4.4 and 5.7 GiB above reserved, plus the 10 % (8.0 GiB of an H100) here
 AUTO_BATCH_MEMORY = 0.9
 GPUS_PER_NODE = 8
 LINK_GBPS = {  # gpu: (Gb/s within a node, Gb/s between nodes, the link within, the link between)
@@ -197,6 +205,23 @@ def cpu_flash_attention_on_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causa
                                           **kwargs)
 
 
+@contextlib.contextmanager
+def gpu_cross_entropy(on_gpu=True):
+    """losses.cross_entropy takes F.cross_entropy on CUDA logits (upcast to float32) and its own
+    _SoftmaxCrossEntropy elsewhere, the meta device included: inside (on_gpu), meta tensors take the
+    CUDA path, so a step measured on meta holds the GPU's loss. On (8 x 2048, 50304) bf16 logits
+    F.cross_entropy's forward and backward hold 9.21 GiB above the logits on meta, as an H100
+    measured (results/gpu.md, section 5); the CPU path 6.14 GiB."""
+    own = losses._SoftmaxCrossEntropy.apply
+    if on_gpu:
+        losses._SoftmaxCrossEntropy.apply = lambda logits, targets, ignore_index: F.cross_entropy(
+            logits, targets, ignore_index=ignore_index)
+    try:
+        yield
+    finally:
+        losses._SoftmaxCrossEntropy.apply = own
+
+
 @functools.lru_cache(maxsize=64)
 def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_len, device):
     config, model_config = dict(config_items), GPTConfig(**dict(model_config_items))
@@ -213,7 +238,10 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
         p.grad = torch.zeros_like(p)  # the gradients are the plan's states, not the step's
     x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
     model.use_attention(cpu_flash_attention_on_meta)
-    with PeakTensorBytes() as counter:
+    on_gpu = str(config.get("device", "")).startswith("cuda")
+    if on_gpu and config.get("dtype") in ("bfloat16", "float16"):  # the logits as autocast's LM head gives them
+        model.lm_head.register_forward_hook(lambda module, args, logits: logits.to(getattr(torch, config["dtype"])))
+    with PeakTensorBytes() as counter, gpu_cross_entropy(on_gpu):
         loss, _, logits, hidden = objective_step(model, objective, x, x)
         loss.backward()
         del loss, logits, hidden
@@ -224,7 +252,9 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="
     """Peak bytes of the tensors one training micro-step creates (forward, the run's objective,
     backward into gradients that already exist) with the model cut to n_layer blocks, in fp32. On
     the meta device by default: nothing is allocated, any width takes a fraction of a second, and
-    the attention is the CPU flash kernel's (cpu_flash_attention_on_meta), so the figure is the CPU's.
+    the attention is the CPU flash kernel's (cpu_flash_attention_on_meta). The loss is the device's:
+    where config['device'] is cuda (plan.py's plans, train.py on a GPU), the logits reach the objective
+    in the compute dtype and cross-entropy is F.cross_entropy's (gpu_cross_entropy), else the CPU's.
     A mixture of experts runs there too (static shapes: its capacity buffers are counted).
     Cached: a plan asks for the same step often."""
     keys = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))
@@ -257,13 +287,14 @@ def memory(model, config, processes, micro_steps, measure=True):
     every unit, for the whole step), plus, with several micro-steps, the whole fp32 gradient
     between them (gradient sync is off until the last).
     measure: True (step_peak_bytes' device), False (activations NaN) or a device to measure them on."""
-    n = model.num_params()
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
-    root = n - sum(blocks)  # embedding, head, final norm: FSDP's root unit
+    n, group = model.num_params(), shard_group(config, processes)
+    blocks, root = fsdp_units(model, group)  # as FSDP holds them: padded where no dimension divides
+    padded = sum(blocks) + root
     param_bytes = gathered_bytes(config)  # what FSDP gathers (its mixed-precision policy)
-    gathered = n * param_bytes if config.get("fsdp_keep_gathered") else max(max(blocks), root) * param_bytes
+    largest = max(max(blocks), root)
+    gathered = (padded if config.get("fsdp_keep_gathered") else largest) * param_bytes
     parts = {"ddp": (16 + (4 if processes > 1 else 0)) * n / GiB,
-             "fsdp": (16 * n / shard_group(config, processes) + gathered + max(max(blocks), root) * 4
+             "fsdp": (16 * padded / group + gathered + largest * 4
                       + (4 * n if micro_steps > 1 else 0)) / GiB}
     parts.update(activation_gib(config, model.config, config["batch_size"], config["block_size"],
                                 **({} if measure is True else {"device": measure})) if measure
@@ -271,6 +302,16 @@ def memory(model, config, processes, micro_steps, measure=True):
     table = {mode: {"plain": parts[mode] + parts["act"], "checkpointed": parts[mode] + parts["act_ckpt"]}
              for mode in ("ddp", "fsdp")}
     return table, parts
+
+
+def fsdp_units(model, shards):
+    """(elements of each block, of the root: embeddings, final norm, LM head) as FSDP holds them on
+    `shards` ranks: each parameter padded where no dimension divides (parallelism.padded_numel; the
+    whole count on 1). A tied matrix counts once."""
+    blocks = [sum(parallelism.padded_numel(p.shape, shards) for p in block.parameters()) for block in model.h]
+    in_blocks = {id(p) for block in model.h for p in block.parameters()}
+    root = sum(parallelism.padded_numel(p.shape, shards) for p in model.parameters() if id(p) not in in_blocks)
+    return blocks, root
 
 
 def shard_group(config, processes):
@@ -292,9 +333,9 @@ def communication_bytes(model, objective, parallel, processes, micro_steps, para
     (all_reduce, between the groups: a slower link when a group is a node)."""
     group = group or processes
     share = (group - 1) / group
-    blocks = [sum(p.numel() for p in block.parameters()) for block in model.h]
-    root = model.num_params() - sum(blocks)  # embeddings, final norm, LM head
-    head = sum(p.numel() for p in objective.parameters())  # the objective's own unit (NITP's head)
+    shards = group if parallel == "fsdp" else 1  # FSDP's buffers: padded where no dimension divides
+    blocks, root = fsdp_units(model, shards)
+    head = sum(parallelism.padded_numel(p.shape, shards) for p in objective.parameters())  # NITP's head's unit
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0, "exposed_between": 0.0}
     if parallel == "ddp":
         out["all_reduce"] = 2 * share * 4 * (root + sum(blocks) + head)
@@ -421,6 +462,7 @@ def device_batch_size(config, processes, vocab, device):
     (utils.available_memory), with the heap's allowance on the CPU."""
     available, _ = available_memory(device)
     heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
+    config = {**config, "device": device}  # the step measured with this device's loss (step_peak_bytes)
     return resolve_batch_size(config, processes, vocab, available / GiB, heap)[0]["batch_size"]
 
 
@@ -434,6 +476,7 @@ def device_memory_problem(config, processes, vocab, device):
     the heap's allowance on the CPU."""
     available, source = available_memory(device)
     heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
+    config = {**config, "device": device}  # the step measured with this device's loss (step_peak_bytes)
     return memory_problem(config, processes, vocab, available / GiB, f"{device} ({source})", heap)
 
 
@@ -481,6 +524,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
         raise ConfigError(f"unknown gpu {gpu!r}: expected one of {', '.join(GPU_PEAK_BF16_FLOPS)}")
     if link_gbps is not None and not link_gbps > 0:
         raise ConfigError(f"link_gbps must be > 0, got {link_gbps}")
+    config = {**config, "device": "cuda"}  # its step measured with the GPU's loss (gpu_cross_entropy)
     model, objective = meta_model(config, run_vocab(config))
     auto = config["batch_size"] == "auto"
     config, fits = resolve_batch_size(config, processes, run_vocab(config), GPU_MEMORY_GIB[gpu])
@@ -540,6 +584,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
             "fsdp_keep_gathered": config.get("fsdp_keep_gathered", False),
             "memory": per_gpu, "memory_parts": parts, "parallel": config["parallel"],
             "activation_checkpointing": config["activation_checkpointing"],
+            "padding": None if config["parallel"] != "fsdp" else parallelism.padding_note(
+                [*model.named_parameters(), *objective.named_parameters()], shard_group(config, processes)),
             "data": data_needed(config, tokens_per_step * config["max_iters"])}
 
 
@@ -557,7 +603,7 @@ def format_plan(p):
              f"{p['tokens_per_run']:,} tokens",
              f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run (evaluations "
              f"included) = {p['hours']:,.1f} h on {p['processes']} x {p['gpu']} at MFU {p['mfu']:.0%}",
-             *communication_lines(p),
+             *communication_lines(p), *([p["padding"]] if p["padding"] else []),
              "memory per GPU (GiB; activations fp32, an upper bound under bf16):"]
     chosen = p["parallel"] if p["parallel"] != "none" else "ddp"
     for mode in ("ddp", "fsdp"):

@@ -12,8 +12,11 @@ import os
 import subprocess
 import sys
 
+from types import SimpleNamespace
+
 import pytest
 import torch
+from torch.distributed.tensor import Replicate, Shard
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import parallelism  # noqa: E402
@@ -192,6 +195,42 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
     result = finish(launch(part, data_dir, *LLAMA, "--init_from=resume"), check=False)
     assert result.returncode != 0 and "resume with --parallel=fsdp" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@needs_fsdp_on_cpu
+@pytest.mark.parametrize("experts", [2, 8])
+def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir, experts):
+    """4 ranks. 2 experts: cut on dim 0 the stacked experts (2, 32, 16) would leave ranks 2-3 empty and
+    pad every all-gather to twice the weights; they, the router (2, 16), the embedding and the head
+    (vocabulary 42, 16) are cut on a dimension 4 divides (parallelism.shard_dim: Shard(1)), so nothing
+    is padded and no note is printed. 8 experts: dim 0 divides. The same run as one process, and saved
+    (DCP) and resumed mid-run it is the uninterrupted run bit for bit."""
+    moe = [*LLAMA, f"--n_expert={experts}"]
+    fsdp = [*moe, "--parallel=fsdp"]
+    single, full, part = tmp_path / "single", tmp_path / "full", tmp_path / "part"
+    runs = finish(launch(single, data_dir, *moe), launch(full, data_dir, *fsdp, processes=4),
+                  launch(part, data_dir, *fsdp, "--max_iters=3", processes=4))
+    assert "fsdp pads" not in runs[1].stdout + runs[1].stderr
+    assert_same_run(single, full)
+    resumed = finish(launch(part, data_dir, *fsdp, "--init_from=resume", processes=4))
+    assert "resumed from" in resumed.stdout
+    assert train_losses(part) == train_losses(full)
+    assert_same_weights(part, full)
+
+
+@pytest.mark.parametrize("placements", [(Shard(0),), (Shard(1),), (Shard(2),), (Replicate(), Shard(1))], ids=str)
+def test_local_rows_is_the_shard_fsdp_holds_on_any_dimension(placements):
+    """parallelism.local_rows (sharded init, copy_shards from a whole checkpoint) cuts the dimension
+    FSDP's placement names as torch.chunk does (FSDP's layout: uneven chunks, the last ranks' empty),
+    over the mesh's sharded dimension; the ranks' parts put together are the tensor."""
+    shards, full = 4, torch.arange(6 * 8 * 4).reshape(6, 8, 4)
+    dim = placements[-1].dim
+    for rank in range(shards):
+        mesh = SimpleNamespace(size=lambda mesh_dim: (2, shards)[mesh_dim] if len(placements) == 2 else shards,
+                               get_local_rank=lambda mesh_dim, rank=rank: rank)
+        part = parallelism.local_rows(full, SimpleNamespace(placements=placements, device_mesh=mesh))
+        expected = torch.chunk(full, shards, dim=dim)
+        assert torch.equal(part, expected[rank] if rank < len(expected) else full.narrow(dim, 0, 0)), rank
 
 
 @needs_fsdp_on_cpu

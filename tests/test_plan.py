@@ -411,3 +411,62 @@ def test_plan_communication_is_what_a_real_step_moves():
             assert sent == pytest.approx(planned[kind], rel=0.1, abs=0.01 * planned["total"]), (record["run"], kind)
     if parallelism.fsdp_unavailable("cpu"):
         pytest.skip(f"DDP matched; the FSDP runs: {parallelism.fsdp_unavailable('cpu')}")
+
+
+def test_moe_shards_on_a_dimension_the_ranks_divide_and_the_plan_counts_the_padding_left():
+    """A MoE's stacked experts (E, hidden, C) with fewer experts than ranks: FSDP2's dim 0 would put
+    them on E ranks and pad every all-gather to ranks/E times the weights; parallelism.shard_dim cuts
+    them on the hidden dimension. The 8x1B on 64 ranks: each holds (8, 88, 2048) of each expert
+    weight and nothing is padded, so the plan's bytes and memory are the weights'. Where no dimension
+    divides (or on a torch without shard_placement_fn), the plan counts the padding and says so."""
+    assert parallelism.shard_dim((8, 5632, 2048), 64) == (1 if parallelism.PLACES_SHARDS else 0)
+    assert parallelism.shard_dim((50304, 2048), 64) == 0  # the router's (8, 2048): dim 1, as the experts'
+    assert parallelism.shard_dim((8, 2048), 64) == (1 if parallelism.PLACES_SHARDS else 0)
+    assert parallelism.padded_numel((2, 30, 18), 4) == 4 * 30 * 18  # nothing divides 4: 2 experts padded to 4
+    assert parallelism.padded_numel((10, 3), 4) == 12 * 3  # torch.chunk's rows: 3, 3, 3, 1, padded to 3 each
+    config = {**config_of("config/simreg_moe_8x1b.py"), "batch_size": 8}
+    p = plan.make_plan(config, 64, measure=False)
+    model, objective = plan.meta_model(config, plan.run_vocab(config))
+    n = model.num_params()
+    if not parallelism.PLACES_SHARDS:
+        pytest.skip(f"torch {torch.__version__} has no shard_placement_fn: FSDP pads the experts (the plan says so)")
+    assert p["padding"] is None and sum(plan.fsdp_units(model, 64)[0]) + plan.fsdp_units(model, 64)[1] == n
+    assert p["communication"]["all_gather"] == pytest.approx(63 / 64 * 2 * n)  # bf16, kept gathered: once a step
+    assert p["communication"]["reduce_scatter"] == pytest.approx(63 / 64 * 4 * n)
+    padded = {**config, "vocab_size": 50305, "n_embd": 2050, "ffn_hidden": 5634, "n_head": 25}  # nothing divides 64
+    q = plan.make_plan(padded, 64, measure=False)
+    assert "fsdp pads" in plan.format_plan(q) and q["padding"] in plan.format_plan(q)
+    model = plan.meta_model(padded, 50305)[0]
+    assert q["communication"]["all_gather"] > 63 / 64 * 2 * model.num_params() * 7  # 8 experts padded to 64
+
+
+def test_moe_communication_is_what_a_counted_all_gather_moves_on_4_processes():
+    """One FSDP step of each of tests/moe_comm.py's models on 4 gloo processes, every collective's
+    buffer counted: the plan's all-gather and reduce-scatter bytes are the counted ones (within 1e-9),
+    with 2 experts cut on the hidden dimension (each rank (2, 8, 16), none empty), 8 on dim 0, the
+    8x1B's expert shard on 64 ranks ((·, 88, 2048) per expert), and where no dimension divides 4, the
+    padded experts the plan counts (and the run's note)."""
+    if parallelism.fsdp_unavailable("cpu"):
+        pytest.skip(parallelism.fsdp_unavailable("cpu"))
+    sys.path.insert(0, os.path.join(REPO, "tests"))
+    from moe_comm import MOE_MODELS
+    from model import GPTConfig, build_model
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                             "tests/moe_comm.py"], cwd=REPO, capture_output=True, text=True, timeout=600,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = {r["model"]: r for r in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{"))}
+    assert list(records) == list(MOE_MODELS)
+    shards = {"2 experts": ([2, 8, 16], "S(1)"), "8 experts": ([2, 32, 16], "S(0)"),
+              "2 experts, nothing divides": ([1, 30, 18], "S(0)"), "the 8x1B's expert shard": ([2, 88, 2048], "S(1)")}
+    for name, record in records.items():
+        assert (record["expert_local_shape"], record["expert_placement"]) == shards[name], name
+        assert record["other"] == {} and record["sent"]["all_reduce"] == 0
+        with torch.device("meta"):
+            model = build_model(GPTConfig(**MOE_MODELS[name]))
+        planned = plan.communication_bytes(model, torch.nn.Module(), "fsdp", 4, 1, 4)
+        for kind in ("all_gather", "reduce_scatter"):
+            assert record["sent"][kind] == pytest.approx(planned[kind], rel=1e-9), (name, kind)
+        unpadded = 3 / 4 * 4 * model.num_params()
+        assert (planned["reduce_scatter"] > unpadded * 1.2) == (name == "2 experts, nothing divides"), name
+    assert result.stdout.count("note: fsdp pads") == 1 and "mlp.gate [2, 30, 18]" in result.stdout
