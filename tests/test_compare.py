@@ -473,3 +473,15 @@ def test_table_only_without_matplotlib_keeps_the_figures_section(tmp_path, monke
         compare.main(argv)
         table = (results / "nofig.md").read_text()
         assert table.endswith("## Figures\n\n" + compare.NOT_REDRAWN + "\n\n" + link) and "old table" not in table
+
+
+def test_the_findings_numbers_are_the_tables():
+    """Every count ('3 of 30') and p ('p = 0.237') in README's Results section is in
+    results/jostling.md, which tools.compare --table_only writes."""
+    import re
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    results = readme[readme.index("## Results"):readme.index("## Files")]
+    table = open(os.path.join(REPO, "results", "jostling.md"), encoding="utf-8").read()
+    numbers = re.findall(r"\d+ of \d+|p = [0-9.]+\d", results)
+    assert len(numbers) >= 7
+    assert [n for n in numbers if n not in table] == []
