@@ -485,3 +485,19 @@ def test_the_findings_numbers_are_the_tables():
     numbers = re.findall(r"\d+ of \d+|p = [0-9.]+\d", results)
     assert len(numbers) >= 7
     assert [n for n in numbers if n not in table] == []
+
+
+def test_a_run_stopped_part_way_is_not_resumed_with_other_keys(tmp_path, monkeypatch, capsys):
+    """A stopped 8000-step run in --root would go on from its checkpoint under --max_iters=40 (a
+    resume may change max_iters): the call is refused, naming the key, before anything runs."""
+    from tools import compare
+    monkeypatch.setitem(grids.GRIDS, "stopped", {"CE": ("config/lowres_ce.py", 1)})
+    monkeypatch.setattr(runner, "launch", lambda *a: pytest.fail("a run was trained"))
+    out = grids.run_dir(str(tmp_path / "root"), "stopped", "CE", 1337)
+    os.makedirs(out)
+    (keys,) = runner.identity.training_keys(runner.planned_commands("config/lowres_ce.py", 1337, []))
+    with open(os.path.join(out, "ckpt.json"), "w") as f:
+        json.dump({"config": {**keys, "out_dir": out}, "iter_num": 3000}, f)
+    with pytest.raises(SystemExit):
+        compare.main(["stopped", f"--root={tmp_path / 'root'}", f"--archive={tmp_path / 'archive'}", "--max_iters=40"])
+    assert "was trained with max_iters=8000, this comparison asks for max_iters=40" in capsys.readouterr().err

@@ -13,6 +13,7 @@ Runs archived before the record existed are read by one rule (`of_run`): their t
 their run.json commands resolved against today's config files and train.py defaults (an edit of a
 config file since then is not seen), their commit is unknown, and their CPU is the grid's when every
 call in its wall.json names the same CPU, unknown otherwise. A run with no run.json is not checked.
+A run stopped part-way in --root is checked by its ckpt.json's config (tools/runner.check_like).
 """
 
 import functools

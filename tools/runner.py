@@ -302,18 +302,32 @@ def check_like(grid, folder, overrides, only=None):
     seed) pairs to check, all by default."""
     cpu_of_grid = identity.grid_cpu(folder, grid)
     for method, seed, config, args, directory in runs_of(grid, folder):
-        if (only is not None and (method, seed) not in only) or \
-                not os.path.exists(os.path.join(directory, "metrics.json")):
-            continue
-        found = identity.of_run(directory, cpu_of_grid)
-        if found is None or found["training"] is None:
+        if only is not None and (method, seed) not in only:
             continue
         planned = identity.training_keys(planned_commands(config, seed, [*args, *overrides]))
-        difference = identity.first_difference(found["training"], planned)
+        if os.path.exists(os.path.join(directory, "metrics.json")):
+            found = identity.of_run(directory, cpu_of_grid)
+            difference = None if found is None or found["training"] is None else \
+                identity.first_difference(found["training"], planned)
+        else:  # a run stopped part-way goes on from its checkpoint (ckpt.json: its config), whose keys must match
+            difference = stopped_difference(directory, planned)
         if difference:
             raise UnlikeRuns(f"{directory} ({method}, seed {seed}) was trained with {difference}: the table would "
                              "pair unlike runs; give --archive and --root other folders for a comparison with other "
                              "keys (--methods and --seeds make it smaller)")
+
+
+def stopped_difference(out_dir, planned):
+    """first_difference of the stage a stopped run would go on from (its ckpt.json), or None."""
+    for stage, keys in enumerate(planned):
+        stage_dir = out_dir if stage == len(planned) - 1 else os.path.join(out_dir, f"stage{stage}")
+        path = os.path.join(stage_dir, "ckpt.json")
+        if os.path.exists(path) and not os.path.exists(os.path.join(stage_dir, "metrics.json")):
+            with open(path) as f:
+                config = json.load(f)["config"]
+            trained = {k: v for k, v in config.items() if k not in identity.NOT_TRAINING}
+            return identity.first_difference([trained], [keys])
+    return None
 
 
 def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
