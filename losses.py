@@ -260,13 +260,15 @@ def dispersion(hidden_states, tau=1.0, variant="angular", form="paper"):
     excluded except in l2_repel; pairs never cross sequences):
       angular (default, Algorithm 1):
           z_hat = z / (|z| + eps),  cos = z_hat z_hat^T clamped to [-1+eps, 1-eps],  eps = 1e-4
+          (Algorithm 1 names eps without a value; 1e-4 is an earlier release of the authors' code)
           D_ij = arccos(cos_ij) / pi
           loss = logsumexp_{i!=j}(-D_ij / tau) - log(T(T-1))
           (Algorithm 1 also adds eps inside the logsumexp: a constant 1e-4, left out here)
       decorrelation: Z_c = (z - mean_c z) / std_c z per token, unbiased std (clamped at eps so
           a constant token gives no 0/0); Cov = Z_c Z_c^T / (C-1), a T x T token-by-token
-          matrix; loss = mean_{m!=n} Cov_mn^2. The paper's Table 1 writes the C x C feature
-          covariance; we follow the authors' code, which produced the paper's numbers.
+          matrix; loss = mean_{m!=n} Cov_mn^2. The paper's text (Sec. 4.4) and Table 1 speak of
+          the C x C covariance between feature dimensions; this is the released code's token
+          form (docs/fidelity.md), and the paper does not say which form gave its numbers.
       l2_repel: D_ij = |z_i - z_j|^2 / C (width-scaled, as in the authors' later code);
           loss = logsumexp_{all i, j}(-D_ij / tau) - log(T^2) + 0.1 * mean(z^2)
           Here the diagonal i = j is included (as in two of the authors' three code versions).

@@ -212,20 +212,48 @@ def isotropy(W):
     return math.exp((log_z.min() - log_z.max()).item())
 
 
-def isotropy_authors(W):
+def isotropy_authors(W, eigenvectors=None):
     """
-    I(W) computed the way the Stop Jostling authors computed the paper's I(W) column: a over the
-    real parts of the eigenvectors that the general solver torch.linalg.eig returns for W^T W
-    (float32, as the model's weights are), each with whatever sign the solver picked, and no
-    negatives. Since Z(a) != Z(-a), this value depends on the solver's sign choices (and so on
-    the dtype and the LAPACK build): it is not a well-defined property of W, and it is never
-    below isotropy(W), which takes the min and max over a superset of directions. It exists so
-    that our numbers can be compared with the paper's like for like; use isotropy() otherwise.
+    I(W) the way the Stop Jostling authors computed the paper's I(W) column: a over the eigenvectors
+    of W^T W, one sign each and no negatives. Since Z(a) != Z(-a) the value depends on the signs:
+    the authors took whatever torch.linalg.eig returned, which changes with the solver and the
+    LAPACK build (numpy.linalg.eig moved single runs by up to 0.19). Here each eigenvector is signed
+    by a stated rule, its largest-magnitude component positive (sign_eigenvectors), so any solver
+    gives the same value; isotropy_sign_range gives the spread over all sign choices, and isotropy()
+    (both signs) the well-defined value, never above this one. eigenvectors: a function of the
+    (C, C) float64 matrix returning its eigenvectors as columns (torch.linalg.eigh's by default).
     """
-    W = W.detach().cpu().float()
-    _, U = torch.linalg.eig(W.T @ W)                               # complex; W^T W is symmetric
-    log_z = torch.logsumexp(_on_host(W) @ _on_host(U.real), dim=0)
+    W = _on_host(W)
+    U = torch.linalg.eigh(W.T @ W).eigenvectors if eigenvectors is None else eigenvectors(W.T @ W)
+    log_z = torch.logsumexp(W @ sign_eigenvectors(torch.as_tensor(U, dtype=W.dtype).real), dim=0)
     return math.exp((log_z.min() - log_z.max()).item())
+
+
+def sign_eigenvectors(U):
+    """U's columns, each multiplied by the sign of its largest-magnitude entry (a column whose two
+    largest entries tie in magnitude is the one case the rule leaves to the solver)."""
+    rows = U.abs().argmax(dim=0)
+    return U * torch.sign(U[rows, torch.arange(U.shape[1])])
+
+
+def isotropy_sign_range(W):
+    """(lowest, highest) I(W) of isotropy_authors over all 2^C sign choices of the C eigenvectors.
+    With lo_j, hi_j the smaller and larger Z of u_j and -u_j: the lowest is min over j != k of
+    lo_j / hi_k; the highest, over each candidate minimum L among the 2C values, takes for every j
+    the smallest of its two Z at or above L, and keeps the best L / max."""
+    W = _on_host(W)
+    U = torch.linalg.eigh(W.T @ W).eigenvectors
+    z = torch.stack([torch.logsumexp(W @ U, dim=0), torch.logsumexp(-W @ U, dim=0)], dim=1)  # (C, 2) log Z
+    lo, hi = z.min(dim=1).values, z.max(dim=1).values
+    gap = lo[:, None] - hi[None, :]
+    gap.fill_diagonal_(float("inf"))
+    lowest = gap.min().item()
+    highest = -float("inf")
+    for floor in z.flatten().tolist():
+        allowed = torch.where(z >= floor, z, torch.full_like(z, float("inf"))).min(dim=1).values
+        if torch.isfinite(allowed).all():
+            highest = max(highest, floor - allowed.max().item())
+    return math.exp(lowest), math.exp(highest)
 
 
 def _stoi(itos):

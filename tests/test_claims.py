@@ -121,3 +121,39 @@ def test_isotropy_authors_of_reads_the_archived_embedding(tmp_path):
     assert claims.isotropy_authors_of("high")(r) == pytest.approx(metrics.isotropy_authors(wte[:65]))
     assert claims.isotropy_authors_of("low")(r) == pytest.approx(metrics.isotropy_authors(wte[65:]))
     assert math.isfinite(claims.isotropy_authors_of("low")(r))
+
+
+def test_a_check_is_judged_but_named_a_check_and_a_description_is_not_judged(monkeypatch):
+    """A check (a loss lowered what it penalises) gets a verdict worded as a check and stays in the
+    Holm family; a description gets no p and no verdict, and the claims' p-values are adjusted as
+    if it were not there."""
+    seeds = [1, 2, 3, 4]
+    base_acc = [0.30, 0.32, 0.31, 0.29]
+    runs = {"base": {s: run(a, 5.0) for s, a in zip(seeds, base_acc)},
+            "good": {s: run(a + d, 5.0 + e) for s, a, d, e in zip(seeds, base_acc, [0.05, 0.06, 0.055, 0.05],
+                                                                  [0.5, 0.7, 0.4, 0.6])}}
+    accuracy, ppl = claims._metric("high", "accuracy"), claims._metric("high", "ppl")
+    monkeypatch.setitem(claims.CLAIMS, "toy", [claims.claim("P", "good", "acc", accuracy, +1, "up"),
+                                               claims.claim("P", "good", "ppl", ppl, -1, "down", role="check"),
+                                               claims.claim("P", "good", "acc", accuracy, +1, "up", role="description")])
+    (_, acc, p_acc, v_acc), (_, check, _, v_check), (_, _, p_desc, v_desc) = claims.evaluate_claims("toy", runs, "base")
+    assert (v_acc, v_check, v_desc) == (stats.REPRODUCES, "check failed", claims.DESCRIPTION) and p_desc is None
+    assert p_acc == pytest.approx(stats.holm([acc["p"], check["p"]])[0])  # the claim and the check, not the description
+    assert p_acc != pytest.approx(stats.holm([acc["p"], check["p"], check["p"]])[0])
+    table = "\n".join(claims.claims_table("toy", runs, "base"))
+    assert "1 reproduce, 0 not shown, 0 contradicted, of 1 claims. Beside them: check failed: 1, description: 1." in table
+
+
+def test_the_papers_claims_are_stated_as_the_papers_state_them():
+    """CWT's validation PPL is a description (the headless paper reports it higher after fine-tuning
+    and claims LAMBADA); the BPE grid judges margin 0.6 + SE at PPL_best, the claim's temperature
+    rule, its rare-target PPL at T = 1 only described; dispersion's μ is a check."""
+    def role(grid, method, quantity):
+        (c,) = [c for c in claims.CLAIMS[grid] if c["method"] == method and c["quantity"] == quantity]
+        return c["role"]
+    for grid, ppl in (("lowres", "HR PPL"), ("bpe", "PPL (%)")):
+        assert role(grid, "CWT + FT", ppl) == "description"
+    assert role("bpe", "margin 0.6 + SE", "PPL_best (%)") == "claim"
+    assert role("bpe", "margin 0.6 + SE", "rare-target PPL at T = 1 (%)") == "description"
+    assert role("lowres", "dispersion", "HR μ(last block), condensation") == "check"
+    assert role("bpe", "dispersion", "μ(last block), condensation") == "check"

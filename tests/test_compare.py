@@ -80,6 +80,10 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     with open(os.path.join(chained, "run.json")) as f:
         commands = json.load(f)["commands"]
     assert commands[0][2] == "config/lowres_cwt.py" and commands[1][-1] == f"--init_from={chained}/stage0/best.pt"
+    with open(os.path.join(chained, "run.json")) as f:  # each stage's training keys, the code and the machine
+        recorded = json.load(f)["identity"]
+    assert [stage["max_iters"] for stage in recorded["training"]] == [4, 4] and recorded["cpu"] and recorded["commit"]
+    assert recorded["training"][0]["cwt_weight"] > 0 and "out_dir" not in recorded["training"][1]
     assert os.path.exists(os.path.join(chained, "stage0", "metrics.json"))
     with open(os.path.join(archive, "mini", "wall.json")) as f:
         (call,) = json.load(f)["calls"]
@@ -347,3 +351,153 @@ def test_results_readme_verdict_counts_are_the_tables():
     for grid, claims, reproduce, not_shown, contradicted in rows:
         table = open(os.path.join(REPO, "results", f"{grid}.md"), encoding="utf-8").read()
         assert f"{reproduce} reproduce, {not_shown} not shown, {contradicted} contradicted, of {claims} claims." in table
+
+
+def archived_run(archive, grid, method, seed, config, metrics, extra=(), run_identity=None):
+    """An archived run as tools.compare leaves it: metrics.json, a log and run.json with its command."""
+    out = grids.run_dir(archive, grid, method, seed)
+    os.makedirs(out)
+    with open(os.path.join(out, "metrics.json"), "w") as f:
+        json.dump(metrics, f)
+    with open(os.path.join(out, "log.jsonl"), "w") as f:
+        f.write(json.dumps({"iter": 0, "val": 3.0, "val_low": 3.0}) + "\n")
+    commands = [[sys.executable, "train.py", config, f"--seed={seed}", *extra, f"--out_dir=out/{seed}", "--num_threads=1"]]
+    record = {"wall_s": 1.0, "threads": 1, "commands": commands}
+    if run_identity is not None:
+        record["identity"] = run_identity
+    with open(os.path.join(out, "run.json"), "w") as f:
+        json.dump(record, f)
+    return out
+
+
+def test_compare_refuses_to_pair_runs_trained_with_other_keys(tmp_path, monkeypatch, capsys):
+    """`tools.compare <grid> --max_iters=40` on an archive of 8000-step runs: refused in one line
+    naming the key, before anything is trained, and --table_only on an archive of 40-step runs
+    without the override too; with the same override it pairs them."""
+    from tools import compare
+    monkeypatch.setitem(grids.GRIDS, "like", {"CE": ("config/lowres_ce.py", 2), "margin 0.6": ("config/lowres_margin_0.6.py", 2)})
+    monkeypatch.setattr(runner, "launch", lambda *a: pytest.fail("a run was trained"))
+    archive = str(tmp_path / "archive")
+    for method, config in (("CE", "config/lowres_ce.py"), ("margin 0.6", "config/lowres_margin_0.6.py")):
+        for seed in (1337, 1338):
+            archived_run(archive, "like", method, seed, config, fake_metrics(0.37, 5.0))
+    argv = ["like", f"--archive={archive}", f"--root={tmp_path / 'root'}", f"--results={tmp_path / 'results'}"]
+    with pytest.raises(SystemExit) as stop:
+        compare.main(argv + ["--max_iters=40"])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
+    assert "(CE, seed 1337) was trained with max_iters=8000, this comparison asks for max_iters=40" in err
+    compare.main(argv + ["--table_only"])  # the runs as the grid plans them: paired
+    assert "| margin 0.6 | 2 |" in (tmp_path / "results" / "like.md").read_text()
+    # a run trained with a key the grid's config does not set (recorded in run.json's identity)
+    short = str(tmp_path / "short")
+    for seed in (1337, 1338):
+        keys = runner.identity.training_keys(runner.planned_commands("config/lowres_ce.py", seed, ["--max_iters=40"]))
+        archived_run(short, "like", "CE", seed, "config/lowres_ce.py", fake_metrics(0.37, 5.0), ["--max_iters=40"],
+                     {"training": keys, "commit": "abc", "cpu": "CPU A"})
+    with pytest.raises(SystemExit):
+        compare.main(["like", f"--archive={short}", "--table_only"])
+    assert "was trained with max_iters=40, this comparison asks for max_iters=8000" in capsys.readouterr().err
+    compare.main(["like", f"--archive={short}", "--table_only", "--max_iters=40"])
+    assert os.path.exists(os.path.join(short, "like.md"))  # the table goes with its own archive
+
+
+def test_methods_and_seeds_choose_the_runs_a_call_trains(tmp_path, monkeypatch, capsys):
+    from tools import compare
+    monkeypatch.setitem(grids.GRIDS, "pick", {"CE": ("config/lowres_ce.py", 3), "margin 0.6": ("config/lowres_margin_0.6.py", 3),
+                                                "margin 1": ("config/lowres_margin_1.py", 3)})
+    only = compare.selection("pick", ["margin 1"], [1338])
+    assert only == {("CE", 1338), ("margin 1", 1338)}  # the baseline comes with every method
+    assert compare.selection("pick", None, None) is None
+    for methods, seeds, message in ((["margin 3"], None, "'margin 3' not in grid 'pick'"),
+                                    (None, [1400], "--seeds: 1400 not among the chosen methods' seeds")):
+        with pytest.raises(SystemExit):
+            compare.selection("pick", methods, seeds)
+        assert message in capsys.readouterr().err
+    trained = []
+
+    def launch(config, seed, out, threads, overrides):
+        trained.append((config, seed))
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump(fake_metrics(0.37, 5.0), f)
+        with open(os.path.join(out, "log.jsonl"), "w") as f:
+            f.write(json.dumps({"iter": 0, "val": 3.0, "val_low": 3.0}) + "\n")
+        return 0.0
+    monkeypatch.setattr(runner, "launch", launch)
+    monkeypatch.setattr(runner, "machine_peak", lambda: {"peak_flops": 1e9, "peak_dtype": "float32", "measured": {}})
+    runner.run_grid("pick", str(tmp_path / "root"), 1, ["--max_iters=40"], str(tmp_path / "archive"), only)
+    assert sorted(trained) == [("config/lowres_ce.py", 1338), ("config/lowres_margin_1.py", 1338)]
+
+
+def test_a_new_run_records_its_identity_and_the_report_counts_pairs_across_machines(tmp_path, monkeypatch):
+    from tools import identity
+    monkeypatch.setitem(grids.GRIDS, "machines", {"CE": ("config/lowres_ce.py", 2), "margin 1": ("config/lowres_margin_1.py", 2)})
+    archive = str(tmp_path)
+    for method, config in (("CE", "config/lowres_ce.py"), ("margin 1", "config/lowres_margin_1.py")):
+        for seed, cpu in ((1337, "CPU A"), (1338, "CPU A" if method == "CE" else "CPU B")):
+            keys = identity.training_keys(runner.planned_commands(config, seed, []))
+            archived_run(archive, "machines", method, seed, config, fake_metrics(0.37, 5.0),
+                         run_identity={"training": keys, "commit": "abc", "cpu": cpu})
+    table, _ = report.build_table("machines", archive)
+    assert "of the 2 pairs (a method and its baseline on one seed) these tables compare, 1 pair runs made on " \
+           "different CPUs and 0 include a run whose CPU is not recorded" in table
+    record = identity.record(runner.planned_commands("config/lowres_margin_1.py", 1337, ["--max_iters=40"]))
+    (keys,) = record["training"]
+    assert keys["max_iters"] == 40 and keys["margin"] == 1.0 and keys["seed"] == 1337 and "out_dir" not in keys
+    assert record["cpu"] == identity.cpu_name() and len(record["commit"].split("+")[0]) in (40, len(identity.UNKNOWN))
+
+
+def test_every_archived_run_is_the_run_its_grid_plans():
+    """The rule for runs archived before run.json recorded its identity (their command resolved by
+    today's config files) finds every archived run like its grid's plan: --table_only rebuilds."""
+    for grid in grids.GRIDS:
+        runner.check_like(grid, os.path.join(REPO, "results", "runs"), [])
+
+
+def test_table_only_without_matplotlib_keeps_the_figures_section(tmp_path, monkeypatch):
+    """A rebuild where matplotlib is missing keeps the links of the figures drawn before (and says
+    they were not redrawn), call after call; with no figures before, it says why there are none."""
+    from tools import compare, figures
+    monkeypatch.setitem(grids.GRIDS, "nofig", {"CE": ("config/lowres_ce.py", 1), "margin 1": ("config/lowres_margin_1.py", 1)})
+    monkeypatch.setattr(figures, "_pyplot", lambda: None)
+    archive, results = str(tmp_path / "archive"), tmp_path / "results"
+    for method, config in (("CE", "config/lowres_ce.py"), ("margin 1", "config/lowres_margin_1.py")):
+        archived_run(archive, "nofig", method, 1337, config, fake_metrics(0.37, 5.0))
+    argv = ["nofig", "--table_only", f"--archive={archive}", f"--results={results}"]
+    compare.main(argv)
+    assert "## Figures\n\nNone: matplotlib" in (results / "nofig.md").read_text()
+    link = "Every seed's value per method:\n\n![Every seed's value per method](figures/nofig_seeds.png)\n"
+    (results / "nofig.md").write_text("# Grid\n\nold table\n\n## Figures\n\n" + link)
+    for _ in range(2):
+        compare.main(argv)
+        table = (results / "nofig.md").read_text()
+        assert table.endswith("## Figures\n\n" + compare.NOT_REDRAWN + "\n\n" + link) and "old table" not in table
+
+
+def test_the_findings_numbers_are_the_tables():
+    """Every count ('3 of 30') and p ('p = 0.237') in README's Results section is in
+    results/jostling.md, which tools.compare --table_only writes."""
+    import re
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    results = " ".join(readme[readme.index("## Results"):readme.index("## Files")].split())  # one line
+    table = open(os.path.join(REPO, "results", "jostling.md"), encoding="utf-8").read()
+    numbers = re.findall(r"\d+ of \d+|p = [0-9.]+\d", results)
+    assert len(numbers) >= 7
+    assert [n for n in numbers if n not in table] == []
+
+
+def test_a_run_stopped_part_way_is_not_resumed_with_other_keys(tmp_path, monkeypatch, capsys):
+    """A stopped 8000-step run in --root would go on from its checkpoint under --max_iters=40 (a
+    resume may change max_iters): the call is refused, naming the key, before anything runs."""
+    from tools import compare
+    monkeypatch.setitem(grids.GRIDS, "stopped", {"CE": ("config/lowres_ce.py", 1)})
+    monkeypatch.setattr(runner, "launch", lambda *a: pytest.fail("a run was trained"))
+    out = grids.run_dir(str(tmp_path / "root"), "stopped", "CE", 1337)
+    os.makedirs(out)
+    (keys,) = runner.identity.training_keys(runner.planned_commands("config/lowres_ce.py", 1337, []))
+    with open(os.path.join(out, "ckpt.json"), "w") as f:
+        json.dump({"config": {**keys, "out_dir": out}, "iter_num": 3000}, f)
+    with pytest.raises(SystemExit):
+        compare.main(["stopped", f"--root={tmp_path / 'root'}", f"--archive={tmp_path / 'archive'}", "--max_iters=40"])
+    assert "was trained with max_iters=8000, this comparison asks for max_iters=40" in capsys.readouterr().err

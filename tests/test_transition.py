@@ -46,3 +46,22 @@ def test_factorial_rule_names_the_factor_only_when_the_test_does():
         "neither shown to decide"
     assert transition.factorial_verdict({**cells, ("C", "N"): (0, 0), ("N", "C"): (0, 6)}) == \
         (None, "not enough runs yet")
+
+
+def test_seeds_for_power_is_the_fewest_with_80_percent():
+    """At rates 0.10 and 0, n seeds a method give Fisher's p < 0.05 with probability P(n): the
+    answer is the first n with P(n) >= 0.8 (60, the figure once typed in the README, gives 0.56)."""
+    def power(n):
+        return sum(math.comb(n, k) * 0.1 ** k * 0.9 ** (n - k) for k in range(n + 1)
+                   if transition.fisher_exact(k, n, 0, n) < 0.05)
+    n = transition.seeds_for_power()
+    assert power(n) >= 0.8 > power(n - 1) and 70 < n < 90 and power(60) < 0.6
+
+
+def test_per_initialisation_count_of_the_factorial():
+    """Runs (init, data, acc, crossed): 1342 and 1346 cross in every run with another data order,
+    1337-1339 in none: 2 of 2 against 0 of 3, Fisher p = 0.1 (1 / C(5, 2))."""
+    runs = [(i, d, 0.0, i in (1342, 1346)) for i in (1337, 1338, 1339, 1342, 1346) for d in (1337, 1342) if i != d]
+    (line,) = [l for l in transition.per_initialisation_lines(runs) if l]
+    assert "2 of 2 crossing initialisations make it in every run, against 0 of 3 non-crossing ones" in line
+    assert "Fisher's exact p = 0.1." in line and transition.fisher_exact(2, 2, 0, 3) == pytest.approx(0.1)

@@ -5,6 +5,13 @@ Run a named grid of methods x seeds (tools/grids.py) and write its results table
     python -m tools.compare lowres                 # every loss on the char experiment
     python -m tools.compare bpe                    # every loss on the GPT-2 BPE toy
     python -m tools.compare jostling --table_only  # only rebuild results/jostling.md from finished runs
+    python -m tools.compare lowres --methods CE SimReg --seeds 1337 1338 --archive out/short --max_iters=400
+
+A call pairs only like runs: a finished run trained with other keys than the grid's configs with
+this call's overrides give (the last example's max_iters against the archived 8000-step runs) is
+refused in one line naming the key (tools/identity.py), so a comparison with other keys goes to its
+own --archive (its table goes there too unless --results says otherwise); --methods and --seeds
+make it smaller, the baseline always included.
 
 Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/seed<S>`. When it
 finishes, its small files (metrics.json, marginalization.json, run.json and a thinned log.jsonl)
@@ -18,9 +25,10 @@ import argparse
 import os
 import signal
 
-from tools.grids import GRIDS
+from tools import figures
+from tools.grids import GRIDS, runs_of
 from tools.report import build_table, make_figures
-from tools.runner import run_grid, sync_archive
+from tools.runner import UnlikeRuns, check_like, run_grid, sync_archive
 from utils import exit_on_bad_arguments, exit_unless_writable, save_text
 
 
@@ -29,28 +37,72 @@ def main(argv=None):
     parser.add_argument("grid", choices=sorted(GRIDS))
     parser.add_argument("--root", default="out/compare", help="where the runs go (checkpoints included)")
     parser.add_argument("--archive", default="results/runs", help="where the finished runs' small files are kept")
-    parser.add_argument("--results", default="results", help="where <grid>.md is written")
+    parser.add_argument("--results", help="where <grid>.md is written (default: results, or the --archive given)")
+    parser.add_argument("--methods", nargs="+", help="train only these methods (and the baseline)")
+    parser.add_argument("--seeds", nargs="+", type=int, help="train only these seeds")
     parser.add_argument("--workers", type=int, default=2, help="runs at a time")
     parser.add_argument("--table_only", action="store_true", help="only rebuild the table")
     parser.add_argument("overrides", nargs="*", help="--key=value passed to every run (e.g. --max_iters=50)")
     args, unknown = parser.parse_known_args(argv)
     overrides = args.overrides + unknown
     exit_on_bad_arguments((args.workers < 1, f"--workers must be >= 1 (runs at a time), got {args.workers}"))
+    only = selection(args.grid, args.methods, args.seeds)
+    if args.results is None:
+        args.results = "results" if args.archive == parser.get_default("archive") else args.archive
     for name in ("results", "archive") if args.table_only else ("results", "archive", "root"):
         exit_unless_writable(getattr(args, name), f"--{name}", directory=True)  # before hours of runs
-    if not args.table_only:
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the grid as Ctrl-C does
-        run_grid(args.grid, args.root, args.workers, overrides, args.archive)
-    sync_archive(args.grid, args.root, args.archive)
+    try:  # before hours of runs, and again on what the table will read
+        for folder in (args.archive,) if args.table_only else (args.archive, args.root):
+            check_like(args.grid, folder, overrides, only)
+        if not args.table_only:
+            signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the grid as Ctrl-C does
+            run_grid(args.grid, args.root, args.workers, overrides, args.archive, only)
+        sync_archive(args.grid, args.root, args.archive)
+        check_like(args.grid, args.archive, overrides)
+    except UnlikeRuns as e:
+        exit_on_bad_arguments((True, str(e)))
     table, _ = build_table(args.grid, args.archive)
+    path = os.path.join(args.results, f"{args.grid}.md")
     drawn = make_figures(args.grid, args.archive, args.results)
     if drawn:
         table += "\n## Figures\n\n" + "\n\n".join(f"{title}:\n\n![{title}]({path})" for title, path in drawn) + "\n"
+    elif figures._pyplot() is None:
+        table += kept_figures(path)
     os.makedirs(args.results, exist_ok=True)
-    path = os.path.join(args.results, f"{args.grid}.md")
     save_text(table, path)
     print(table)
     print(f"wrote {path}")
+
+
+FIGURES = "\n## Figures\n"
+NOT_REDRAWN = "Not redrawn by the last call (matplotlib, an optional extra, is not installed): the figures of the call before."
+
+
+def kept_figures(path):
+    """The Figures section of the table at path, saying the figures were not redrawn: a call without
+    matplotlib keeps the links of the last call that drew them, or says why there are none."""
+    old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
+    if FIGURES not in old:
+        return FIGURES + "\nNone: matplotlib (an optional extra, requirements-extras.txt) is not installed.\n"
+    kept = old[old.index(FIGURES) + len(FIGURES):].replace(NOT_REDRAWN + "\n\n", "")
+    return FIGURES + "\n" + NOT_REDRAWN + "\n" + kept
+
+
+def selection(grid, methods, seeds):
+    """The (method, seed) pairs --methods and --seeds name (None: all), the baseline always among
+    the methods; an unknown method, or a seed no method named uses, ends the call in one line."""
+    if methods is None and seeds is None:
+        return None
+    runs = {(method, seed) for method, seed, *_ in runs_of(grid, "")}
+    known = sorted({method for method, _ in runs})
+    unknown = [m for m in methods or () if m not in known]
+    exit_on_bad_arguments((unknown, f"--methods: {', '.join(map(repr, unknown))} not in grid '{grid}' "
+                                    f"({', '.join(map(repr, known))})"))
+    chosen = {next(iter(GRIDS[grid])), *methods} if methods else set(known)
+    only = {(m, s) for m, s in runs if m in chosen and (seeds is None or s in seeds)}
+    unused = [s for s in seeds or () if all(s != seed for _, seed in only)]
+    exit_on_bad_arguments((unused, f"--seeds: {', '.join(map(str, unused))} not among the chosen methods' seeds"))
+    return only
 
 
 if __name__ == "__main__":

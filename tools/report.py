@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 import evaluate
-from tools import claims, figures, stats, transition
+import metrics
+from tools import claims, figures, identity, stats, transition
 from tools.grids import GRIDS, METRICS, PAPER, PAPER_SE_LR_ACCURACY, SEEDS, run_dir, runs_of
 from tools.runner import grid_calls
 from utils import read_log, save_json
@@ -87,7 +88,7 @@ def build_table(grid, root):
              "each method lists). Evaluation on the whole val split, "
              "never thresholded; the checkpoint with the best " + ("mixed " if g.low_resource else "") + "val loss." +
              (" `paper` rows: the authors' numbers (Stop Jostling Table 7; baseline and margin 0.6 + SE from "
-              "their published single-seed runs)." if grid in PAPER else ""), ""]
+              "their published single-seed runs)." if grid in PAPER else ""), ""] + machine_lines(g)
     if grid == "jostling":  # what the grid found beyond the paper's claims: the transition
         transition_lines, record = transition.findings(g)
         lines += transition_lines
@@ -114,17 +115,33 @@ def build_table(grid, root):
     return "\n".join(lines) + "\n", g.results
 
 
+def machine_lines(g):
+    """How many of the pairs the tables compare (claims, paired differences) mix CPUs."""
+    cpu = identity.grid_cpu(g.root, g.name)
+    identities = {run["dir"]: identity.of_run(run["dir"], cpu) for per_seed in g.runs.values()
+                  for run in per_seed.values()}
+    compared = {(c["method"], c["baseline"] or g.baseline) for family in (claims.CLAIMS, claims.FORM_CLAIMS)
+                for c in family.get(g.name, [])} | {(m, g.baseline) for m in list(g.methods)[1:]}
+    pairs = [(g.runs[a][s]["dir"], g.runs[b][s]["dir"]) for a, b in sorted(compared) if a in g.runs and b in g.runs
+             for s in sorted(set(g.runs[a]) & set(g.runs[b]))]
+    return [identity.machines_line(pairs, identities), ""] if pairs else []
+
+
 def metric_tables(g):
     """Mean ± std over seeds of every metric, per val split, with the paper's rows."""
     lines = []
     # where the paper's I(W) sits beside ours, ours is also computed the authors' way (a different metric:
     # metrics.isotropy_authors), from the archived tied embedding; the paper's value goes in that column
     with_authors = g.name in PAPER
-    header = [*METRICS, "isotropy, authors' way"] if with_authors else METRICS
+    header = [*METRICS, "isotropy, authors' way", "authors' way over all signs"] if with_authors else METRICS
     if with_authors:
         lines += ["`isotropy` is our I(W), well defined (both signs of each eigenvector); `isotropy, authors' way` is "
-                  "I(W) computed as the paper computed its I(W) column (the general eigensolver's eigenvectors with the "
-                  "signs it returns), so the paper's value sits in that column only.", ""]
+                  "I(W) computed as the paper computed its I(W) column (one sign per eigenvector, no negatives), so "
+                  "the paper's value sits in that column only. The paper took the signs its eigensolver returned, "
+                  "which change with the solver; ours are set by a stated rule, each eigenvector's largest-magnitude "
+                  "component positive, so any solver gives the same value (`metrics.isotropy_authors`). The last "
+                  "column is the spread the choice of signs allows: the mean over seeds of each run's lowest and "
+                  "highest value over all 2^C sign choices (`metrics.isotropy_sign_range`).", ""]
     for lang in g.langs:
         lines += [f"## {LANGUAGE_NAMES[lang]} validation" if g.low_resource else "## Validation", "",
                   "| method | seeds | " + " | ".join(header) + " |", "|---" * (len(header) + 2) + "|"]
@@ -135,12 +152,15 @@ def metric_tables(g):
                          for k in METRICS]
                 if with_authors:
                     cells.append(fmt([claims.isotropy_authors_of(lang)(run) for run in g.runs[method].values()]))
+                    ranges = [claims.isotropy_authors_of(lang, metrics.isotropy_sign_range)(run)
+                              for run in g.runs[method].values()]
+                    cells.append(f"[{mean_std([r[0] for r in ranges])[0]:.3f}, {mean_std([r[1] for r in ranges])[0]:.3f}]")
                 lines.append(f"| {method} | {len(method_runs)} | " + " | ".join(cells) + " |")
             paper = PAPER.get(g.name, {}).get(method)
             if paper:
                 values = [f"*{v[0 if lang == 'high' else 1]}*" for v in paper]
                 if with_authors:
-                    values = values[:-1] + ["—", values[-1]]
+                    values = values[:-1] + ["—", values[-1], "—"]
                 lines.append(f"| *paper: {method}* | 1 | " + " | ".join(values) + " |")
         lines.append("")
     return lines

@@ -15,7 +15,6 @@ efficiency.
 
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -28,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoint as checkpoints
+from tools import identity
 from tools.grids import run_dir, runs_of, stages
 from utils import atomic_write, measure_matmul_flops, read_log, save_json, save_text
 
@@ -57,7 +57,8 @@ def launch(config, seed, out_dir, threads, overrides):
         save_json({"wall_s": earlier + time.time() - t0}, stopped_path)
         raise
     wall = earlier + time.time() - t0
-    save_json({"wall_s": wall, "threads": threads, "commands": commands, "flops": flops}, os.path.join(out_dir, "run.json"))
+    save_json({"wall_s": wall, "threads": threads, "commands": commands, "flops": flops,
+               "identity": identity.record(commands)}, os.path.join(out_dir, "run.json"))
     return wall
 
 
@@ -248,17 +249,6 @@ def machine_peak():
     return {"peak_flops": peak[dtype], "peak_dtype": dtype, "measured": peak}
 
 
-def cpu_name():
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def archive_run(out_dir, dest):
     """Copy what the tables need from a finished run into the committed archive: the metric
     files, and the log thinned to every evaluation plus every 50th training step."""
@@ -301,24 +291,65 @@ def sync_archive(grid, root, archive):
     return done
 
 
-def run_grid(grid, root, workers, overrides, archive="results/runs"):
+class UnlikeRuns(Exception):
+    pass
+
+
+def check_like(grid, folder, overrides, only=None):
+    """Raise UnlikeRuns (one line naming the first differing key) when a finished run of the grid
+    in folder (its archive or root) was trained with other keys than the grid's config with these
+    overrides gives (tools/identity.py: recorded, or inferred for older runs). only: the (method,
+    seed) pairs to check, all by default."""
+    cpu_of_grid = identity.grid_cpu(folder, grid)
+    for method, seed, config, args, directory in runs_of(grid, folder):
+        if only is not None and (method, seed) not in only:
+            continue
+        planned = identity.training_keys(planned_commands(config, seed, [*args, *overrides]))
+        if os.path.exists(os.path.join(directory, "metrics.json")):
+            found = identity.of_run(directory, cpu_of_grid)
+            difference = None if found is None or found["training"] is None else \
+                identity.first_difference(found["training"], planned)
+        else:  # a run stopped part-way goes on from its checkpoint (ckpt.json: its config), whose keys must match
+            difference = stopped_difference(directory, planned)
+        if difference:
+            raise UnlikeRuns(f"{directory} ({method}, seed {seed}) was trained with {difference}: the table would "
+                             "pair unlike runs; give --archive and --root other folders for a comparison with other "
+                             "keys (--methods and --seeds make it smaller)")
+
+
+def stopped_difference(out_dir, planned):
+    """first_difference of the stage a stopped run would go on from (its ckpt.json), or None."""
+    for stage, keys in enumerate(planned):
+        stage_dir = out_dir if stage == len(planned) - 1 else os.path.join(out_dir, f"stage{stage}")
+        path = os.path.join(stage_dir, "ckpt.json")
+        if os.path.exists(path) and not os.path.exists(os.path.join(stage_dir, "metrics.json")):
+            with open(path) as f:
+                config = json.load(f)["config"]
+            trained = {k: v for k, v in config.items() if k not in identity.NOT_TRAINING}
+            return identity.first_difference([trained], [keys])
+    return None
+
+
+def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
+    """Train the grid's runs not yet finished (only: the (method, seed) pairs to train, all by
+    default), archiving each as it finishes; returns the call's wall time."""
     done = sync_archive(grid, root, archive)
-    todo = [r for r in runs_of(grid, root) if (r[0], r[1]) not in done]
+    todo = [r for r in runs_of(grid, root) if (r[0], r[1]) not in done and (only is None or (r[0], r[1]) in only)]
     reused = reuse_identical(grid, todo, root, archive, overrides)
     if reused:
         print(f"reused {len(reused)} identical finished run(s) of other grids: {reused}")
         done = sync_archive(grid, root, archive)
         todo = [r for r in todo if (r[0], r[1]) not in done]
-    total = sum(1 for _ in runs_of(grid, root))
+    total = sum(1 for r in runs_of(grid, root) if only is None or (r[0], r[1]) in only)
     print(f"grid '{grid}': {total} runs, {total - len(todo)} already done, {len(todo)} to run, {workers} at a time")
     if not todo:
         return 0.0
     threads = max(1, (os.cpu_count() or 1) // workers)
     peak = machine_peak()  # before any run starts: the cores are idle
     print(f"machine peak: {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_dtype']} 2048^2 matmul on "
-          f"{os.cpu_count()} cores, {cpu_name()})")
+          f"{os.cpu_count()} cores, {identity.cpu_name()})")
     t0, finished, flops = time.time(), 0, 0
-    record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": cpu_name(), "cores": os.cpu_count(),
+    record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": identity.cpu_name(), "cores": os.cpu_count(),
               "torch": torch.__version__, **peak}
     pool = ThreadPoolExecutor(workers)
     try:

@@ -1,0 +1,134 @@
+"""
+What a grid's run is, so that a comparison pairs only like runs.
+
+A run's identity is recorded in its run.json when it finishes (`identity`): the training keys of
+each stage (train.py's config after its config files and overrides, less the keys that only say
+where and how it runs: NOT_TRAINING), the code's version (the git commit, "+dirty" with
+uncommitted changes) and the CPU model. tools/compare.py refuses, in one line naming the first
+differing key, a call whose archived or finished runs were trained with other keys than the grid's
+configs with this call's overrides give: `--max_iters=40` cannot pair new 40-step runs with the
+archived 8000-step ones. The report counts the pairs whose two runs ran on different CPUs.
+
+Runs archived before the record existed are read by one rule (`of_run`): their training keys are
+their run.json commands resolved against today's config files and train.py defaults (an edit of a
+config file since then is not seen), their commit is unknown, and their CPU is the grid's when every
+call in its wall.json names the same CPU, unknown otherwise. A run with no run.json is not checked.
+A run stopped part-way in --root is checked by its ckpt.json's config (tools/runner.check_like).
+"""
+
+import functools
+import json
+import os
+import platform
+import subprocess
+
+from configurator import ConfigError, parse_config, train_defaults
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# train.py's keys that do not change what a run computes: where it writes and reads, threads,
+# logging, and the chain's link to its previous stage
+NOT_TRAINING = ("out_dir", "data_dir", "data_source", "init_from", "overwrite", "resume_changes", "num_threads",
+                "dry_run", "check_memory", "log_interval", "wandb_log", "wandb_project", "wandb_run_name")
+UNKNOWN = "unknown"
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults():
+    return json.dumps(train_defaults())
+
+
+def training_keys(commands):
+    """[{key: value}] of each stage's train.py command (python train.py <config> --key=value ...),
+    config files read from the repository, NOT_TRAINING left out; None if a command no longer
+    parses (a config file or key since removed)."""
+    defaults, stages = json.loads(_defaults()), []
+    for cmd in commands:
+        argv = [a if a.startswith("--") or os.path.isabs(a) else os.path.join(REPO, a) for a in cmd[2:]]
+        try:
+            config = parse_config(argv, defaults)
+        except ConfigError:
+            return None
+        stages.append({k: v for k, v in json.loads(json.dumps(config)).items() if k not in NOT_TRAINING})
+    return stages
+
+
+def cpu_name():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def commit():
+    """The repository's HEAD, '+dirty' when tracked files differ from it; 'unknown' outside git."""
+    def git(*args):
+        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, check=True).stdout.strip()
+    try:
+        head = git("rev-parse", "HEAD")
+        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    except (OSError, subprocess.CalledProcessError):
+        return UNKNOWN
+
+
+def record(commands):
+    """The identity a run's run.json keeps."""
+    return {"training": training_keys(commands), "commit": commit(), "cpu": cpu_name()}
+
+
+def grid_cpu(archive, grid):
+    """The CPU of every call in the grid's wall.json when they all name one, else unknown."""
+    path = os.path.join(archive, grid, "wall.json")
+    if not os.path.exists(path):
+        return UNKNOWN
+    with open(path) as f:
+        cpus = {call["cpu"] for call in json.load(f)["calls"]}
+    return cpus.pop() if len(cpus) == 1 else UNKNOWN
+
+
+def of_run(directory, cpu_of_grid=UNKNOWN):
+    """A run's identity: recorded in its run.json, or inferred by the module's rule for runs
+    archived before it was recorded ("inferred": True); None without a run.json."""
+    path = os.path.join(directory, "run.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        run = json.load(f)
+    if "identity" in run:
+        return run["identity"]
+    return {"training": training_keys(run["commands"]), "commit": UNKNOWN, "cpu": cpu_of_grid, "inferred": True}
+
+
+def first_difference(trained, planned):
+    """'max_iters=8000, this comparison asks for max_iters=40' for the first key (stage by stage)
+    where a run's training keys differ from the planned ones, or None. A key newer than the run
+    counts as train.py's default, as a resume reads it."""
+    if len(trained) != len(planned):
+        return f"{len(trained)} stage(s), this comparison asks for {len(planned)}"
+    defaults = json.loads(_defaults())
+    for stage, (mine, theirs) in enumerate(zip(trained, planned)):
+        for key in sorted(set(mine) | set(theirs)):
+            a, b = mine.get(key, defaults.get(key)), theirs.get(key, defaults.get(key))
+            if a != b:
+                where = f" in stage {stage}" if len(planned) > 1 else ""
+                return f"{key}={a!r}{where}, this comparison asks for {key}={b!r}"
+    return None
+
+
+def machines_line(pairs, identities):
+    """A sentence for the report: how many of the compared pairs mix CPUs. pairs: [(run, run)] of
+    run directories; identities: {directory: of_run's identity or None}."""
+    mixed = unknown = 0
+    for a, b in pairs:
+        cpus = [(identities.get(d) or {}).get("cpu", UNKNOWN) for d in (a, b)]
+        unknown += UNKNOWN in cpus
+        mixed += UNKNOWN not in cpus and cpus[0] != cpus[1]
+    cpus = sorted({(i or {}).get("cpu", UNKNOWN) for i in identities.values()} - {UNKNOWN})
+    return (f"Machines: of the {len(pairs)} pairs (a method and its baseline on one seed) these tables compare, "
+            f"{mixed} pair runs made on different CPUs and {unknown} include a run whose CPU is not recorded "
+            f"(archived before run.json recorded it; tools/identity.py gives the rule). CPUs recorded: "
+            f"{', '.join(cpus) or 'none'}.")
