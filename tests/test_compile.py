@@ -76,7 +76,7 @@ def test_compiled_mixture_of_experts_blocks_under_activation_checkpointing_match
     other_order = GPT(config)
     parallelism.apply_activation_checkpointing(other_order)
     parallelism.compile_blocks(other_order, backend="aot_eager", fullgraph=True)
-    with pytest.raises(Exception, match="side effect"):
+    with pytest.raises(Exception, match="(?i)side ?effect"):  # torch 2.6: "SideEffects"
         other_order(x)
 
 
