@@ -1,0 +1,61 @@
+"""What a user does never loses a run, and every mistake is one line (issue 43): a tool never
+removes a directory that holds a training run or a held lock; every output path is checked in full
+before work starts; a dataset is its content (hashes of the token files), not its path or size; a
+killed preparation leaves nothing a rerun keeps; every user error is one line, whichever check
+meets it first. Real subprocesses, signals and files, as in test_user_errors.py."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from test_train import REPO, TINY, train
+from test_user_errors import ENV, SHORT, in_tmpfs, needs_namespaces, one_line, run, snapshot, train_command
+
+
+@pytest.fixture(scope="module")
+def finished_run(tmp_path_factory, data_dir):  # noqa: F811
+    out = str(tmp_path_factory.mktemp("runs") / "done")
+    train(out, data_dir, *SHORT)
+    return out
+
+
+# 1. no tool deletes a training run ---------------------------------------------------------------
+def _export(best, out_dir):
+    return run([sys.executable, "-m", "tools.export_hf", best, out_dir, "--overwrite", "--no_check"])
+
+
+def test_export_overwrite_never_deletes_a_training_run(tmp_path, finished_run):
+    """export_hf run/best.pt run --overwrite (once: the whole run, checkpoints included, deleted and
+    replaced by the export), and the folder above it: exit 1, one line, not a file changed."""
+    pytest.importorskip("transformers", reason="transformers is optional")
+    run_dir = tmp_path / "runs" / "X"
+    shutil.copytree(finished_run, run_dir)
+    best = str(run_dir / "best.pt")
+    before = snapshot(str(tmp_path))
+    for target in (run_dir, run_dir.parent):
+        result = _export(best, str(target))
+        one_line(result, 1, f"{target} holds a training run ({run_dir}/",
+                 "--overwrite never deletes one; give another directory")
+    assert snapshot(str(tmp_path)) == before
+
+
+def test_export_overwrite_never_deletes_a_live_runs_lock(tmp_path, data_dir):
+    """Against a live run (its run.lock held, nothing else written yet): once the lock and the log
+    went while training went on; now exit 1, one line, and the lock is still held."""
+    pytest.importorskip("transformers", reason="transformers is optional")
+    import fcntl
+    done = tmp_path / "done"
+    train(str(done), data_dir, *SHORT)
+    live = tmp_path / "live"
+    live.mkdir()
+    with open(live / "run.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        result = _export(str(done / "best.pt"), str(live))
+        one_line(result, 1, f"{live} holds a training run ({live / 'run.lock'}")
+        assert os.listdir(live) == ["run.lock"]
