@@ -155,7 +155,8 @@ def atomic_write(path, write_fn):
     never sees a half-written file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    # the temporary name is cut so that it fits wherever the file's own name fits (255 bytes)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path)[:200] + ".", suffix=".tmp")
     os.close(fd)
     try:
         write_fn(tmp)
@@ -188,6 +189,27 @@ def write_failure(path, error):
     return f"cannot write {path}: {error.strerror or error} ({free})"
 
 
+def check_name_lengths(target, what, path):
+    """PathError when a name in the part of target still to be made (or target's own name) is longer
+    than the file system allows, or the whole path is: one line now, not 'File name too long' after
+    the work."""
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    existing = existing if os.path.isdir(existing) else os.path.dirname(existing)
+    try:
+        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return
+    for name in os.path.relpath(target, existing).split(os.sep):
+        if len(os.fsencode(name)) > name_max:
+            raise PathError(f"{what} {path}: a name in it is {len(os.fsencode(name))} bytes, longer than the "
+                            f"{name_max} this file system allows; give a shorter one")
+    if len(os.fsencode(target)) >= path_max:
+        raise PathError(f"{what} {path}: the path is {len(os.fsencode(target))} bytes, longer than the "
+                        f"{path_max - 1} this file system allows; give a shorter one")
+
+
 def check_writable(path, what, directory=False):
     """Raise PathError unless `path` (a file, or with directory=True a folder to write files in)
     can be written, before any long work: a script that would fail at its end loses the work.
@@ -195,6 +217,7 @@ def check_writable(path, what, directory=False):
     exists (where the missing folders would be made, or the file renamed into place), then removed.
     `what` names the argument in the message (--out)."""
     target = os.path.abspath(path)
+    check_name_lengths(target, what, path)
     if os.path.exists(target):
         if directory and not os.path.isdir(target):
             raise PathError(f"{what} {path} is a file, not a directory")

@@ -59,3 +59,20 @@ def test_export_overwrite_never_deletes_a_live_runs_lock(tmp_path, data_dir):
         result = _export(str(done / "best.pt"), str(live))
         one_line(result, 1, f"{live} holds a training run ({live / 'run.lock'}")
         assert os.listdir(live) == ["run.lock"]
+
+
+# 6. an output path is checked in full, its name's length included --------------------------------
+def test_evaluate_checks_the_out_names_length_before_it_starts(tmp_path, finished_run):
+    """A 250-character name is one the file system allows: written (once the whole evaluation ran,
+    then 'File name too long' from the temporary name beside it, the figures only on the screen);
+    a 300-character name is refused before anything is read: exit 1, one line naming --out."""
+    best = os.path.join(finished_run, "best.pt")
+    allowed = tmp_path / ("e" * 245 + ".json")
+    result = run([sys.executable, "evaluate.py", best, f"--out={allowed}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads(allowed.read_text())["checkpoint"]
+    for out in (tmp_path / ("e" * 295 + ".json"), tmp_path / ("d" * 300) / "e.json"):
+        result = run([sys.executable, "evaluate.py", best, f"--out={out}"])
+        one_line(result, 1, f"--out {out}: a name in it is 300 bytes, longer than the 255 this file system allows")
+        assert result.stdout == ""
+    assert sorted(os.listdir(tmp_path)) == [allowed.name]
