@@ -234,6 +234,23 @@ def check_train_config(config, world_size):
     ):
         if problem:
             return message
+    return model_problem(c)
+
+
+def model_problem(config):
+    """What the model's or the objective's own rules (GPTConfig, losses.Objective) say of config's keys,
+    None if nothing: asked here, so that no later step (the memory check, the plan) that builds them
+    meets a bad key as a traceback."""
+    import torch  # (only where a config is checked for training: train.py and plan.py import it anyway)
+
+    from losses import Objective
+    from model import GPTConfig
+    try:
+        GPTConfig(**{k: config[k] for k in GPTConfig.__dataclass_fields__ if k in config and k != "vocab_size"})
+        with torch.device("meta"):  # nothing allocated (the NITP head is a module)
+            Objective.from_config(config)
+    except ValueError as e:
+        return str(e)
     return None
 
 

@@ -76,3 +76,20 @@ def test_evaluate_checks_the_out_names_length_before_it_starts(tmp_path, finishe
         one_line(result, 1, f"--out {out}: a name in it is 300 bytes, longer than the 255 this file system allows")
         assert result.stdout == ""
     assert sorted(os.listdir(tmp_path)) == [allowed.name]
+
+
+# 13. a key the model or the objective refuses is one line, whichever check meets it first ---------
+@pytest.mark.parametrize("key,message", [
+    ("--n_head=3", "n_embd (16) must be divisible by n_head (3)"),
+    ("--simreg_layer=99", "simreg_layer must be -1 (final normed state) or 0..1, got 99"),
+    ("--nitp_layer=99", "nitp_layer must be in 1..1 (0 = ~20 % depth), got 99")])
+def test_a_key_the_model_refuses_is_one_line_before_the_memory_check(tmp_path, data_dir, key, message):
+    """train.py, train.py --dry_run=True and plan.py: exit 2, one line naming the key (once a
+    ValueError traceback from the memory check, which builds the model before the rule was checked)."""
+    out = tmp_path / "out"
+    for cmd in (train_command(str(out), data_dir, key), train_command(str(out), data_dir, key, "--dry_run=True"),
+                [sys.executable, "plan.py", "config/lowres_baseline.py", *TINY, f"--data_dir={data_dir}", key]):
+        result = run(cmd)
+        one_line(result, 2, message)
+        assert result.stdout == ""
+    assert not out.exists()
