@@ -170,6 +170,19 @@ def atomic_write(path, write_fn):
         raise
 
 
+def remove_leftovers(directory, names):
+    """Remove the temporary files that atomic_write left in directory for any of `names` when its
+    process was killed (SIGKILL, or SIGTERM's default action: no time to clean up); return their
+    names. For a script that owns those names there, at its start (prepare_shakespeare.py)."""
+    removed = []
+    prefixes = tuple("." + name[:200] + "." for name in names)
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        if name.startswith(prefixes) and name.endswith(".tmp") and os.path.isfile(os.path.join(directory, name)):
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
 class PathError(Exception):
     """An output path that cannot be written: one line naming it and why."""
 

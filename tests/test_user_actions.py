@@ -93,3 +93,30 @@ def test_a_key_the_model_refuses_is_one_line_before_the_memory_check(tmp_path, d
         one_line(result, 2, message)
         assert result.stdout == ""
     assert not out.exists()
+
+
+# 11. a killed preparation leaves nothing that a rerun keeps --------------------------------------
+def test_a_rerun_removes_what_a_killed_preparation_left(tmp_path):
+    """prepare_shakespeare.py killed (SIGKILL, no time to clean up) while it writes train.bin: its
+    temporary file stays (once for good: 56 MB with the real text, no rerun removed it); the rerun
+    says so, removes it and writes the dataset."""
+    text = tmp_path / "big.txt"
+    text.write_text("To be, or not to be, that is the question:\n" * 1_000_000)  # 44 MB
+    out = tmp_path / "data"
+    cmd = [sys.executable, "prepare_shakespeare.py", "--input", str(text), "--out_dir", str(out)]
+    process = subprocess.Popen(cmd, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while time.time() < deadline and process.poll() is None:
+            if out.exists() and any(name.endswith(".tmp") and os.path.getsize(out / name) for name in os.listdir(out)):
+                break
+            time.sleep(0.005)
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    left = [name for name in os.listdir(out) if name.endswith(".tmp")]
+    assert left and "meta.json" not in os.listdir(out), os.listdir(out)
+    result = run(cmd)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"note: removed {left[0]}" in result.stdout
+    assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
