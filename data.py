@@ -247,10 +247,16 @@ def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
 
     The largest id: per-shard files have it recorded at preparation, so nothing is read here (a C4
     run starts without touching its 100 GB of tokens). A single {split}.bin has no record and is
-    scanned once per call (tokens.max()): a second for the toys, a full read of a C4 train.bin made
-    before the shard index (rerun prepare_c4.py on its folder to move it to per-shard files)."""
+    scanned once per call: a second for the toys, a full read of a C4 train.bin made before the shard
+    index (rerun prepare_c4.py on its folder to move it to per-shard files).
+
+    The content: a {split}.bin whose sha256 meta.json records ({split}_sha256, prepare_shakespeare.py
+    since issue 43) is hashed in that same pass and must match: a file overwritten in place with the
+    same size is refused. A dataset prepared before records none and loads unchecked (prepare it
+    again to get the check). Per-shard files: see _load_shards."""
     meta_path = os.path.join(data_dir, "meta.json")
-    files = (read_meta(data_dir).get("token_files") or {}).get(split) if os.path.exists(meta_path) else None
+    meta = read_meta(data_dir) if os.path.exists(meta_path) else {}
+    files = (meta.get("token_files") or {}).get(split)
     if files:
         return _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens)
     path = os.path.join(data_dir, f"{split}.bin")
@@ -264,11 +270,27 @@ def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
     if n_tokens is not None and size // 2 != n_tokens:
         raise DataError(f"{path} holds {size // 2:,} tokens but meta.json says {n_tokens:,}: the two do not belong "
                         f"together; prepare the dataset again")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    if vocab_size is not None and int(tokens.max()) >= vocab_size:
-        raise DataError(f"{path} holds token id {int(tokens.max())} but meta.json's vocab_size is {vocab_size}: the "
-                        f"two do not belong together; prepare the dataset again")
-    return tokens
+    recorded = meta.get(f"{split}_sha256")
+    if vocab_size is not None or recorded:
+        largest, digest = _scan(path)
+        if recorded and digest != recorded:
+            raise DataError(f"{path} is not the file its preparation wrote (sha256 {digest[:12]}..., meta.json records "
+                            f"{recorded[:12]}...): changed in place or copied from another preparation; prepare the "
+                            f"dataset again: {preparation_command(data_dir)}")
+        if vocab_size is not None and largest >= vocab_size:
+            raise DataError(f"{path} holds token id {largest} but meta.json's vocab_size is {vocab_size}: the "
+                            f"two do not belong together; prepare the dataset again")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _scan(path):
+    """(largest id, sha256) of a token file, in one pass over it in blocks."""
+    h, largest = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+            largest = max(largest, int(np.frombuffer(block, dtype=np.uint16).max()))
+    return largest, h.hexdigest()
 
 
 class EpochWindows:

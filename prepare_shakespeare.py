@@ -283,8 +283,8 @@ def prepare(
         "source": source,
         "sha256": digest,
     }
-    for split, ids in (("train", train_ids), ("val", val_ids)):
-        write_tokens(os.path.join(out_dir, f"{split}.bin"), [ids])
+    for split, ids in (("train", train_ids), ("val", val_ids)):  # each file's hash: train.py and evaluate.py compare it
+        meta[f"{split}_sha256"] = write_tokens(os.path.join(out_dir, f"{split}.bin"), [ids])[1]
     write_meta(meta, out_dir)  # last: its presence means the bins are done
     return meta
 

@@ -120,3 +120,39 @@ def test_a_rerun_removes_what_a_killed_preparation_left(tmp_path):
     assert result.returncode == 0, result.stderr[-2000:]
     assert f"note: removed {left[0]}" in result.stdout
     assert sorted(os.listdir(out)) == ["meta.json", "train.bin", "val.bin"]
+
+
+# 7. a dataset is its content: token files changed in place are refused ---------------------------
+def _overwrite_in_place(path):
+    """The same size, other tokens (valid ids): what a size check cannot see."""
+    with open(path, "r+b") as f:
+        data = f.read()
+        f.seek(0)
+        f.write(data[::-1][1::2] + data[::-1][0::2] if len(data) % 4 == 0 else data[2:] + data[:2])
+
+
+def test_token_files_changed_in_place_are_refused(tmp_path, data_dir, finished_run):
+    """train.bin / val.bin rewritten with the same size (once accepted by training and evaluation):
+    train.py and evaluate.py exit 1 with one line naming the file; a dataset prepared before the
+    hashes were recorded (no train_sha256 / val_sha256 in meta.json) still trains."""
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    assert len(meta["train_sha256"]) == len(meta["val_sha256"]) == 64
+    for name in ("train.bin", "val.bin"):
+        data = str(tmp_path / name / "data")
+        shutil.copytree(data_dir, data)
+        _overwrite_in_place(os.path.join(data, name))
+        result = run(train_command(str(tmp_path / name / "out"), data))
+        one_line(result, 1, f"{os.path.join(data, name)} is not the file its preparation wrote (sha256 ")
+        assert not (tmp_path / name / "out").exists()
+        if name == "val.bin":
+            out = tmp_path / "eval.json"
+            result = run([sys.executable, "evaluate.py", os.path.join(finished_run, "best.pt"), f"--out={out}",
+                          f"--data_dir={data}"])
+            one_line(result, 1, f"{os.path.join(data, name)} is not the file its preparation wrote")
+            assert not out.exists()
+    old = str(tmp_path / "old")
+    shutil.copytree(data_dir, old)
+    with open(os.path.join(old, "meta.json"), "w") as f:
+        json.dump({k: v for k, v in meta.items() if k not in ("train_sha256", "val_sha256")}, f)
+    train(str(tmp_path / "old_out"), old, *SHORT)
