@@ -207,9 +207,12 @@ def _check_window(path, n, block_size):
 
 def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
     """The split's per-shard files (meta.json's token_files index): every check from the index and
-    the files' sizes, nothing read. prepare_c4.py recorded each file's token count and largest id
-    when it wrote it; a file of another size is truncated or from another preparation."""
-    paths, counts = [], []
+    the files' sizes and times. prepare_c4.py recorded each file's token count, largest id, sha256
+    and modification time when it wrote it; a file of another size is truncated or from another
+    preparation. A file whose time is not the recorded one (changed in place, or copied without its
+    times: cp -p and rsync -a keep them) is hashed and must match its sha256; the others are not read,
+    so a 100 GB C4 run starts at once. An index made before the times were recorded is not hashed."""
+    paths, counts, to_hash = [], [], []
     for entry in files:
         path = os.path.join(data_dir, entry["file"])
         check_readable(path)
@@ -224,8 +227,20 @@ def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
         if vocab_size is not None and entry["max_id"] >= vocab_size:
             raise DataError(f"{path} holds token id {entry['max_id']} (recorded by its preparation) but meta.json's "
                             f"vocab_size is {vocab_size}: the two do not belong together; prepare the dataset again")
+        if "mtime_ns" in entry and os.stat(path).st_mtime_ns != entry["mtime_ns"]:
+            to_hash.append((path, entry["sha256"], size))
         paths.append(path)
         counts.append(entry["n_tokens"])
+    if sum(size for _, _, size in to_hash) > 1 << 30:
+        print(f"note: {len(to_hash)} token file(s) in {data_dir} have other times than their preparation recorded "
+              f"(copied without them?): hashing {sum(s for _, _, s in to_hash) / 2**30:.1f} GiB to check their content "
+              f"(cp -p / rsync -a keep the times and skip this)")
+    for path, recorded, _ in to_hash:
+        digest = sha256_of_file(path)
+        if digest != recorded:
+            raise DataError(f"{path} is not the file its preparation wrote (sha256 {digest[:12]}..., meta.json records "
+                            f"{recorded[:12]}...): changed in place or copied from another preparation; prepare the "
+                            f"dataset again: {preparation_command(data_dir)}")
     total = sum(counts)
     where = os.path.join(data_dir, split)
     if n_tokens is not None and total != n_tokens:

@@ -156,3 +156,27 @@ def test_token_files_changed_in_place_are_refused(tmp_path, data_dir, finished_r
     with open(os.path.join(old, "meta.json"), "w") as f:
         json.dump({k: v for k, v in meta.items() if k not in ("train_sha256", "val_sha256")}, f)
     train(str(tmp_path / "old_out"), old, *SHORT)
+
+
+def test_c4_shard_files_changed_in_place_are_refused(tmp_path):
+    """Per-shard token files (prepare_c4.py --from_text, offline): one rewritten in place with the
+    same size is refused at the start (its time differs from the recorded one, so it alone is hashed);
+    a copy that keeps the times (cp -p) is trusted without a read."""
+    pytest.importorskip("tiktoken")
+    import prepare_c4
+    text = tmp_path / "input.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: to be, or not to be." for i in range(200)) + "\n")
+    data = tmp_path / "c4"
+    prepare_c4.prepare(shards=2, out_dir=str(data), workers=1, from_text=str(text))
+    copy = tmp_path / "copy"
+    assert subprocess.run(["cp", "-rp", str(data), str(copy)]).returncode == 0
+    c4 = [sys.executable, "train.py", "config/c4_tiny.py", "--max_iters=1", "--eval_interval=1", "--eval_iters=1",
+          "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2", "--warmup_iters=0",
+          "--final_eval=False", "--num_threads=1"]
+    result = run([*c4, f"--data_dir={copy}", f"--out_dir={tmp_path / 'ok'}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    shard = sorted((data / "train").iterdir())[1]
+    _overwrite_in_place(str(shard))
+    result = run([*c4, f"--data_dir={data}", f"--out_dir={tmp_path / 'bad'}"])
+    one_line(result, 1, f"{shard} is not the file its preparation wrote (sha256 ")
+    assert not (tmp_path / "bad").exists()
