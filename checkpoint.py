@@ -34,7 +34,7 @@ import torch
 import parallelism
 import tracking
 from data import DataError, dataset_mismatch, read_meta
-from utils import LogError, atomic_write, exit_run, read_log, save_json, save_text, write_failure
+from utils import LogError, atomic_write, exit_run, read_log, save_json, save_text, torch_save, write_failure
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json", "best.pt", "best.json", "log.jsonl",
@@ -157,9 +157,8 @@ def write(path, state, keep_previous=False):
     directory = os.path.dirname(os.path.abspath(path))
     prev = path[:-3] + "_prev.pt"
 
-    def save(tmp):  # through a Python file: a failed write is the OSError that says why (ENOSPC, EACCES)
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
+    def save(tmp):  # a failed write is the OSError that says why (ENOSPC, EACCES), not torch's "unexpected pos"
+        torch_save(state, tmp)
     try:
         if keep_previous:
             tmp = os.path.join(directory, "." + os.path.basename(path) + ".new.tmp")

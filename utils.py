@@ -183,6 +183,36 @@ def remove_leftovers(directory, names):
     return removed
 
 
+def torch_save(obj, path):
+    """torch.save to path, with the OSError of a failed write (a full disk, no permission) raised as
+    it is: torch's zip writer would report it as 'unexpected pos N vs M', a RuntimeError that says
+    neither. The writes go through a Python file that keeps the first error it met."""
+    import torch
+
+    class Recording:
+        def __init__(self, f):
+            self.f, self.error = f, None
+
+        def write(self, data):
+            try:
+                return self.f.write(data)
+            except OSError as e:
+                self.error = self.error or e
+                raise
+
+        def flush(self):
+            self.f.flush()
+
+    with open(path, "wb") as f:
+        recording = Recording(f)
+        try:
+            torch.save(obj, recording)
+        except RuntimeError:
+            if recording.error is not None:
+                raise recording.error from None
+            raise
+
+
 class PathError(Exception):
     """An output path that cannot be written: one line naming it and why."""
 

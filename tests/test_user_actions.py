@@ -180,3 +180,21 @@ def test_c4_shard_files_changed_in_place_are_refused(tmp_path):
     result = run([*c4, f"--data_dir={data}", f"--out_dir={tmp_path / 'bad'}"])
     one_line(result, 1, f"{shard} is not the file its preparation wrote (sha256 ")
     assert not (tmp_path / "bad").exists()
+
+
+# 9. a disk that fills inside torch's writer says so ----------------------------------------------
+@needs_namespaces
+def test_a_disk_full_inside_torch_save_says_the_disk_is_full(tmp_path, data_dir):  # noqa: F811
+    """A 3 MB tmpfs holds step 0's best.pt (1.7 MB), not ckpt.pt beside it: the write fails inside
+    torch's zip writer, which once hid the OSError behind 'unexpected pos 1424576 vs 1424464'. Now:
+    exit 1, one line saying the disk is full, no temporary file left."""
+    mount_point = tmp_path / "mnt"
+    mount_point.mkdir()
+    run_dir = mount_point / "run"
+    cmd = [sys.executable, "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={run_dir}",
+           "--max_iters=4", "--eval_interval=2", "--eval_iters=1", "--warmup_iters=1", "--lr_decay_iters=4",
+           "--final_eval=False", "--num_threads=1", "--n_layer=2", "--batch_size=4", "--block_size=64"]
+    result = run(in_tmpfs(str(mount_point), "size=3m", cmd, after=f'ls -a "{run_dir}"'))
+    line = one_line(result, 1, f"cannot write {run_dir / 'ckpt.pt'}: the disk is full (No space left on device; ")
+    assert "unexpected pos" not in line
+    assert ".tmp" not in result.stdout
