@@ -292,8 +292,7 @@ def tokenize_shard(path, out_path):
     except OSError as exc:
         raise DataError(f"could not write {out_path}: {exc}") from None
     text_bytes = counts.pop("text_bytes")
-    # the file's time as written: train.py hashes only a file whose time differs (data.py's _load_shards)
-    entry.update(counts, sha256=token_sha.hexdigest(), mtime_ns=os.stat(out_path).st_mtime_ns)
+    entry.update(counts, sha256=token_sha.hexdigest())
     return entry, time.perf_counter() - t0, text_bytes
 
 

@@ -159,27 +159,26 @@ def test_token_files_changed_in_place_are_refused(tmp_path, data_dir, finished_r
 
 
 def test_c4_shard_files_changed_in_place_are_refused(tmp_path):
-    """Per-shard token files (prepare_c4.py --from_text, offline): one rewritten in place with the
-    same size is refused at the start (its time differs from the recorded one, so it alone is hashed);
-    a copy that keeps the times (cp -p) is trusted without a read."""
+    """Per-shard token files (prepare_c4.py --from_text, offline), a train shard and the val shard
+    each rewritten in place with the same size: refused at the start, one line naming the file (the
+    val split, and a train split under data.HASH_TRAIN_UP_TO, are hashed at every load)."""
     pytest.importorskip("tiktoken")
     import prepare_c4
     text = tmp_path / "input.txt"
     text.write_text("\n\n".join(f"Paragraph {i}: to be, or not to be." for i in range(200)) + "\n")
     data = tmp_path / "c4"
     prepare_c4.prepare(shards=2, out_dir=str(data), workers=1, from_text=str(text))
-    copy = tmp_path / "copy"
-    assert subprocess.run(["cp", "-rp", str(data), str(copy)]).returncode == 0
     c4 = [sys.executable, "train.py", "config/c4_tiny.py", "--max_iters=1", "--eval_interval=1", "--eval_iters=1",
           "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2", "--warmup_iters=0",
           "--final_eval=False", "--num_threads=1"]
-    result = run([*c4, f"--data_dir={copy}", f"--out_dir={tmp_path / 'ok'}"])
-    assert result.returncode == 0, result.stderr[-2000:]
-    shard = sorted((data / "train").iterdir())[1]
-    _overwrite_in_place(str(shard))
-    result = run([*c4, f"--data_dir={data}", f"--out_dir={tmp_path / 'bad'}"])
-    one_line(result, 1, f"{shard} is not the file its preparation wrote (sha256 ")
-    assert not (tmp_path / "bad").exists()
+    for split in ("train", "val"):
+        copy = tmp_path / split
+        shutil.copytree(data, copy)
+        shard = sorted((copy / split).iterdir())[-1]
+        _overwrite_in_place(str(shard))
+        result = run([*c4, f"--data_dir={copy}", f"--out_dir={tmp_path / 'out'}"])
+        one_line(result, 1, f"{shard} is not the file its preparation wrote (sha256 ")
+        assert not (tmp_path / "out").exists()
 
 
 # 9. a disk that fills inside torch's writer says so ----------------------------------------------
@@ -198,3 +197,39 @@ def test_a_disk_full_inside_torch_save_says_the_disk_is_full(tmp_path, data_dir)
     line = one_line(result, 1, f"cannot write {run_dir / 'ckpt.pt'}: the disk is full (No space left on device; ")
     assert "unexpected pos" not in line
     assert ".tmp" not in result.stdout
+
+
+# 14. the last tracebacks: one line each ----------------------------------------------------------
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path, data_dir):
+    """A Latin-1 byte in a comment (once a UnicodeDecodeError traceback): exit 2, one line naming
+    the file and the byte's place; out_dir never made."""
+    config = tmp_path / "latin1.py"
+    config.write_bytes(b"n_layer = 1\n# caf\xe9\n")
+    out = tmp_path / "out"
+    result = run(train_command(str(out), data_dir, str(config)))
+    one_line(result, 2, f"config file '{config}' is not UTF-8 text (byte 0xe9 at position 17")
+    assert not out.exists()
+
+
+def test_sample_at_a_temperature_near_zero_is_greedy(finished_run):
+    """--temperature 1e-39 (once: logits / T overflowed to inf, softmax gave NaN, multinomial a
+    RuntimeError traceback): the most likely token each time, as at --temperature 1e-6."""
+    best = os.path.join(finished_run, "best.pt")
+    outputs = []
+    for temperature in ("1e-39", "1e-6"):
+        result = run([sys.executable, "sample.py", best, "--temperature", temperature, "--max_new_tokens", "20"])
+        assert result.returncode == 0 and result.stderr == "", result.stderr[-2000:]
+        outputs.append(result.stdout)
+    assert outputs[0] == outputs[1]
+
+
+def test_compare_checks_its_overrides_before_any_run(tmp_path):
+    """tools.compare lowres --lerning_rate=1: exit 2, one line naming the key, nothing run or
+    written (once: checked only when the first run failed, inside it, as a traceback)."""
+    args = ["--root", str(tmp_path / "r"), "--archive", str(tmp_path / "a"), "--results", str(tmp_path / "res")]
+    for override, message in (("--lerning_rate=1", "unknown config key 'lerning_rate'"),
+                              ("--max_iters=-1", "key 'max_iters' must be")):
+        result = run([sys.executable, "-m", "tools.compare", "lowres", *args, override])
+        one_line(result, 2, message)
+        assert result.stdout == ""
+    assert not any(os.path.exists(tmp_path / name) for name in ("r", "a", "res"))
