@@ -59,12 +59,15 @@ def read_config_file(path, _chain=()):
     rather than by exec-ing the base inside the file."""
     if path in _chain:
         raise ConfigError(f"config file '{path}' includes itself: {' -> '.join(_chain + (path,))}")
+    where = f" (included by '{_chain[-1]}')" if _chain else ""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:  # Python source is UTF-8, whatever the locale
             source_code = f.read()
     except OSError as e:
-        where = f" (included by '{_chain[-1]}')" if _chain else ""
         raise ConfigError(f"cannot read config file '{path}'{where}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}'{where} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at position "
+                          f"{e.start}); save it as UTF-8") from None
     namespace = {}
     try:
         exec(compile(source_code, path, "exec"), namespace)

@@ -18,10 +18,24 @@ import argparse
 import os
 import signal
 
-from tools.grids import GRIDS
+from configurator import TRAIN_RULES, ConfigError, check_values, exit_config_error, parse_config, train_defaults
+from tools.grids import GRIDS, runs_of, stages
 from tools.report import build_table, make_figures
 from tools.runner import run_grid, sync_archive
 from utils import exit_on_bad_arguments, exit_unless_writable, save_text
+
+
+def check_overrides(grid, overrides):
+    """Every run's train.py arguments (its config files, its own and the grid's overrides) as train.py
+    would read them, before any run starts: a misspelt key is one line (exit 2), not the first run's
+    failure an hour in."""
+    defaults = train_defaults()
+    for _, seed, config, args, _ in runs_of(grid, "."):
+        for config_file in stages(config):
+            try:
+                check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults), TRAIN_RULES)
+            except ConfigError as e:
+                exit_config_error(e)
 
 
 def main(argv=None):
@@ -36,6 +50,8 @@ def main(argv=None):
     args, unknown = parser.parse_known_args(argv)
     overrides = args.overrides + unknown
     exit_on_bad_arguments((args.workers < 1, f"--workers must be >= 1 (runs at a time), got {args.workers}"))
+    if not args.table_only:
+        check_overrides(args.grid, overrides)
     for name in ("results", "archive") if args.table_only else ("results", "archive", "root"):
         exit_unless_writable(getattr(args, name), f"--{name}", directory=True)  # before hours of runs
     if not args.table_only:
