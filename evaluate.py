@@ -316,6 +316,10 @@ def write_run_metrics(out_dir, run_flops, device):
         print(f"interrupted during the final evaluation; training is complete ({os.path.join(out_dir, 'ckpt.pt')}, "
               f"{best_path}): python evaluate.py {best_path} --out={metrics_path} writes metrics.json", file=sys.stderr)
         sys.exit(130)
+    except (checkpoints.CheckpointError, DataError) as e:  # best.pt damaged since it was written, its data moved
+        ckpt = os.path.join(out_dir, "ckpt.pt")
+        exit_run(f"the final evaluation: {e}; training is complete ({ckpt}): python evaluate.py {ckpt} "
+                 f"--out={metrics_path} scores its latest weights instead")
     result = with_run_flops(result, run_flops)
     try:
         save_json(result, metrics_path)
