@@ -246,3 +246,20 @@ def test_a_damaged_best_pt_at_the_final_evaluation_of_a_resume_is_one_line(tmp_p
     result = run(train_command(str(run_dir), data_dir, "--init_from=resume", "--final_eval=True"))
     one_line(result, 1, f"{best}", "training is complete", "evaluate.py")
     assert (run_dir / "ckpt.pt").exists() and not (run_dir / "metrics.json").exists()
+
+
+# 10. metrics.json written later by evaluate.py keeps the run's FLOPs ------------------------------
+def test_evaluate_into_a_runs_metrics_json_keeps_its_training_flops(tmp_path, finished_run):
+    """The command train.py prints when the final evaluation is cut short (or skipped):
+    evaluate.py run/best.pt --out=run/metrics.json. Once its metrics.json lacked the FLOPs the run
+    executed; now they come from the run's ckpt.pt, as the final evaluation would have written them."""
+    import torch
+    run_dir = tmp_path / "run"
+    shutil.copytree(finished_run, run_dir)
+    assert not (run_dir / "metrics.json").exists()
+    result = run([sys.executable, "evaluate.py", str(run_dir / "best.pt"), f"--out={run_dir / 'metrics.json'}"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    flops = json.loads((run_dir / "metrics.json").read_text())["flops"]
+    done = torch.load(run_dir / "ckpt.pt", weights_only=True)["flops_done"]
+    assert flops["train"] == done["train"] > 0 and flops["eval"] == done["eval"]
+    assert flops["total"] == flops["train"] + flops["eval"] + flops["final_eval"]
