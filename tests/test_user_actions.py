@@ -45,18 +45,16 @@ def test_export_overwrite_never_deletes_a_training_run(tmp_path, finished_run):
     assert snapshot(str(tmp_path)) == before
 
 
-def test_export_overwrite_never_deletes_a_live_runs_lock(tmp_path, data_dir):
+def test_export_overwrite_never_deletes_a_live_runs_lock(tmp_path, finished_run):
     """Against a live run (its run.lock held, nothing else written yet): once the lock and the log
     went while training went on; now exit 1, one line, and the lock is still held."""
     pytest.importorskip("transformers", reason="transformers is optional")
     import fcntl
-    done = tmp_path / "done"
-    train(str(done), data_dir, *SHORT)
     live = tmp_path / "live"
     live.mkdir()
     with open(live / "run.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        result = _export(str(done / "best.pt"), str(live))
+        result = _export(os.path.join(finished_run, "best.pt"), str(live))
         one_line(result, 1, f"{live} holds a training run ({live / 'run.lock'}")
         assert os.listdir(live) == ["run.lock"]
 
