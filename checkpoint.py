@@ -25,7 +25,7 @@ import torch
 
 import parallelism
 from data import DataError, dataset_mismatch, read_meta
-from utils import atomic_write, save_json, write_failure
+from utils import atomic_write, save_json, torch_save, write_failure
 
 DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders of ckpt.pt: the latest, the previous, and the one being written
 BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)
@@ -176,9 +176,8 @@ def write(path, state, keep_previous=False):
     directory = os.path.dirname(os.path.abspath(path))
     prev = path[:-3] + "_prev.pt"
 
-    def save(tmp):  # through a Python file: a failed write is the OSError that says why (ENOSPC, EACCES)
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
+    def save(tmp):  # a failed write is the OSError that says why (ENOSPC, EACCES), not torch's "unexpected pos"
+        torch_save(state, tmp)
     try:
         if keep_previous:
             tmp = os.path.join(directory, "." + os.path.basename(path) + ".new.tmp")

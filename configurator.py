@@ -59,12 +59,15 @@ def read_config_file(path, _chain=()):
     rather than by exec-ing the base inside the file."""
     if path in _chain:
         raise ConfigError(f"config file '{path}' includes itself: {' -> '.join(_chain + (path,))}")
+    where = f" (included by '{_chain[-1]}')" if _chain else ""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:  # Python source is UTF-8, whatever the locale
             source_code = f.read()
     except OSError as e:
-        where = f" (included by '{_chain[-1]}')" if _chain else ""
         raise ConfigError(f"cannot read config file '{path}'{where}: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file '{path}'{where} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at position "
+                          f"{e.start}); save it as UTF-8") from None
     namespace = {}
     try:
         exec(compile(source_code, path, "exec"), namespace)
@@ -234,6 +237,23 @@ def check_train_config(config, world_size):
     ):
         if problem:
             return message
+    return model_problem(c)
+
+
+def model_problem(config):
+    """What the model's or the objective's own rules (GPTConfig, losses.Objective) say of config's keys,
+    None if nothing: asked here, so that no later step (the memory check, the plan) that builds them
+    meets a bad key as a traceback."""
+    import torch  # (only where a config is checked for training: train.py and plan.py import it anyway)
+
+    from losses import Objective
+    from model import GPTConfig
+    try:
+        GPTConfig(**{k: config[k] for k in GPTConfig.__dataclass_fields__ if k in config and k != "vocab_size"})
+        with torch.device("meta"):  # nothing allocated (the NITP head is a module)
+            Objective.from_config(config)
+    except ValueError as e:
+        return str(e)
     return None
 
 

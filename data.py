@@ -25,6 +25,9 @@ BPE_EOT = 50256             # <|endoftext|>
 BPE_VOCAB_SIZE = 50304      # BPE_TOKENS padded up to a multiple of 64: GPU-friendly matmul shapes
 
 
+HASH_TRAIN_UP_TO = 1 << 30  # a per-shard train split up to this many bytes is hashed at every load (_load_shards)
+
+
 class DataError(Exception):
     """A dataset that is missing or wrong, or that could not be prepared."""
 
@@ -207,9 +210,16 @@ def _check_window(path, n, block_size):
 
 def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
     """The split's per-shard files (meta.json's token_files index): every check from the index and
-    the files' sizes, nothing read. prepare_c4.py recorded each file's token count and largest id
-    when it wrote it; a file of another size is truncated or from another preparation."""
+    the files' sizes. prepare_c4.py recorded each file's token count, largest id and sha256 when it
+    wrote it; a file of another size is truncated or from another preparation. The content is hashed
+    against the sha256 where that is cheap: the val split (an evaluation reads it whole anyway) and a
+    train split of at most HASH_TRAIN_UP_TO bytes (c4_tiny). A larger train split is not read at the
+    start (a 105 GB C4 run starts at once): a train shard rewritten in place with the same size is
+    not seen there (docs/data.md)."""
     paths, counts = [], []
+    sizes = [os.path.getsize(os.path.join(data_dir, e["file"])) if os.path.isfile(os.path.join(data_dir, e["file"]))
+             else 0 for e in files]
+    hash_them = split == "val" or sum(sizes) <= HASH_TRAIN_UP_TO
     for entry in files:
         path = os.path.join(data_dir, entry["file"])
         check_readable(path)
@@ -224,6 +234,8 @@ def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
         if vocab_size is not None and entry["max_id"] >= vocab_size:
             raise DataError(f"{path} holds token id {entry['max_id']} (recorded by its preparation) but meta.json's "
                             f"vocab_size is {vocab_size}: the two do not belong together; prepare the dataset again")
+        if hash_them and entry.get("sha256"):
+            _check_content(path, sha256_of_file(path), entry["sha256"], data_dir)
         paths.append(path)
         counts.append(entry["n_tokens"])
     total = sum(counts)
@@ -247,10 +259,16 @@ def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
 
     The largest id: per-shard files have it recorded at preparation, so nothing is read here (a C4
     run starts without touching its 100 GB of tokens). A single {split}.bin has no record and is
-    scanned once per call (tokens.max()): a second for the toys, a full read of a C4 train.bin made
-    before the shard index (rerun prepare_c4.py on its folder to move it to per-shard files)."""
+    scanned once per call: a second for the toys, a full read of a C4 train.bin made before the shard
+    index (rerun prepare_c4.py on its folder to move it to per-shard files).
+
+    The content: a {split}.bin whose sha256 meta.json records ({split}_sha256, prepare_shakespeare.py
+    since issue 43) is hashed in that same pass and must match: a file overwritten in place with the
+    same size is refused. A dataset prepared before records none and loads unchecked (prepare it
+    again to get the check). Per-shard files: see _load_shards."""
     meta_path = os.path.join(data_dir, "meta.json")
-    files = (read_meta(data_dir).get("token_files") or {}).get(split) if os.path.exists(meta_path) else None
+    meta = read_meta(data_dir) if os.path.exists(meta_path) else {}
+    files = (meta.get("token_files") or {}).get(split)
     if files:
         return _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens)
     path = os.path.join(data_dir, f"{split}.bin")
@@ -264,11 +282,32 @@ def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
     if n_tokens is not None and size // 2 != n_tokens:
         raise DataError(f"{path} holds {size // 2:,} tokens but meta.json says {n_tokens:,}: the two do not belong "
                         f"together; prepare the dataset again")
-    tokens = np.memmap(path, dtype=np.uint16, mode="r")
-    if vocab_size is not None and int(tokens.max()) >= vocab_size:
-        raise DataError(f"{path} holds token id {int(tokens.max())} but meta.json's vocab_size is {vocab_size}: the "
-                        f"two do not belong together; prepare the dataset again")
-    return tokens
+    recorded = meta.get(f"{split}_sha256")
+    if vocab_size is not None or recorded:
+        largest, digest = _scan(path)
+        if recorded:
+            _check_content(path, digest, recorded, data_dir)
+        if vocab_size is not None and largest >= vocab_size:
+            raise DataError(f"{path} holds token id {largest} but meta.json's vocab_size is {vocab_size}: the "
+                            f"two do not belong together; prepare the dataset again")
+    return np.memmap(path, dtype=np.uint16, mode="r")
+
+
+def _check_content(path, digest, recorded, data_dir):
+    if digest != recorded:
+        raise DataError(f"{path} is not the file its preparation wrote (sha256 {digest[:12]}..., meta.json records "
+                        f"{recorded[:12]}...): changed in place or copied from another preparation; prepare the "
+                        f"dataset again: {preparation_command(data_dir)}")
+
+
+def _scan(path):
+    """(largest id, sha256) of a token file, in one pass over it in blocks."""
+    h, largest = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            h.update(block)
+            largest = max(largest, int(np.frombuffer(block, dtype=np.uint16).max()))
+    return largest, h.hexdigest()
 
 
 class EpochWindows:

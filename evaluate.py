@@ -293,6 +293,19 @@ def with_run_flops(result, run_flops):
     return {**result, "flops": {**flops, "total": sum(flops.values())}}
 
 
+def flops_of_run(checkpoint_path, out):
+    """The FLOPs a run executed (its ckpt.pt's flops_done) when `out` is the metrics.json of the run
+    that checkpoint_path belongs to (the command a cut-short final evaluation prints), else None."""
+    run_dir = os.path.dirname(os.path.abspath(checkpoint_path))
+    ckpt = os.path.join(run_dir, "ckpt.pt")
+    if os.path.abspath(out) != os.path.join(run_dir, "metrics.json") or not os.path.isfile(ckpt):
+        return None
+    try:
+        return checkpoints.load(ckpt, need=(), mmap=True).get("flops_done")
+    except checkpoints.CheckpointError:
+        return None
+
+
 def evaluate_checkpoint(path, device="cpu", data_dir=None):
     """data_dir: where the checkpoint's dataset is, if not where the run found it."""
     model, checkpoint = load_model(path, device)
@@ -316,6 +329,10 @@ def write_run_metrics(out_dir, run_flops, device):
         print(f"interrupted during the final evaluation; training is complete ({os.path.join(out_dir, 'ckpt.pt')}, "
               f"{best_path}): python evaluate.py {best_path} --out={metrics_path} writes metrics.json", file=sys.stderr)
         sys.exit(130)
+    except (checkpoints.CheckpointError, DataError) as e:  # best.pt damaged since it was written, its data moved
+        ckpt = os.path.join(out_dir, "ckpt.pt")
+        exit_run(f"the final evaluation: {e}; training is complete ({ckpt}): python evaluate.py {ckpt} "
+                 f"--out={metrics_path} scores its latest weights instead")
     result = with_run_flops(result, run_flops)
     try:
         save_json(result, metrics_path)
@@ -398,6 +415,8 @@ if __name__ == "__main__":
             pass
     if isinstance(previous, dict) and "train" in previous.get("flops", {}):  # a run's metrics.json: keep its FLOPs
         result = with_run_flops(result, previous["flops"])
+    elif (run_flops := flops_of_run(args.checkpoint, out)) is not None:  # its first metrics.json: from ckpt.pt
+        result = with_run_flops(result, run_flops)
     try:
         save_json(result, out)
         failure = None

@@ -442,7 +442,8 @@ class GPT(nn.Module):
         """Sample max_new_tokens tokens after idx (B, T); the context is cropped to block_size."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
-            logits = self(context)[:, -1, :] / temperature
+            logits = self(context)[:, -1, :]  # the largest at 0 first: a temperature near 0 is greedy, not inf / inf
+            logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]
                 logits = logits.masked_fill(logits < kth, float("-inf"))

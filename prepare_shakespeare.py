@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from data import BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file, \
     write_meta, write_tokens
-from utils import atomic_write, exit_on_bad_arguments, exit_unless_writable
+from utils import atomic_write, exit_on_bad_arguments, exit_unless_writable, remove_leftovers
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
 DEFAULT_URL = (
@@ -239,6 +239,11 @@ def prepare(
         )
     expected = _normalize_sha256(sha256)
     out_dir = out_dir or default_out_dir(tokenizer)
+    try:
+        for name in remove_leftovers(out_dir, ("input.txt", "train.bin", "val.bin", "meta.json")):
+            print(f"note: removed {name} in {out_dir}, left by a preparation that was killed")
+    except OSError as exc:
+        raise DataError(f"could not write outputs to {out_dir}: {exc}") from exc
 
     if input_path is None:
         source = url
@@ -278,8 +283,8 @@ def prepare(
         "source": source,
         "sha256": digest,
     }
-    for split, ids in (("train", train_ids), ("val", val_ids)):
-        write_tokens(os.path.join(out_dir, f"{split}.bin"), [ids])
+    for split, ids in (("train", train_ids), ("val", val_ids)):  # each file's hash: train.py and evaluate.py compare it
+        meta[f"{split}_sha256"] = write_tokens(os.path.join(out_dir, f"{split}.bin"), [ids])[1]
     write_meta(meta, out_dir)  # last: its presence means the bins are done
     return meta
 

@@ -155,7 +155,8 @@ def atomic_write(path, write_fn):
     never sees a half-written file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path) + ".", suffix=".tmp")
+    # the temporary name is cut so that it fits wherever the file's own name fits (255 bytes)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix="." + os.path.basename(path)[:200] + ".", suffix=".tmp")
     os.close(fd)
     try:
         write_fn(tmp)
@@ -167,6 +168,49 @@ def atomic_write(path, write_fn):
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
+
+
+def remove_leftovers(directory, names):
+    """Remove the temporary files that atomic_write left in directory for any of `names` when its
+    process was killed (SIGKILL, or SIGTERM's default action: no time to clean up); return their
+    names. For a script that owns those names there, at its start (prepare_shakespeare.py)."""
+    removed = []
+    prefixes = tuple("." + name[:200] + "." for name in names)
+    for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
+        if name.startswith(prefixes) and name.endswith(".tmp") and os.path.isfile(os.path.join(directory, name)):
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+    return removed
+
+
+def torch_save(obj, path):
+    """torch.save to path, with the OSError of a failed write (a full disk, no permission) raised as
+    it is: torch's zip writer would report it as 'unexpected pos N vs M', a RuntimeError that says
+    neither. The writes go through a Python file that keeps the first error it met."""
+    import torch
+
+    class Recording:
+        def __init__(self, f):
+            self.f, self.error = f, None
+
+        def write(self, data):
+            try:
+                return self.f.write(data)
+            except OSError as e:
+                self.error = self.error or e
+                raise
+
+        def flush(self):
+            self.f.flush()
+
+    with open(path, "wb") as f:
+        recording = Recording(f)
+        try:
+            torch.save(obj, recording)
+        except RuntimeError:
+            if recording.error is not None:
+                raise recording.error from None
+            raise
 
 
 class PathError(Exception):
@@ -188,6 +232,27 @@ def write_failure(path, error):
     return f"cannot write {path}: {error.strerror or error} ({free})"
 
 
+def check_name_lengths(target, what, path):
+    """PathError when a name in the part of target still to be made (or target's own name) is longer
+    than the file system allows, or the whole path is: one line now, not 'File name too long' after
+    the work."""
+    existing = target
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    existing = existing if os.path.isdir(existing) else os.path.dirname(existing)
+    try:
+        name_max, path_max = os.pathconf(existing, "PC_NAME_MAX"), os.pathconf(existing, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        return
+    for name in os.path.relpath(target, existing).split(os.sep):
+        if len(os.fsencode(name)) > name_max:
+            raise PathError(f"{what} {path}: a name in it is {len(os.fsencode(name))} bytes, longer than the "
+                            f"{name_max} this file system allows; give a shorter one")
+    if len(os.fsencode(target)) >= path_max:
+        raise PathError(f"{what} {path}: the path is {len(os.fsencode(target))} bytes, longer than the "
+                        f"{path_max - 1} this file system allows; give a shorter one")
+
+
 def check_writable(path, what, directory=False):
     """Raise PathError unless `path` (a file, or with directory=True a folder to write files in)
     can be written, before any long work: a script that would fail at its end loses the work.
@@ -195,6 +260,7 @@ def check_writable(path, what, directory=False):
     exists (where the missing folders would be made, or the file renamed into place), then removed.
     `what` names the argument in the message (--out)."""
     target = os.path.abspath(path)
+    check_name_lengths(target, what, path)
     if os.path.exists(target):
         if directory and not os.path.isdir(target):
             raise PathError(f"{what} {path} is a file, not a directory")

@@ -117,7 +117,10 @@ def test_local_input_roundtrip_split_and_meta(tmp_path, sample_file):
     assert meta["source"] == str(sample_file)
     assert meta["sha256"] == sha256_hex(SAMPLE_TEXT.encode("utf-8"))
     assert int(max(train.max(), val.max())) == meta["vocab_size"] - 1  # every id is used
-    assert set(meta) == {"tokenizer", "vocab_size", "itos", "n_train", "n_val", "source", "sha256"}
+    assert set(meta) == {"tokenizer", "vocab_size", "itos", "n_train", "n_val", "source", "sha256", "train_sha256",
+                         "val_sha256"}
+    for split in ("train", "val"):  # each token file's own hash (train.py and evaluate.py compare it)
+        assert meta[f"{split}_sha256"] == sha256_hex((out_dir / f"{split}.bin").read_bytes())
 
 
 def test_meta_json_is_indented(tmp_path, sample_file):

@@ -25,11 +25,25 @@ import argparse
 import os
 import signal
 
+from configurator import TRAIN_RULES, ConfigError, check_values, exit_config_error, parse_config, train_defaults
 from tools import figures
-from tools.grids import GRIDS, runs_of
+from tools.grids import GRIDS, runs_of, stages
 from tools.report import build_table, make_figures
 from tools.runner import UnlikeRuns, check_like, run_grid, sync_archive
 from utils import exit_on_bad_arguments, exit_unless_writable, save_text
+
+
+def check_overrides(grid, overrides):
+    """Every run's train.py arguments (its config files, its own and the grid's overrides) as train.py
+    would read them, before any run starts: a misspelt key is one line (exit 2), not the first run's
+    failure an hour in."""
+    defaults = train_defaults()
+    for _, seed, config, args, _ in runs_of(grid, "."):
+        for config_file in stages(config):
+            try:
+                check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults), TRAIN_RULES)
+            except ConfigError as e:
+                exit_config_error(e)
 
 
 def main(argv=None):
@@ -49,6 +63,8 @@ def main(argv=None):
     only = selection(args.grid, args.methods, args.seeds)
     if args.results is None:
         args.results = "results" if args.archive == parser.get_default("archive") else args.archive
+    if not args.table_only:
+        check_overrides(args.grid, overrides)
     for name in ("results", "archive") if args.table_only else ("results", "archive", "root"):
         exit_unless_writable(getattr(args, name), f"--{name}", directory=True)  # before hours of runs
     try:  # before hours of runs, and again on what the table will read

@@ -34,6 +34,7 @@ import sys
 import torch
 
 import checkpoint as checkpoints
+import run
 from data import DataError, read_meta
 from model import GPT, GPTConfig
 from tools import hf_tokenizer
@@ -231,11 +232,29 @@ def edit_json(path, **values):
         f.write("\n")
 
 
+def training_run_under(directory):
+    """The first file under directory that makes it (or a folder in it) a training run's: a run
+    file or a run.lock, held or not. None if there is none."""
+    marks = set(run.RUN_FILES) | {run.LOCK_FILE}
+    for root, dirs, names in os.walk(directory):
+        dirs.sort()
+        for name in sorted(names):
+            if name in marks:
+                return os.path.join(root, name)
+    return None
+
+
 def prepare_out_dir(out_dir, overwrite):
+    """Refuse an out_dir that is a file, or not empty without --overwrite; --overwrite never replaces
+    a directory that holds a training run (best.pt's own folder, or one above it)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ExportError(f"{out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
         raise ExportError(f"{out_dir} is not empty; pass --overwrite to replace it, or give another directory")
+    found = training_run_under(out_dir) if os.path.isdir(out_dir) else None
+    if found:
+        raise ExportError(f"{out_dir} holds a training run ({found}); --overwrite never deletes one; "
+                          f"give another directory")
 
 
 def move_into_place(tmp, out_dir):
@@ -296,6 +315,7 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
         os.umask(umask)
         os.chmod(os.path.join(tmp, "model.safetensors"), 0o666 & ~umask)  # readable like the other files
         diff = check_logits(model, tmp) if check else None
+        prepare_out_dir(out_dir, overwrite)  # again: a run may have started there meanwhile
         move_into_place(tmp, out_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
