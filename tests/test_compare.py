@@ -304,11 +304,24 @@ def test_every_grid_command_is_a_valid_config(monkeypatch):
     monkeypatch.chdir(REPO)
     defaults = train_defaults()
     assert defaults["n_layer"] == 4 and defaults["margin"] is None and len(defaults) > 60
-    for grid in grids.GRIDS:
-        for method, (config, _) in grids.GRIDS[grid].items():
-            for cmd in runner.planned_commands(config, 1337, []):
+    for grid in grids.GRIDS:  # every run, the extra runs with their own arguments included
+        for method, seed, config, args, _ in grids.runs_of(grid, "r"):
+            for cmd in runner.planned_commands(config, seed, list(args)):
                 parsed = configurator.parse_config(cmd[2:], defaults)
-                assert parsed["seed"] == 1337 and parsed["max_iters"] > 0, (grid, method)
+                assert parsed["seed"] == seed and parsed["max_iters"] > 0, (grid, method)
+    # issue 40's rows: the BPE toy 4x as long with its schedule scaled; l2_repel's norm term alone
+    for method, (config, _) in grids.GRIDS["bpe_1600"].items():
+        long, short = (configurator.parse_config(runner.planned_commands(c, 1337, [])[0][2:], defaults)
+                       for c in (config, grids.GRIDS["bpe"][method][0]))
+        assert {k: long[k] for k in ("max_iters", "lr_decay_iters", "warmup_iters")} == \
+            {k: 4 * short[k] for k in ("max_iters", "lr_decay_iters", "warmup_iters")}
+        assert {k: v for k, v in long.items() if k not in ("max_iters", "lr_decay_iters", "warmup_iters", "out_dir")} == \
+            {k: v for k, v in short.items() if k not in ("max_iters", "lr_decay_iters", "warmup_iters", "out_dir")}
+    norm, released = (configurator.parse_config(runner.planned_commands(c, 1337, [])[0][2:], defaults) for c in
+                      ("config/lowres_dispersion_l2_norm_authors.py", "config/lowres_dispersion_l2_repel_authors.py"))
+    assert (norm["dispersion_variant"], released["dispersion_variant"]) == ("l2_repel_norm", "l2_repel")
+    assert {k: v for k, v in norm.items() if k not in ("dispersion_variant", "out_dir")} == \
+        {k: v for k, v in released.items() if k not in ("dispersion_variant", "out_dir")}
     bpe = grids.GRIDS["bpe"]
     simreg = configurator.parse_config(runner.planned_commands(bpe["SimReg chunk 32"][0], 1338, [])[0][2:], defaults)
     assert (simreg["data_dir"], simreg["simreg_weight"], simreg["simreg_chunk_size"], simreg["low_resource"]) == \
@@ -377,3 +390,31 @@ def test_issue_40_grids_are_the_registered_runs():
     # the grids before issue 40: first n of SEEDS, seed-major, as before
     jostling = list(grids.runs_of("jostling", "r"))
     assert len(jostling) == 104 and [s for _, s, *_ in jostling] == sorted(s for _, s, *_ in jostling)
+
+
+def test_the_norm_term_ablation_is_judged_in_its_own_family(tmp_path, monkeypatch):
+    """Issue 40's l2_repel ablation (results/preregistration.md, T6): its two rows, against CE and
+    against the released l2_repel on the same seeds, with paired differences of HR PPL, Holm over
+    those two alone (so the papers' claims keep their verdicts)."""
+    from tools import claims
+    released = "dispersion l2_repel, authors' form"
+    monkeypatch.setitem(grids.GRIDS, "lowres", {"CE": ("config/lowres_ce.py", 3),
+                                                released: ("config/lowres_dispersion_l2_repel_authors.py", 3),
+                                                claims.NORM_METHOD: ("config/lowres_dispersion_l2_norm_authors.py", 3)})
+    hr_ppl = {"CE": (5.00, 5.10, 5.20), released: (4.90, 4.95, 5.12), claims.NORM_METHOD: (4.91, 4.97, 5.11)}
+    for method, values in hr_ppl.items():
+        for seed, ppl in zip((1337, 1338, 1339), values):
+            out = grids.run_dir(str(tmp_path), "lowres", method, seed)
+            os.makedirs(out)
+            with open(os.path.join(out, "metrics.json"), "w") as f:
+                json.dump(fake_metrics(0.37, ppl), f)
+            with open(os.path.join(out, "log.jsonl"), "w") as f:
+                f.write(json.dumps({"iter": 0, "val": 3.0, "val_low": 3.0}) + "\n")
+    table, _ = report.build_table("lowres", str(tmp_path))
+    section = table.split("## l2_repel's norm term alone (issue 40)")[1].split("\n## ")[0]
+    # norm - CE per seed: -0.09, -0.13, -0.09 (mean -0.103); norm - released: +0.01, +0.02, -0.01 (mean +0.007)
+    rows = [line for line in section.splitlines() if line.startswith("| Dispersion |")]
+    assert len(rows) == 2
+    assert f"| {claims.NORM_METHOD} | CE | HR PPL ↓ |" in rows[0] and "-0.10 [" in rows[0] and "3/3 down" in rows[0]
+    assert f"| {released} | HR PPL, against the released l2_repel ↓ |" in rows[1] and "+0.01 [" in rows[1]
+    assert "of 2 claims." in section

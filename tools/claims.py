@@ -156,6 +156,8 @@ CLAIMS = {
     "bpe": [claim(SJ, "margin 0.6 + SE", "rare-target MRR", _metric("rare", "mrr"), +1, "char toy: LR MRR .480 → .628"),
             claim(SJ, "margin 0.6 + SE", "rare-target PPL (%)", _metric("rare", "ppl"), -1,
                   "char toy: LR PPL_best 10.63 → 6.17", kind="relative", digits=1)] + _lm_claims("val"),
+    # the SimReg claims again at 1600 steps (results/preregistration.md, T7): a family of their own
+    "bpe_1600": [c for c in _lm_claims("val") if c["paper"] == SR],
 }
 
 
@@ -249,3 +251,14 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
               f"{counts[stats.CONTRADICTED]} contradicted, of {len(evaluated)} claims."]
     return lines
 
+
+
+# Issue 40's ablation (results/preregistration.md, T6): the released l2_repel's norm term alone, against CE
+# and against the released l2_repel on the same seeds, Holm-adjusted as a family of its own.
+NORM_METHOD = "dispersion l2_repel norm term alone, authors' form"
+NORM_CLAIMS = {"lowres": [
+    claim(DI, NORM_METHOD, "HR PPL", _metric("high", "ppl"), -1, "none: an ablation (↓: the norm term alone helps)",
+          digits=2),
+    claim(DI, NORM_METHOD, "HR PPL, against the released l2_repel", _metric("high", "ppl"), -1,
+          "none (within ±0.04: the norm term is the released l2_repel's effect)",
+          baseline="dispersion l2_repel, authors' form", digits=2)]}

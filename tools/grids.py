@@ -50,6 +50,8 @@ GRIDS = {
         "NITP": ("config/lowres_nitp.py", 5),
         "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/lowres_simreg_dispersion.py", 5),
+        # issue 40: the released l2_repel with its norm term alone (results/preregistration.md, T6)
+        "dispersion l2_repel norm term alone, authors' form": ("config/lowres_dispersion_l2_norm_authors.py", 5),
     },
     "bpe": {  # the same methods on the GPT-2 BPE toy (config/bpe_baseline.py)
         "CE": ("config/bpe_baseline.py", 5),
@@ -63,6 +65,12 @@ GRIDS = {
         "NITP": ("config/bpe_nitp.py", 5),
         "CWT + FT": (("config/bpe_cwt.py", "config/bpe_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/bpe_simreg_dispersion.py", 5),
+    },
+    # issue 40: the BPE toy's SimReg rows at 4x the steps, the schedule scaled (results/preregistration.md, T7)
+    "bpe_1600": {
+        "CE": ("config/bpe_baseline_1600.py", 5),
+        "SimReg": ("config/bpe_simreg_1600.py", 5),
+        "SimReg chunk 32": ("config/bpe_simreg_chunk_1600.py", 5),
     },
     # issue 40, pre-registered (results/preregistration.md): margin 0.6 and CE on 24 fresh seeds,
     # margin 0.6 each with its own data order and (EXTRA_RUNS) with the next seed's

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 import evaluate
-from tools import claims, figures, stats, transition
+from tools import claims, figures, preregistered, stats, transition
 from tools.grids import GRIDS, METRICS, PAPER, PAPER_SE_LR_ACCURACY, SEEDS, run_dir, runs_of
 from tools.runner import grid_calls
 from utils import read_log, save_json
@@ -92,6 +92,7 @@ def build_table(grid, root):
         transition_lines, record = transition.findings(g)
         lines += transition_lines
         save_json(record, os.path.join(root, grid, "transition.json"))
+        lines += preregistered.section(root)  # issue 40's registered tests, once any of its runs is in
     claim_lines = claims.claims_table(grid, g.runs, g.baseline)
     if claim_lines:
         lines += ["## The papers' claims", ""] + claim_lines + [""]
@@ -105,6 +106,14 @@ def build_table(grid, root):
                   "\"reproduces\" reads \"the released form gives the lower HR PPL\" and \"contradicted\" the "
                   "higher. The verdict rule is the one above; these rows are Holm-adjusted together, apart from "
                   "the papers' claims, so they leave those verdicts as they were.", ""] + form_lines + [""]
+    norm_lines = claims.claims_table(grid, g.runs, g.baseline, claims.NORM_CLAIMS, with_rule=False)
+    if norm_lines and claims.NORM_METHOD in g.results:
+        lines += ["## l2_repel's norm term alone (issue 40)", "",
+                  "The released l2_repel is its norm term 0.1 · mean(z²) plus a log-sum-exp repulsion whose "
+                  "off-diagonal terms vanish once the states are far apart. This row trains with the norm term alone. "
+                  "The rule is the one above, Holm-adjusted over these two rows only, and was registered in "
+                  "`results/preregistration.md` (T6). The row's effect counts as the norm term's when the first row "
+                  "reproduces and the second row's interval lies within ±0.04.", ""] + norm_lines + [""]
     lines += metric_tables(g) + rare_target_table(g) + paired_table(g) + speed_up_table(g)
     if g.low_resource:
         lines += transition.per_seed_table(g) + embedding_geometry_table(g)
