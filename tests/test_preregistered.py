@@ -77,3 +77,40 @@ def test_no_crossing_under_one_order_is_not_testable():
     fresh[pr.NEXT] = {s: metrics(0.37) for s in FRESH_SEEDS}
     text = "\n".join(pr.findings(archive, fresh, swap, curves))
     assert "**Not testable**: no seed crosses under one of the two orders." in text
+
+
+def test_the_norm_term_outcome_follows_its_rule():
+    from tools import stats
+    result = lambda mean, low, high, n=5: {"n": n, "mean": mean, "low": low, "high": high}  # noqa: E731
+    reproduces = (None, result(-0.12, -0.16, -0.08), 0.01, stats.REPRODUCES)
+    assert pr.norm_term_outcome([reproduces, (None, result(0.0, -0.03, 0.03), 1.0, stats.NOT_SHOWN)]) == \
+        "its effect is the norm term"
+    # the interval reaches past +-0.04: no equivalence, no difference shown either
+    assert pr.norm_term_outcome([reproduces, (None, result(0.01, -0.03, 0.05), 0.6, stats.NOT_SHOWN)]) == "not decided"
+    assert pr.norm_term_outcome([reproduces, (None, result(0.10, 0.06, 0.14), 0.01, stats.CONTRADICTED)]) == \
+        "not the norm term alone"
+    assert pr.norm_term_outcome([reproduces, (None, result(0.0, -0.03, 0.03, n=4), 1.0, stats.NOT_SHOWN)]) is None
+
+
+def test_convergence_rule_on_made_up_ce_curves(tmp_path):
+    """T7: best checkpoints before step 1400, or a mean fall below 0.01 nats per 50 steps over the
+    last 200 steps, count as converged; here the fall is (0.08 + 0.04) / 2 / 4 = 0.015 and the best
+    checkpoints are at 1600, so not converged; flattened curves are."""
+    import json
+    import os
+
+    def runs(falls, best_iter):
+        out = {}
+        for seed, fall in zip((1337, 1338), falls):
+            d = tmp_path / str(len(os.listdir(tmp_path)))
+            os.makedirs(d)
+            with open(d / "log.jsonl", "w") as f:
+                f.writelines(json.dumps({"iter": it, "val": 5.0 - fall * (it - 1400) / 200 if it >= 1400 else 5.2}) + "\n"
+                             for it in range(0, 1650, 50))
+            out[seed] = {"dir": str(d), "metrics": {"checkpoint": {"iter": best_iter}}}
+        return out
+    line = pr.convergence_lines(runs((0.08, 0.04), 1600), registered_seeds=2)[0]
+    assert "falls 0.0150 nats per 50 steps from step 1400 to 1600" in line and "**not converged" in line
+    assert "**converged by the registered rule**" in pr.convergence_lines(runs((0.02, 0.02), 1600), registered_seeds=2)[0]
+    assert "**converged by the registered rule**" in pr.convergence_lines(runs((0.08, 0.08), 1350), registered_seeds=2)[0]
+    assert "partial: 2 of 5 seeds" in pr.convergence_lines(runs((0.08, 0.04), 1600))[0]

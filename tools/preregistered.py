@@ -210,3 +210,45 @@ def section(root):
     if not fresh.results and not swap.results:
         return []
     return findings(Grid("jostling", root).results, fresh.results, swap.results, twin_curves(fresh))
+
+
+NORM_MARGIN = 0.04  # T6: a third of the released l2_repel's -0.12 HR PPL against CE
+
+
+def norm_term_outcome(evaluated, registered_seeds=5):
+    """T6's rule on claims.evaluate_claims(..., claims.NORM_CLAIMS): [(claim, paired result, Holm
+    p, verdict)] of (a) the norm term alone against CE and (b) against the released l2_repel.
+    None until both rows have every registered seed."""
+    (_, vs_ce, _, verdict_ce), (_, vs_released, p_released, _) = evaluated
+    if vs_ce is None or vs_released is None or min(vs_ce["n"], vs_released["n"]) < registered_seeds:
+        return None
+    if verdict_ce == stats.REPRODUCES and -NORM_MARGIN <= vs_released["low"] and vs_released["high"] <= NORM_MARGIN:
+        return "its effect is the norm term"
+    if p_released is not None and p_released < 0.05 and vs_released["mean"] > 0:
+        return "not the norm term alone"
+    return "not decided"
+
+
+CONVERGED_BEFORE, CONVERGED_FALL = 1400, 0.01  # T7: best checkpoint before this step, or mean fall per 50 steps
+
+
+def convergence_lines(runs, registered_seeds=5):
+    """T7's convergence rule for CE on the BPE toy at 1600 steps. runs: {seed: {"dir", "metrics"}}
+    of the CE row (each log.jsonl holds its val loss every 50 steps)."""
+    from utils import read_log
+    if not runs:
+        return []
+    best = {seed: run["metrics"]["checkpoint"]["iter"] for seed, run in sorted(runs.items())}
+    curves = {seed: {r["iter"]: r["val"] for r in read_log(os.path.join(run["dir"], "log.jsonl")) if "val" in r}
+              for seed, run in runs.items()}
+    start, end = CONVERGED_BEFORE, max(max(c) for c in curves.values())
+    have = [c for c in curves.values() if start in c and end in c]
+    fall = sum(c[start] - c[end] for c in have) / len(have) / ((end - start) / 50) if have else None
+    line = ("Convergence (results/preregistration.md, T7): CE's best checkpoint per seed at step "
+            + ", ".join(f"{best[s]} ({s})" for s in best)
+            + (f"; its mean val loss falls {fall:.4f} nats per 50 steps from step {start} to {end}" if fall is not None else ""))
+    if len(runs) < registered_seeds:
+        return [line + f" (partial: {len(runs)} of {registered_seeds} seeds)."]
+    converged = all(step < CONVERGED_BEFORE for step in best.values()) or (fall is not None and fall < CONVERGED_FALL)
+    return [line + (": **converged by the registered rule**." if converged else
+                    ": **not converged by the registered rule**: 1600 steps are not enough either.")]

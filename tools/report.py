@@ -114,6 +114,10 @@ def build_table(grid, root):
                   "The rule is the one above, Holm-adjusted over these two rows only, and was registered in "
                   "`results/preregistration.md` (T6). The row's effect counts as the norm term's when the first row "
                   "reproduces and the second row's interval lies within ±0.04.", ""] + norm_lines + [""]
+        outcome = preregistered.norm_term_outcome(claims.evaluate_claims(grid, g.runs, g.baseline, claims.NORM_CLAIMS))
+        lines += [f"Outcome: **{outcome}**." if outcome else "Outcome: none until both rows have their 5 seeds.", ""]
+    if grid == "bpe_1600":  # issue 40: whether CE has converged at 1600 steps (T7)
+        lines += preregistered.convergence_lines(g.runs.get(g.baseline, {})) + [""]
     lines += metric_tables(g) + rare_target_table(g) + paired_table(g) + speed_up_table(g)
     if g.low_resource:
         lines += transition.per_seed_table(g) + embedding_geometry_table(g)
