@@ -114,3 +114,26 @@ def test_convergence_rule_on_made_up_ce_curves(tmp_path):
     assert "**converged by the registered rule**" in pr.convergence_lines(runs((0.02, 0.02), 1600), registered_seeds=2)[0]
     assert "**converged by the registered rule**" in pr.convergence_lines(runs((0.08, 0.08), 1350), registered_seeds=2)[0]
     assert "partial: 2 of 5 seeds" in pr.convergence_lines(runs((0.08, 0.04), 1600))[0]
+
+
+def test_twin_figure_of_the_new_grids(tmp_path, monkeypatch):
+    """A jostling_prereg archive with twin_cos curves gets its figure, one panel per method."""
+    import json
+    import os
+    import pytest
+    pytest.importorskip("matplotlib")
+    from tools import grids, report
+    monkeypatch.setitem(grids.GRIDS, "jostling_prereg", {"margin 0.6": ("config/lowres_margin_0.6.py", [1367, 1368])})
+    monkeypatch.setitem(grids.EXTRA_RUNS, "jostling_prereg", {})
+    for seed, acc in ((1367, 0.49), (1368, 0.37)):
+        out = grids.run_dir(str(tmp_path / "runs"), "jostling_prereg", "margin 0.6", seed)
+        os.makedirs(out)
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump(metrics(acc), f)
+        with open(os.path.join(out, "log.jsonl"), "w") as f:
+            f.writelines(json.dumps({"iter": it, "val": 3.0, "twin_cos": it / 4000 if acc > 0.4 else 0.01}) + "\n"
+                         for it in (0, 1000, 2000))
+    g = report.Grid("jostling_prereg", str(tmp_path / "runs"))
+    drawn = pr.twin_figure(g, str(tmp_path / "results"))
+    assert len(drawn) == 1 and os.path.getsize(drawn[0][1]) > 0
+    assert drawn[0][1].endswith("figures/jostling_prereg_twin_cosine.png")

@@ -252,3 +252,16 @@ def convergence_lines(runs, registered_seeds=5):
     converged = all(step < CONVERGED_BEFORE for step in best.values()) or (fall is not None and fall < CONVERGED_FALL)
     return [line + (": **converged by the registered rule**." if converged else
                     ": **not converged by the registered rule**: 1600 steps are not enough either.")]
+
+
+def twin_figure(g, results_dir):
+    """[(title, path)] of the figure of every run's twin_cos curve in the grid g (jostling_prereg or
+    jostling_swap), one panel per method, the runs that cross 0.43 in red; [] without curves or
+    matplotlib."""
+    from tools import figures
+    panels = {method: {str(seed): (steps, values, crosses(g.results[method][seed], THRESHOLDS[0]))
+                       for seed, (steps, values) in per_seed.items()}
+              for method, per_seed in twin_curves(g).items()}
+    path = figures.marked_curves(panels, os.path.join(results_dir, "figures", f"{g.name}_twin_cosine.png"), "twin_cos")
+    return [("Mean cosine of each LR row with its HR twin at every evaluation (runs that reach LR accuracy "
+             f"{THRESHOLDS[0]} in red)", path)] if path else []

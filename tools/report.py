@@ -482,4 +482,7 @@ def make_figures(grid, root, out_dir):
     if grid == "jostling":
         for title, path in transition.twin_figure(g, out_dir):
             add(title, path)
+    if grid in ("jostling_prereg", "jostling_swap"):  # issue 40's runs (results/preregistration.md, T3 and T5)
+        for title, path in preregistered.twin_figure(g, out_dir):
+            add(title, path)
     return written
