@@ -24,13 +24,8 @@ def crosses(metrics, threshold):
     return metrics["low"]["accuracy"] >= threshold
 
 
-def decided(p, registered_complete):
-    """p < 0.05 decides, and only on the complete set of registered runs."""
-    return registered_complete and p is not None and p < 0.05
-
-
-def partial_note(n, registered):
-    return "" if n == registered else f" (partial: {n} of {registered} runs; no verdict until all are in)"
+def partial_note(n, registered, unit="runs"):
+    return "" if n == registered else f" (partial: {n} of {registered} {unit}; no verdict until all are in)"
 
 
 def rate_test(archive, fresh, threshold):
@@ -72,7 +67,7 @@ def concordance_test(own, other, threshold):
     neither = n - both - only_own - only_next
     p_own, p_next = sum(a) / n, sum(b) / n
     expected = [n * p_own * p_next, n * p_own * (1 - p_next), n * (1 - p_own) * p_next, n * (1 - p_own) * (1 - p_next)]
-    line = (f"T2, the same initialisation under two data orders{partial_note(n, len(FRESH_SEEDS))}: both cross "
+    line = (f"T2, the same initialisation under two data orders{partial_note(n, len(FRESH_SEEDS), 'pairs')}: both cross "
             f"{both}, only own order {only_own}, only the next seed's {only_next}, neither {neither} "
             f"(independence predicts {expected[0]:.2f}, {expected[1]:.2f}, {expected[2]:.2f}, {expected[3]:.2f})")
     if not sum(a) or not sum(b):
