@@ -244,10 +244,16 @@ def _dispersion_one_layer(z, tau, variant, form="paper"):
         # the norm term keeps the states from spreading out by simply growing
         return (per_sequence - 2 * math.log(T)).mean() + 0.1 * z.square().mean()
 
+    if variant == "l2_repel_norm":
+        # l2_repel's norm term alone, the same in both forms: the released l2_repel's repulsion
+        # terms are exp(-|z_i - z_j|^2) of states far apart, 0 in float32 (issue 40 asks whether
+        # this term is all that acts)
+        return 0.1 * z.square().mean()
+
     raise AssertionError(variant)  # checked by dispersion()
 
 
-DISPERSION_VARIANTS = ("angular", "decorrelation", "l2_repel", "orthogonalization")
+DISPERSION_VARIANTS = ("angular", "decorrelation", "l2_repel", "l2_repel_norm", "orthogonalization")
 DISPERSION_FORMS = ("paper", "authors")
 AUTHORS_MAX_POSITIONS = 256  # the released code's positions per sequence when T is longer
 
@@ -278,6 +284,7 @@ def dispersion(hidden_states, tau=1.0, variant="angular", form="paper"):
           exp(0) = 1, bound the repulsion below by -log T. Raising the norm coefficient instead
           would make z = 0 the minimum, i.e. reward the collapse the loss is meant to prevent.
       orthogonalization: angular D; loss = mean_{i!=j} max(0, 1/2 - D_ij)^2
+      l2_repel_norm: l2_repel's norm term alone, 0.1 * mean(z^2) (not in the paper: an ablation)
     The loss is the mean over sequences, then over the given layers.
 
     form = "authors" is the authors' released code (ChenLiu-1996/LM-Dispersion,

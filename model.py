@@ -460,6 +460,16 @@ def fill_parameters(module, initializers):
         fill(parameters[name])
 
 
+def initial_weights(config, seed):
+    """{name: tensor} of the weights a fresh run seeded `seed` starts from on the CPU: train.py's
+    draws (torch.manual_seed(seed), then the model's initializers in order; the GPT-2 init of
+    Radford et al. 2019 as nanoGPT writes it), made here without touching the global random state.
+    A toy's tool: the whole model is drawn on the CPU (issue 40's embedding swap)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build_model(config).state_dict()
+
+
 def build_model(config, device="cpu"):
     """Build on the meta device (no memory, no init work), materialise on `device`, init once.
     At 7B scale this avoids initialising every weight twice on the CPU."""

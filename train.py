@@ -34,7 +34,7 @@ import tracking
 from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
 from data import DataError, EpochWindows, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective, objective_step
-from model import GPT, GPTConfig
+from model import GPT, GPTConfig, initial_weights
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, exit_run, keep_freed_memory,
                    peak_flops, save_json)
@@ -59,6 +59,8 @@ log_interval = 10
 final_eval = True                    # evaluate best.pt at the end and write metrics.json
 seed = 1337                          # the initialisation's (and dropout's) random numbers
 data_seed = None                     # the training data order's (windows, language draws); None = seed
+init_embeddings_from_seed = None     # a fresh run's wte (and the head tied to it) and wpe drawn as seed S's
+                                     # run draws them (on the CPU), every other weight its own seed's
 # data
 batch_size = 12                      # sequences per process and micro-step; "auto": the most that fit the device
 block_size = 64
@@ -93,7 +95,7 @@ simreg_chunk_size = 0                # 0 = whole sequences
 simreg_layer = -1                    # -1 = the final normed state; l = output of block l (0 = embedding)
 dispersion_weight = 0.0              # dispersion loss (Liu et al., Eq. 2); the paper's 0.1 (Sec. 5.3)
 dispersion_tau = 1.0
-dispersion_variant = "angular"       # angular | decorrelation | l2_repel | orthogonalization
+dispersion_variant = "angular"       # angular | decorrelation | l2_repel | l2_repel_norm | orthogonalization
 dispersion_form = "paper"            # paper (Algorithm 1) | authors (their released code; docs/fidelity.md)
 dispersion_layers = "all"            # all | last
 dispersion_positions = 0             # P > 0: P random positions per layer (an estimate); 0 = all
@@ -228,6 +230,15 @@ if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fre
         exit_config_error(e)
     if master:
         print(f"initialised from {init_from}" + (" (LM head := copy of wte)" if head_from_embedding else ""))
+
+if init_embeddings_from_seed is not None:  # one initialisation's blocks with another's embeddings (issue 40)
+    if start_weights is not None:
+        exit_config_error("init_embeddings_from_seed starts a fresh run; it cannot be combined with init_from=<checkpoint>")
+    embeddings = ("wte.weight", "wpe.weight") + (("lm_head.weight",) if model_config.tie_weights else ())
+    start_weights = {**initial_weights(model_config, seed),
+                     **{k: v for k, v in initial_weights(model_config, init_embeddings_from_seed).items() if k in embeddings}}
+    if master:
+        print(f"{', '.join(embeddings)} from seed {init_embeddings_from_seed}'s initialisation, the rest from seed {seed}'s")
 
 # parallelism goes on from outside, in one place: compile, activation checkpointing around the
 # compiled blocks (a MoE block's routing statistics cannot be traced inside a checkpoint), then DDP

@@ -308,11 +308,24 @@ def test_every_grid_command_is_a_valid_config(monkeypatch):
     monkeypatch.chdir(REPO)
     defaults = train_defaults()
     assert defaults["n_layer"] == 4 and defaults["margin"] is None and len(defaults) > 60
-    for grid in grids.GRIDS:
-        for method, (config, _) in grids.GRIDS[grid].items():
-            for cmd in runner.planned_commands(config, 1337, []):
+    for grid in grids.GRIDS:  # every run, the extra runs with their own arguments included
+        for method, seed, config, args, _ in grids.runs_of(grid, "r"):
+            for cmd in runner.planned_commands(config, seed, list(args)):
                 parsed = configurator.parse_config(cmd[2:], defaults)
-                assert parsed["seed"] == 1337 and parsed["max_iters"] > 0, (grid, method)
+                assert parsed["seed"] == seed and parsed["max_iters"] > 0, (grid, method)
+    # issue 40's rows: the BPE toy 4x as long with its schedule scaled; l2_repel's norm term alone
+    for method, (config, _) in grids.GRIDS["bpe_1600"].items():
+        long, short = (configurator.parse_config(runner.planned_commands(c, 1337, [])[0][2:], defaults)
+                       for c in (config, grids.GRIDS["bpe"][method][0]))
+        assert {k: long[k] for k in ("max_iters", "lr_decay_iters", "warmup_iters")} == \
+            {k: 4 * short[k] for k in ("max_iters", "lr_decay_iters", "warmup_iters")}
+        assert {k: v for k, v in long.items() if k not in ("max_iters", "lr_decay_iters", "warmup_iters", "out_dir")} == \
+            {k: v for k, v in short.items() if k not in ("max_iters", "lr_decay_iters", "warmup_iters", "out_dir")}
+    norm, released = (configurator.parse_config(runner.planned_commands(c, 1337, [])[0][2:], defaults) for c in
+                      ("config/lowres_dispersion_l2_norm_authors.py", "config/lowres_dispersion_l2_repel_authors.py"))
+    assert (norm["dispersion_variant"], released["dispersion_variant"]) == ("l2_repel_norm", "l2_repel")
+    assert {k: v for k, v in norm.items() if k not in ("dispersion_variant", "out_dir")} == \
+        {k: v for k, v in released.items() if k not in ("dispersion_variant", "out_dir")}
     bpe = grids.GRIDS["bpe"]
     simreg = configurator.parse_config(runner.planned_commands(bpe["SimReg chunk 32"][0], 1338, [])[0][2:], defaults)
     assert (simreg["data_dir"], simreg["simreg_weight"], simreg["simreg_chunk_size"], simreg["low_resource"]) == \
@@ -343,11 +356,19 @@ def test_transition_rate_and_departure_step(tmp_path, monkeypatch):
 
 
 def test_results_readme_verdict_counts_are_the_tables():
-    """results/README.md's verdict table repeats each grid table's last line: it must say the same."""
+    """results/README.md's verdict table repeats each grid table's last line: it must say the same,
+    for every grid whose table judges claims (a grid without claims, or whose runs are not in yet,
+    has no such line)."""
     import re
     readme = open(os.path.join(REPO, "results", "README.md"), encoding="utf-8").read()
     rows = re.findall(r"^\| \[`(\w+)`\]\(\w+\.md\) \| (\d+) \| (\d+) \| (\d+) \| (\d+) \|$", readme, flags=re.M)
-    assert {grid for grid, *_ in rows} == set(grids.GRIDS)
+    judged = set()
+    for grid in grids.GRIDS:
+        path = os.path.join(REPO, "results", f"{grid}.md")
+        if os.path.exists(path) and re.search(r"^\d+ reproduce, \d+ not shown, \d+ contradicted, of \d+ claims\.$",
+                                              open(path, encoding="utf-8").read(), flags=re.M):
+            judged.add(grid)
+    assert {grid for grid, *_ in rows} == judged >= {"jostling", "lowres", "bpe"}
     for grid, claims, reproduce, not_shown, contradicted in rows:
         table = open(os.path.join(REPO, "results", f"{grid}.md"), encoding="utf-8").read()
         assert f"{reproduce} reproduce, {not_shown} not shown, {contradicted} contradicted, of {claims} claims." in table
@@ -501,3 +522,53 @@ def test_a_run_stopped_part_way_is_not_resumed_with_other_keys(tmp_path, monkeyp
     with pytest.raises(SystemExit):
         compare.main(["stopped", f"--root={tmp_path / 'root'}", f"--archive={tmp_path / 'archive'}", "--max_iters=40"])
     assert "was trained with max_iters=8000, this comparison asks for max_iters=40" in capsys.readouterr().err
+
+
+def test_issue_40_grids_are_the_registered_runs():
+    """The pre-registered runs (results/preregistration.md): CE and margin 0.6 on the 24 fresh seeds
+    1367-1390, none of them a seed of an earlier grid, margin 0.6 again with the next seed's data
+    order; the embedding swap's 8 runs, each pair's blocks with the other's embeddings, on both of
+    the pair's data orders; the grids listed before them keep their runs."""
+    prereg = list(grids.runs_of("jostling_prereg", "r"))
+    assert len(prereg) == 72 and {seed for _, seed, *_ in prereg} == set(range(1367, 1391))
+    assert not {seed for _, seed, *_ in prereg} & {seed for g in ("jostling", "lowres", "bpe")
+                                                     for _, seed, *_ in grids.runs_of(g, "r")}
+    for method, seed, config, args, _ in prereg:
+        assert config == {"baseline": "config/lowres_ce.py"}.get(method, "config/lowres_margin_0.6.py")
+        assert args == ((f"--data_seed={seed + 1}",) if "next seed" in method else ())
+    swaps = [(seed, args) for method, seed, _, args, _ in grids.runs_of("jostling_swap", "r") if "swapped" in method]
+    pairs = {(1342, 1337), (1337, 1342), (1346, 1338), (1338, 1346)}  # (blocks, embeddings)
+    assert {(seed, int(args[0].split("=")[1])) for seed, args in swaps} == pairs and len(swaps) == 8
+    assert {(seed, args[1] if len(args) > 1 else f"--data_seed={seed}") for seed, args in swaps} == \
+        {(b, f"--data_seed={d}") for b, e in pairs for d in (b, e)}
+    # the grids before issue 40: first n of SEEDS, seed-major, as before
+    jostling = list(grids.runs_of("jostling", "r"))
+    assert len(jostling) == 104 and [s for _, s, *_ in jostling] == sorted(s for _, s, *_ in jostling)
+
+
+def test_the_norm_term_ablation_is_judged_in_its_own_family(tmp_path, monkeypatch):
+    """Issue 40's l2_repel ablation (results/preregistration.md, T6): its two rows, against CE and
+    against the released l2_repel on the same seeds, with paired differences of HR PPL, Holm over
+    those two alone (so the papers' claims keep their verdicts)."""
+    from tools import claims
+    released = "dispersion l2_repel, authors' form"
+    monkeypatch.setitem(grids.GRIDS, "lowres", {"CE": ("config/lowres_ce.py", 3),
+                                                released: ("config/lowres_dispersion_l2_repel_authors.py", 3),
+                                                claims.NORM_METHOD: ("config/lowres_dispersion_l2_norm_authors.py", 3)})
+    hr_ppl = {"CE": (5.00, 5.10, 5.20), released: (4.90, 4.95, 5.12), claims.NORM_METHOD: (4.91, 4.97, 5.11)}
+    for method, values in hr_ppl.items():
+        for seed, ppl in zip((1337, 1338, 1339), values):
+            out = grids.run_dir(str(tmp_path), "lowres", method, seed)
+            os.makedirs(out)
+            with open(os.path.join(out, "metrics.json"), "w") as f:
+                json.dump(fake_metrics(0.37, ppl), f)
+            with open(os.path.join(out, "log.jsonl"), "w") as f:
+                f.write(json.dumps({"iter": 0, "val": 3.0, "val_low": 3.0}) + "\n")
+    table, _ = report.build_table("lowres", str(tmp_path))
+    section = table.split("## l2_repel's norm term alone (issue 40)")[1].split("\n## ")[0]
+    # norm - CE per seed: -0.09, -0.13, -0.09 (mean -0.103); norm - released: +0.01, +0.02, -0.01 (mean +0.007)
+    rows = [line for line in section.splitlines() if line.startswith("| Dispersion |")]
+    assert len(rows) == 2
+    assert f"| {claims.NORM_METHOD} | CE | HR PPL ↓ |" in rows[0] and "-0.10 [" in rows[0] and "3/3 down" in rows[0]
+    assert f"| {released} | HR PPL, against the released l2_repel ↓ |" in rows[1] and "+0.01 [" in rows[1]
+    assert "of 2 claims." in section

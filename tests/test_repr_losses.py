@@ -550,3 +550,44 @@ def test_released_l2_repel_self_distance_adds_no_rounding_noise_to_the_gradient(
     z32 = z.float().requires_grad_()
     dispersion([z32], 1.0, "l2_repel", form="authors").backward()
     assert ((z32.grad.double() - exact).norm() / exact.norm()).item() < 1e-6
+
+
+def brute_l2_repel_norm(layers):
+    """l2_repel's norm term alone: 0.1 times the mean of z^2 over sequences, positions and
+    channels, a loop over every entry; then the mean over layers."""
+    per_layer = []
+    for z in layers:
+        B, T, C = z.shape
+        total = sum(z[b, t, c] ** 2 for b in range(B) for t in range(T) for c in range(C))
+        per_layer.append(0.1 * total / (B * T * C))
+    return torch.stack(per_layer).mean()
+
+
+@pytest.mark.parametrize("form", ["paper", "authors"])
+def test_l2_repel_norm_is_the_norm_term_alone_in_both_forms(form):
+    layers = [randn(2, 5, 4, seed=s) for s in (40, 41)]
+    assert_same_value_and_grad(lambda *x: dispersion(list(x), 1.0, "l2_repel_norm", form),
+                               lambda *x: brute_l2_repel_norm(x), *layers)
+
+
+def test_released_l2_repel_on_states_far_apart_is_its_norm_term_plus_a_constant():
+    """Issue 40's question, on states whose pairwise squared distances are in the thousands: in
+    float32 every exp(-|z_i - z_j|^2) underflows to 0, so the released l2_repel is its norm term
+    plus log(T e^0.01 / T^2) (the T diagonal terms), and its gradient is the norm term's (to float32
+    rounding; the diagonal's distances are set to exactly 0)."""
+    T = 6
+    z = (10 * randn(2, T, 16, seed=42)).float()
+    with torch.no_grad():
+        gaps = torch.cdist(z, z).square()[:, ~torch.eye(T, dtype=torch.bool)]
+        assert gaps.min() > 200  # exp(-200) is far below float32's smallest number
+    full, norm = z.clone().requires_grad_(), z.clone().requires_grad_()
+    value_full = dispersion(full, 1.0, "l2_repel", "authors")
+    value_norm = dispersion(norm, 1.0, "l2_repel_norm", "authors")
+    assert value_full.item() == pytest.approx(value_norm.item() + 1e-2 - math.log(T), rel=1e-4)
+    value_full.backward(), value_norm.backward()
+    assert torch.allclose(full.grad, norm.grad, rtol=1e-4, atol=1e-6)
+    # against states close together, where the repulsion does act: the gradients differ
+    near = (0.1 * randn(2, T, 16, seed=42)).float()
+    full, norm = near.clone().requires_grad_(), near.clone().requires_grad_()
+    dispersion(full, 1.0, "l2_repel", "authors").backward(), dispersion(norm, 1.0, "l2_repel_norm", "authors").backward()
+    assert not torch.allclose(full.grad, norm.grad, rtol=1e-2)

@@ -112,6 +112,31 @@ def test_data_seed_orders_the_data_apart_from_the_initialisation(baseline_run, t
     assert read_log(other_init)[0]["val"] != read_log(out)[0]["val"]
 
 
+def test_init_embeddings_from_seed_swaps_the_embeddings_and_keeps_the_rest(baseline_run, tmp_path, data_dir):
+    """init_embeddings_from_seed (issue 40's swap): the step-0 weights are seed 7's run's token and
+    position embeddings (and the LM head tied to them) and the run's own seed's everything else,
+    each compared with the step-0 weights of a plain run of that seed; set to the run's own seed,
+    the run is the plain run, bit for bit."""
+    import torch
+    out, _ = baseline_run
+    same = str(tmp_path / "same")
+    train(same, data_dir, "--init_embeddings_from_seed=1337")  # config/lowres_baseline.py: seed 1337
+    assert train_losses(same) == train_losses(out)
+    assert [r for r in read_log(same) if "val" in r] == [r for r in read_log(out) if "val" in r]
+    step0 = {}
+    for name, args in {"own": ["--seed=1337"], "donor": ["--seed=7"],
+                       "swapped": ["--seed=1337", "--init_embeddings_from_seed=7"]}.items():
+        train(str(tmp_path / name), data_dir, *args, "--max_iters=0", "--final_eval=False")
+        step0[name] = torch.load(os.path.join(tmp_path, name, "best.pt"), map_location="cpu", weights_only=False)["model"]
+        assert torch.load(os.path.join(tmp_path, name, "best.pt"), map_location="cpu", weights_only=False)["iter_num"] == 0
+    embeddings = {"wte.weight", "wpe.weight", "lm_head.weight"}  # lm_head is tied to wte
+    assert embeddings < set(step0["swapped"]) and len(step0["swapped"]) > len(embeddings)
+    for name, tensor in step0["swapped"].items():
+        source = step0["donor" if name in embeddings else "own"]
+        assert torch.equal(tensor, source[name]), name
+        assert not torch.equal(step0["own"][name], step0["donor"][name]) or name.endswith(("ln_1.weight", "ln_2.weight", "ln_f.weight"))
+
+
 def test_train_defaults_are_what_a_run_uses(baseline_run):
     """configurator.train_defaults() reads train.py's defaults from its source; a real run's
     checkpoint records the config it ran with: every key not set by the test's command line (or

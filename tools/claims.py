@@ -172,6 +172,8 @@ CLAIMS = {
             claim(SJ, "margin 0.6 + SE", "rare-target PPL at T = 1 (%)", _metric("rare", "ppl"), -1,
                   "the claim is at T_best: at T = 1 calibration dominates", kind="relative", digits=1,
                   role="description")] + _lm_claims("val"),
+    # the SimReg claims again at 1600 steps (results/preregistration.md, T7): a family of their own
+    "bpe_1600": [c for c in _lm_claims("val") if c["paper"] == SR],
 }
 
 
@@ -277,3 +279,14 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
                       "and is not tested (it stays out of the Holm adjustment).")
     return lines
 
+
+
+# Issue 40's ablation (results/preregistration.md, T6): the released l2_repel's norm term alone, against CE
+# and against the released l2_repel on the same seeds, Holm-adjusted as a family of its own.
+NORM_METHOD = "dispersion l2_repel norm term alone, authors' form"
+NORM_CLAIMS = {"lowres": [
+    claim(DI, NORM_METHOD, "HR PPL", _metric("high", "ppl"), -1, "none: an ablation (↓: the norm term alone helps)",
+          digits=2),
+    claim(DI, NORM_METHOD, "HR PPL, against the released l2_repel", _metric("high", "ppl"), -1,
+          "none (within ±0.04: the norm term is the released l2_repel's effect)",
+          baseline="dispersion l2_repel, authors' form", digits=2)]}

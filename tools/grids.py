@@ -8,8 +8,14 @@ tools/report.py turns its archived runs into results/<grid>.md.
 import os
 
 SEEDS = list(range(1337, 1367))  # 30 seeds; a method uses the first n
+# issue 40's fresh seeds (results/preregistration.md), never run before that file was committed
+FRESH_SEEDS = list(range(1367, 1391))
+# issue 40's embedding swap: the blocks' seed -> the seed whose token and position embeddings the
+# run starts from (train.py's init_embeddings_from_seed); a crossing and a non-crossing seed each way
+EMBEDDING_SWAPS = {1342: 1337, 1337: 1342, 1346: 1338, 1338: 1346}
 
-# method -> (config file(s), number of seeds). The first method is the baseline.
+# method -> (config file(s), number of seeds: the first n of SEEDS, or a list of seeds). The first
+# method is the baseline.
 # The Stop Jostling trio (CE, margin 0.6, margin 0.6 + SE) has 10 seeds: its LR accuracy varies a
 # lot from seed to seed; CE and margin 0.6 have 30 in the jostling grid, enough to compare how often
 # each makes the LR transition (tools/transition.py). The jostling grid's runs with the same command
@@ -44,6 +50,8 @@ GRIDS = {
         "NITP": ("config/lowres_nitp.py", 5),
         "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/lowres_simreg_dispersion.py", 5),
+        # issue 40: the released l2_repel with its norm term alone (results/preregistration.md, T6)
+        "dispersion l2_repel norm term alone, authors' form": ("config/lowres_dispersion_l2_norm_authors.py", 5),
     },
     "bpe": {  # the same methods on the GPT-2 BPE toy (config/bpe_baseline.py)
         "CE": ("config/bpe_baseline.py", 5),
@@ -58,10 +66,27 @@ GRIDS = {
         "CWT + FT": (("config/bpe_cwt.py", "config/bpe_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/bpe_simreg_dispersion.py", 5),
     },
+    # issue 40: the BPE toy's SimReg rows at 4x the steps, the schedule scaled (results/preregistration.md, T7)
+    "bpe_1600": {
+        "CE": ("config/bpe_baseline_1600.py", 5),
+        "SimReg": ("config/bpe_simreg_1600.py", 5),
+        "SimReg chunk 32": ("config/bpe_simreg_chunk_1600.py", 5),
+    },
+    # issue 40, pre-registered (results/preregistration.md): margin 0.6 and CE on 24 fresh seeds,
+    # margin 0.6 each with its own data order and (EXTRA_RUNS) with the next seed's
+    "jostling_prereg": {
+        "baseline": ("config/lowres_ce.py", FRESH_SEEDS),
+        "margin 0.6": ("config/lowres_margin_0.6.py", FRESH_SEEDS),
+    },
+    # issue 40: the blocks of one initialisation with the embeddings of another (EXTRA_RUNS); the
+    # baseline is the unswapped margin 0.6 on the blocks' seeds (the archived runs, copied)
+    "jostling_swap": {
+        "margin 0.6": ("config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS)),
+    },
 }
 
 # Runs of a grid that are not methods of its tables: name -> (config file(s), seeds, extra train.py
-# arguments). The jostling grid's factorial of margin 0.6: `seed` sets the initialisation and
+# arguments, or a function of the seed that gives them). The jostling grid's factorial of margin 0.6: `seed` sets the initialisation and
 # `data_seed` the order of the training windows, and each run takes one from a seed that makes the
 # LR transition and the other from one that does not (or from the other crossing seed), so that
 # tools/transition.py can tell which of the two decides it.
@@ -74,6 +99,18 @@ EXTRA_RUNS = {
              and s in CROSSING_SEEDS + NON_CROSSING_SEEDS],
             (f"--data_seed={data}",))
         for data in CROSSING_SEEDS + NON_CROSSING_SEEDS
+    },
+    "jostling_prereg": {
+        "margin 0.6, data order of the next seed": (
+            "config/lowres_margin_0.6.py", FRESH_SEEDS, lambda seed: (f"--data_seed={seed + 1}",)),
+    },
+    "jostling_swap": {
+        "margin 0.6, embeddings swapped": (
+            "config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS),
+            lambda seed: (f"--init_embeddings_from_seed={EMBEDDING_SWAPS[seed]}",)),
+        "margin 0.6, embeddings swapped, data order of the embeddings' seed": (
+            "config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS),
+            lambda seed: (f"--init_embeddings_from_seed={EMBEDDING_SWAPS[seed]}", f"--data_seed={EMBEDDING_SWAPS[seed]}")),
     },
 }
 
@@ -109,9 +146,10 @@ def runs_of(grid, root):
     """(method, seed, config, extra train.py arguments, directory) of every run of the grid, its
     tables' methods (GRIDS) and its extra runs (EXTRA_RUNS), in seed-major order: every method's
     first seed, then every method's second seed, ... so a grid cut short still holds paired runs."""
-    runs = {method: (config, SEEDS[:n_seeds], ()) for method, (config, n_seeds) in GRIDS[grid].items()}
+    runs = {method: (config, SEEDS[:seeds] if isinstance(seeds, int) else list(seeds), ())
+            for method, (config, seeds) in GRIDS[grid].items()}
     runs.update(EXTRA_RUNS.get(grid, {}))
-    for seed in SEEDS:
+    for seed in sorted({seed for _, seeds, _ in runs.values() for seed in seeds}):
         for method, (config, seeds, args) in runs.items():
             if seed in seeds:
-                yield method, seed, config, args, run_dir(root, grid, method, seed)
+                yield method, seed, config, args(seed) if callable(args) else args, run_dir(root, grid, method, seed)

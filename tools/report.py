@@ -17,7 +17,7 @@ import torch
 
 import evaluate
 import metrics
-from tools import claims, figures, identity, stats, transition
+from tools import claims, figures, identity, preregistered, stats, transition
 from tools.grids import GRIDS, METRICS, PAPER, PAPER_SE_LR_ACCURACY, SEEDS, run_dir, runs_of
 from tools.runner import grid_calls
 from utils import read_log, save_json
@@ -93,6 +93,7 @@ def build_table(grid, root):
         transition_lines, record = transition.findings(g)
         lines += transition_lines
         save_json(record, os.path.join(root, grid, "transition.json"))
+        lines += preregistered.section(root)  # issue 40's registered tests, once any of its runs is in
     claim_lines = claims.claims_table(grid, g.runs, g.baseline)
     if claim_lines:
         lines += ["## The papers' claims", ""] + claim_lines + [""]
@@ -106,6 +107,18 @@ def build_table(grid, root):
                   "\"reproduces\" reads \"the released form gives the lower HR PPL\" and \"contradicted\" the "
                   "higher. The verdict rule is the one above; these rows are Holm-adjusted together, apart from "
                   "the papers' claims, so they leave those verdicts as they were.", ""] + form_lines + [""]
+    norm_lines = claims.claims_table(grid, g.runs, g.baseline, claims.NORM_CLAIMS, with_rule=False)
+    if norm_lines and claims.NORM_METHOD in g.results:
+        lines += ["## l2_repel's norm term alone (issue 40)", "",
+                  "The released l2_repel is its norm term 0.1 · mean(z²) plus a log-sum-exp repulsion whose "
+                  "off-diagonal terms vanish once the states are far apart. This row trains with the norm term alone. "
+                  "The rule is the one above, Holm-adjusted over these two rows only, and was registered in "
+                  "`results/preregistration.md` (T6). The row's effect counts as the norm term's when the first row "
+                  "reproduces and the second row's interval lies within ±0.04.", ""] + norm_lines + [""]
+        outcome = preregistered.norm_term_outcome(claims.evaluate_claims(grid, g.runs, g.baseline, claims.NORM_CLAIMS))
+        lines += [f"Outcome: **{outcome}**." if outcome else "Outcome: none until both rows have their 5 seeds.", ""]
+    if grid == "bpe_1600":  # issue 40: whether CE has converged at 1600 steps (T7)
+        lines += preregistered.convergence_lines(g.runs.get(g.baseline, {})) + [""]
     lines += metric_tables(g) + rare_target_table(g) + paired_table(g) + speed_up_table(g)
     if g.low_resource:
         lines += transition.per_seed_table(g) + embedding_geometry_table(g)
@@ -488,5 +501,8 @@ def make_figures(grid, root, out_dir):
             figures.embedding_pca(embeddings, itos, os.path.join(base, f"{grid}_embedding_pca.png")))
     if grid == "jostling":
         for title, path in transition.twin_figure(g, out_dir):
+            add(title, path)
+    if grid in ("jostling_prereg", "jostling_swap"):  # issue 40's runs (results/preregistration.md, T3 and T5)
+        for title, path in preregistered.twin_figure(g, out_dir):
             add(title, path)
     return written
