@@ -218,7 +218,8 @@ def load_latest(out_dir, device, master=True):
     another step than its weights (a kill between the two writes) is written again."""
     paths = [os.path.join(out_dir, name) for name in ("ckpt.pt", "ckpt_prev.pt")]
     if not any(os.path.exists(p) for p in paths):
-        raise CheckpointError(f"init_from='resume' but there is no checkpoint at {paths[0]}")
+        raise CheckpointError(f"init_from='resume' but there is no checkpoint at {paths[0]}; --init_from=auto "
+                              f"starts a run stopped before its first checkpoint again, keeping what it wrote")
     problems = []
     for path in paths:
         try:

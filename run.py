@@ -110,31 +110,42 @@ def lock_run(out_dir, command):
 
 def start_of(init_from, out_dir):
     """What init_from='auto' means for out_dir: 'resume' when it holds a checkpoint, 'scratch' when
-    it holds no run (the same command starts a job and continues it when it is requeued); a run
-    without a checkpoint to resume is refused. Other values are returned as they are."""
+    it holds no run or a run stopped before its first checkpoint (the same command starts a job and
+    continues it when it is requeued, however early the job was stopped). Other values are returned
+    as they are."""
     existing = existing_run(out_dir)
     if init_from != "auto":
         return init_from
-    if not existing:
-        return "scratch"
-    if "ckpt.pt" in existing or "ckpt_prev.pt" in existing:
-        return "resume"
-    raise CheckpointError(f"init_from='auto' but {out_dir} holds a run with no checkpoint to resume "
-                          f"({', '.join(existing)}); start it over with --init_from=scratch --overwrite=True or "
-                          f"give another --out_dir")
+    return "resume" if "ckpt.pt" in existing or "ckpt_prev.pt" in existing else "scratch"
+
+
+def keep_aside(out_dir, existing):
+    """A run stopped before its first checkpoint, started again by init_from='auto': its files (the
+    log of what happened) move into out_dir/restarted_<k>/, nothing is deleted. Returns that folder."""
+    k = 1
+    while os.path.exists(os.path.join(out_dir, f"restarted_{k}")):
+        k += 1
+    folder = os.path.join(out_dir, f"restarted_{k}")
+    os.makedirs(folder)
+    for name in existing + [d for d in ("ckpt_dcp", BEST_DCP) if os.path.isdir(os.path.join(out_dir, d))]:
+        os.replace(os.path.join(out_dir, name), os.path.join(folder, name))
+    return folder
 
 
 def open_run(out_dir, init_from, overwrite, master, command):
     """Take out_dir for this run, before anything in it changes: rank 0 locks it (lock_run), 'auto'
     becomes 'resume' or 'scratch' (start_of), and a fresh run refuses a run already there (a
     forgotten --init_from=resume would lose it) unless overwrite, which then deletes it whole.
-    Returns (lock or None, init_from). Collective: a CheckpointError on any rank is raised on all."""
-    lock, problem, existing = None, None, []
+    'auto' on a run stopped before its first checkpoint starts it again and keeps its files
+    (keep_aside). Returns (lock or None, init_from). Collective: a CheckpointError on any rank is
+    raised on all."""
+    lock, problem, existing, restart = None, None, [], False
     try:
         lock = lock_run(out_dir, command) if master else None
+        restart = init_from == "auto"
         init_from = start_of(init_from, out_dir)
         existing = existing_run(out_dir) if init_from != "resume" else []
-        if existing and not overwrite:
+        if existing and not (overwrite or restart):
             raise CheckpointError(f"{out_dir} already holds a run ({', '.join(existing)}). Continue it with "
                                   f"--init_from=resume, start it over on purpose with --overwrite=True, or give "
                                   f"another --out_dir.")
@@ -142,10 +153,19 @@ def open_run(out_dir, init_from, overwrite, master, command):
         problem = str(e)
     agree(problem)
     if master:
-        if existing:
+        if existing and restart and not overwrite:
+            folder = keep_aside(out_dir, existing)
+            print(f"{out_dir} held a run stopped before its first checkpoint: starting it again; what it wrote is "
+                  f"in {folder}")
+        elif existing:
             clear_run(out_dir)
         remove_temporaries(out_dir)  # of a write that was killed
     return lock, init_from
+
+
+class RunComplete(Exception):
+    """A resume of a run that already reached its max_iters: nothing to do, and nothing is changed
+    (train.py prints the message and exits 0, so a requeued job of a finished run ends)."""
 
 
 def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_slots, training):
@@ -157,6 +177,13 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     check_resumable returns them."""
     checkpoint, path = load_latest(out_dir, device, master)
     changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
+    if checkpoint["iter_num"] >= config["max_iters"]:  # before anything is loaded, trimmed or saved
+        scored = os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]
+        raise RunComplete(f"{out_dir} holds a complete run (step {checkpoint['iter_num']}, max_iters "
+                          f"{config['max_iters']}): nothing to do, nothing changed; to train it further, resume with a "
+                          f"larger --max_iters" + ("" if scored else f"; it has no metrics.json yet: python evaluate.py "
+                                                   f"{os.path.join(out_dir, 'best.pt')} --out="
+                                                   f"{os.path.join(out_dir, 'metrics.json')}"))
     restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
     if master:
         trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
@@ -216,11 +243,16 @@ class RunFiles:
         if check_weights and not parallelism.all_finite(self.modules["model"].parameters(), self.device):
             bad.append("weights")
         if bad:
-            last = os.path.join(self.out_dir, "ckpt.pt" if self.keep_previous else "ckpt_prev.pt")
+            if self.saved_step is None:  # before the run's first checkpoint
+                then = (f"No checkpoint was written before it: start the run again with other settings "
+                        f"(--overwrite=True), e.g. a smaller learning_rate (now {self.learning_rate:g})")
+            else:
+                last = os.path.join(self.out_dir, "ckpt.pt" if self.keep_previous else "ckpt_prev.pt")
+                then = (f"The last good checkpoint is {last} (step {self.saved_step}). Resume from it with a smaller "
+                        f"learning_rate (now {self.learning_rate:g}): --init_from=resume "
+                        f"--resume_changes=learning_rate --learning_rate=...")
             exit_run(f"training diverged at step {step}: non-finite {', '.join(bad)} ({where}). Nothing from this "
-                     f"step on was saved; the last good checkpoint is {last} (step {self.saved_step}). Resume from it "
-                     f"with a smaller learning_rate (now {self.learning_rate:g}): --init_from=resume "
-                     f"--learning_rate=...", self.master)
+                     f"step on was saved. {then}", self.master)
 
     def save(self, state, training, best=False):
         """ckpt.pt from checkpoint.run_state() and training (a checkpoint.TrainingState), and

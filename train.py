@@ -280,6 +280,10 @@ try:
     if init_from == "resume":
         resumed = run_files.resume(config, training)
         iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
+except run.RunComplete as e:  # a finished run asked to go on (a requeued job): exit 0, nothing changed
+    if master:
+        print(e)
+    sys.exit(0)
 except checkpoint.CheckpointError as e:
     exit_run(e, master)
 # Weights & Biases gets a copy of every log record; a resume continues the same W&B run

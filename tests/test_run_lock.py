@@ -3,6 +3,7 @@ real files: two runs started together on one out_dir (one runs, the other refuse
 naming the holder); a run killed with -9 goes on with --init_from=auto as if never stopped; a file
 as out_dir is one line; under torchrun a save that fails on rank 0 ends every rank."""
 
+import json
 import os
 import resource
 import signal
@@ -85,15 +86,29 @@ def test_auto_resumes_after_kill_9_and_starts_an_empty_out_dir(tmp_path, data_di
     assert_same_run(out, uninterrupted)
 
 
-def test_auto_refuses_a_run_without_a_checkpoint(tmp_path, data_dir):  # noqa: F811
+def test_auto_starts_a_run_stopped_before_its_first_checkpoint_again_and_keeps_its_log(tmp_path, data_dir):  # noqa: F811
+    """A run stopped after its step-0 log line but before its first ckpt.pt (a kill, a preemption during the
+    step-0 evaluation): --init_from=auto once refused every time until --overwrite=True, and a requeue loop
+    ended there. Now it starts the run again, keeping what the stopped one wrote in restarted_1/ (twice:
+    restarted_2/); an explicit --init_from=resume says that auto does this."""
     out = tmp_path / "no_ckpt"
     out.mkdir()
     (out / "log.jsonl").write_text('{"iter": 0, "loss": 1.0}\n')
-    result = subprocess.run(command(str(out), data_dir, *SHORT, "--init_from=auto"), cwd=REPO, env=ENV,
+    result = subprocess.run(command(str(out), data_dir, *SHORT, "--init_from=resume"), cwd=REPO, env=ENV,
                             capture_output=True, text=True)
     assert result.returncode == 1
-    assert "init_from='auto' but" in one_error_line(result.stderr)
-    assert sorted(os.listdir(out)) == ["log.jsonl", "run.lock"]
+    assert "--init_from=auto starts a run stopped before its first checkpoint again" in one_error_line(result.stderr)
+    result = subprocess.run(command(str(out), data_dir, *SHORT, "--init_from=auto"), cwd=REPO, env=ENV,
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert f"what it wrote is in {out / 'restarted_1'}" in result.stdout
+    assert (out / "restarted_1" / "log.jsonl").read_text() == '{"iter": 0, "loss": 1.0}\n'
+    assert (out / "ckpt.pt").exists() and json.loads((out / "log.jsonl").read_text().splitlines()[0])["iter"] == 0
+    for name in ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json"):
+        (out / name).unlink(missing_ok=True)
+    result = subprocess.run(command(str(out), data_dir, *SHORT, "--init_from=auto"), cwd=REPO, env=ENV,
+                            capture_output=True, text=True)
+    assert result.returncode == 0 and (out / "restarted_2" / "log.jsonl").exists() and (out / "ckpt.pt").exists()
 
 
 def test_a_file_as_out_dir_is_one_line(tmp_path, data_dir):  # noqa: F811

@@ -403,7 +403,8 @@ def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_d
     assert message.startswith("error: training diverged at step ") and "non-finite" in message
     terms = message.split("non-finite ")[1].split(" (")[0].split(", ")  # the terms it names
     assert terms and set(terms) <= {"loss", "ce", "val", "val_high", "val_low", "weights"}, terms
-    assert f"{out / 'ckpt.pt'} (step 0)" in message and "--init_from=resume" in message
+    assert f"{out / 'ckpt.pt'} (step 0)" in message
+    assert "--init_from=resume --resume_changes=learning_rate --learning_rate=..." in message
     assert not (out / "metrics.json").exists()
     step = int(message.split("at step ")[1].split(":")[0])
     assert 0 < step < 200
@@ -411,6 +412,30 @@ def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_d
         checkpoint = torch.load(out / name, weights_only=True)
         assert checkpoint["iter_num"] == 0
         assert all(torch.isfinite(v).all() for v in checkpoint["model"].values())
+    # the command the message suggests goes on (a resume refused without --resume_changes, issue 43's case 8)
+    result = train(str(out), data_dir, "--learning_rate=1e-3", "--max_iters=4", "--lr_decay_iters=200",
+                   "--init_from=resume", "--resume_changes=learning_rate", check=False)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_divergence_before_the_first_checkpoint_names_none(tmp_path, capsys):
+    """A run that diverges before it wrote any checkpoint (at its step-0 evaluation): the message says
+    that nothing was saved and how to start again, not a 'ckpt.pt (step None)' that does not exist."""
+    import torch
+
+    import run
+    from losses import Objective
+    from model import GPT, GPTConfig
+    modules = torch.nn.ModuleDict({"model": GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4)),
+                                   "objective": Objective(1, 4)})
+    files = run.RunFiles(str(tmp_path), modules, [], "none", True, "cpu", 1e-3)
+    with pytest.raises(SystemExit) as stop:
+        files.stop_if_diverged({"val": float("nan")}, "validation", 0)
+    message = capsys.readouterr().err.strip()
+    assert stop.value.code == 1 and len(message.splitlines()) == 1
+    assert "training diverged at step 0: non-finite val (validation)" in message
+    assert "No checkpoint was written before it" in message and "--overwrite=True" in message
+    assert "None" not in message and "ckpt" not in message
 
 
 def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, data_dir):

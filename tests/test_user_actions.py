@@ -261,3 +261,21 @@ def test_evaluate_into_a_runs_metrics_json_keeps_its_training_flops(tmp_path, fi
     done = torch.load(run_dir / "ckpt.pt", weights_only=True)["flops_done"]
     assert flops["train"] == done["train"] > 0 and flops["eval"] == done["eval"]
     assert flops["total"] == flops["train"] + flops["eval"] + flops["final_eval"]
+
+
+# 5. a finished run asked to go on says so and changes nothing ------------------------------------
+def test_a_finished_run_asked_to_go_on_changes_nothing(tmp_path, finished_run, data_dir):  # noqa: F811
+    """--init_from=auto (a requeued job) or resume on a run that reached max_iters: once the evaluations
+    ran again, their FLOPs were added to the record and ckpt_prev.pt became a copy of ckpt.pt; now exit 0
+    with one line saying the run is complete, every file as it was (twice). A larger --max_iters goes on."""
+    out = tmp_path / "done"
+    shutil.copytree(finished_run, out)
+    before = {k: v for k, v in snapshot(str(out)).items() if not k.endswith("run.lock")}
+    for init_from in ("auto", "resume"):
+        result = run(train_command(str(out), data_dir, f"--init_from={init_from}"))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert f"{out} holds a complete run (step 4, max_iters 4): nothing to do, nothing changed" in result.stdout
+        assert {k: v for k, v in snapshot(str(out)).items() if not k.endswith("run.lock")} == before
+    result = run(train_command(str(out), data_dir, "--init_from=auto", "--max_iters=6"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((out / "ckpt.json").read_text())["iter_num"] == 6
