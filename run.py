@@ -303,19 +303,17 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
     training, in one line listing every differing key with both values; the keys the user names
     in config['resume_changes'] (comma-separated) may differ, and are returned as {key: [the
     checkpoint's value, this config's]} for the run's record. Keys newer than the checkpoint count
-    as their default. data_dir compares resolved paths: the same data named relatively or
-    absolutely is the same data."""
+    as their default. The data is compared by content (checkpoint.check_dataset: tokenizer,
+    vocabulary, split sizes and the hashes recorded at preparation), wherever it now is."""
     from configurator import train_defaults  # a key newer than the checkpoint: it trained with its default
     saved = {**train_defaults(), **checkpoint["config"]}  # (data_order before the key: 'random', its default)
     for key in RESUME_KEYS:
         if saved.get(key, config[key]) != config[key]:
             raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was trained "
                                   f"with {saved[key]!r} (it fixes the weights' shapes or the data's meaning)")
-    saved_data = checkpoint.get("data_dir_resolved") or os.path.realpath(saved["data_dir"])
-    if os.path.realpath(data_dir) != saved_data:
-        raise CheckpointError(f"cannot resume: key 'data_dir' is {data_dir!r} ({os.path.realpath(data_dir)}) but "
-                              f"the checkpoint was trained on {saved_data}")
-    check_dataset(checkpoint, data_dir)  # the same folder may hold other data by now
+    # the data is its content, not its path: a copy elsewhere (a node's local scratch) resumes; another
+    # dataset, or the same folder holding other tokens by now, is refused by what the preparation recorded
+    check_dataset(checkpoint, data_dir)
     differing = {key: [saved[key], value] for key, value in config.items()
                  if key not in RESUME_MAY_CHANGE and key in saved and saved[key] != value}
     batch = "global batch (sequences per step)"  # named by any of its keys in resume_changes

@@ -279,3 +279,25 @@ def test_a_finished_run_asked_to_go_on_changes_nothing(tmp_path, finished_run, d
     result = run(train_command(str(out), data_dir, "--init_from=auto", "--max_iters=6"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert json.loads((out / "ckpt.json").read_text())["iter_num"] == 6
+
+
+# 3. a run follows its data, not its path ---------------------------------------------------------
+def test_a_resume_follows_its_data_to_another_path(tmp_path, data_dir):  # noqa: F811
+    """The dataset copied unchanged to another path (a node's local scratch), then --init_from=resume
+    --data_dir=<the copy>: once refused (resolved paths compared), even with --resume_changes=data_dir
+    and through a symlink; now it resumes. Another dataset at that path is still refused in one line."""
+    out = str(tmp_path / "run")
+    result = run(train_command(out, data_dir))
+    assert result.returncode == 0, result.stderr[-2000:]
+    copy = tmp_path / "scratch" / "data"
+    shutil.copytree(data_dir, copy)
+    result = run(train_command(out, str(copy), "--init_from=resume", "--max_iters=6"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert json.loads((tmp_path / "run" / "ckpt.json").read_text())["iter_num"] == 6
+    other = tmp_path / "other"
+    (tmp_path / "other.txt").write_text("A different text, with other characters: 0123456789.\n" * 300)
+    prepared = run([sys.executable, "prepare_shakespeare.py", "--input", str(tmp_path / "other.txt"), "--out_dir",
+                    str(other)])
+    assert prepared.returncode == 0, prepared.stderr[-2000:]
+    result = run(train_command(out, str(other), "--init_from=resume", "--max_iters=8"))
+    one_line(result, 1, f"the dataset in {other} is not the checkpoint's")
