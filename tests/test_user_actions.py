@@ -235,13 +235,18 @@ def test_compare_checks_its_overrides_before_any_run(tmp_path):
 
 def test_a_damaged_best_pt_at_the_final_evaluation_of_a_resume_is_one_line(tmp_path, data_dir, finished_run):
     """best.pt truncated, then the run resumed to its end (once: a CheckpointError traceback from
-    the final evaluation): exit 1, one line naming best.pt that says training is complete and how to
-    score it; ckpt.pt untouched by the failure."""
+    the final evaluation). A resume of the complete run now changes nothing and says how to score it
+    (case 5); the final evaluation itself, met with the damaged best.pt, is one line naming best.pt
+    that says training is complete and how to score it; ckpt.pt untouched by the failure."""
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     best = run_dir / "best.pt"
     best.write_bytes(best.read_bytes()[:1000])
     result = run(train_command(str(run_dir), data_dir, "--init_from=resume", "--final_eval=True"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "holds a complete run" in result.stdout and f"python evaluate.py {best}" in result.stdout
+    final_evaluation = f"import evaluate; evaluate.write_run_metrics({str(run_dir)!r}, {{'train': 1, 'eval': 1}}, 'cpu')"
+    result = run([sys.executable, "-c", final_evaluation])
     one_line(result, 1, f"{best}", "training is complete", "evaluate.py")
     assert (run_dir / "ckpt.pt").exists() and not (run_dir / "metrics.json").exists()
 
