@@ -4,6 +4,7 @@ SIGINT save and resume bit-identically; a full disk leaves the previous checkpoi
 unreadable latest checkpoint falls back to the previous one; every bad input is one line, a
 conventional exit status, and no file changed."""
 
+import hashlib
 import json
 import os
 import random
@@ -412,11 +413,14 @@ def test_a_checkpoint_refuses_data_it_was_not_trained_on(tmp_path, data_dir):  #
     _meta(other, lambda m: m.update(n_val=m["n_val"] - 2, sha256="0" * 64))  # another text, the same characters
     with open(os.path.join(other, "val.bin"), "r+b") as f:
         f.truncate(os.path.getsize(f.name) - 4)
+    with open(os.path.join(other, "val.bin"), "rb") as f:  # as its own preparation records it
+        val_sha256 = hashlib.sha256(f.read()).hexdigest()
+    _meta(other, lambda m: m.update(val_sha256=val_sha256))
     before = snapshot(out)
     result = run_tool("evaluate.py", os.path.join(out, "best.pt"), f"--data_dir={other}")
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 1 and len(lines) == 1, result.stderr[-2000:]
-    assert f"the dataset in {other} is not the checkpoint's (n_val, sha256 differ)" in lines[0]
+    assert f"the dataset in {other} is not the checkpoint's (n_val, sha256, val_sha256 differ)" in lines[0]
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
     assert f"char tokens, vocab_size {meta['vocab_size']}, {meta['n_train']:,} train / {meta['n_val']:,} val" in lines[0]
