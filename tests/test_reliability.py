@@ -261,7 +261,8 @@ BAD_INPUTS = [
      lambda out, data: [torch.save({"weights": torch.ones(2)}, os.path.join(out, name))
                         for name in ("ckpt.pt", "ckpt_prev.pt")],
      1, "is not a checkpoint written by train.py"),
-    ("damaged log", ["--init_from=resume"], lambda out, data: _write(out + "/log.jsonl", b"{oops\n{}\n"), 1,
+    ("damaged log", ["--init_from=resume", "--max_iters=6"],  # (a complete run's resume reads nothing: exit 0)
+     lambda out, data: _write(out + "/log.jsonl", b"{oops\n{}\n"), 1,
      "line 1 of"),
     ("truncated meta.json", [], lambda out, data: _write(data + "/meta.json", b'{"vocab_si'), 1,
      "meta.json is not valid JSON"),
