@@ -53,47 +53,7 @@ def cross_entropy(logits, targets, ignore_index=-1, margin=None):
     logits = at_least_fp32(logits)
     if margin is not None:
         logits = threshold_logits(logits, targets, margin, ignore_index)
-    logits, targets = logits.reshape(-1, logits.size(-1)), targets.reshape(-1)
-    if logits.is_cuda:  # F.cross_entropy's fused kernels: _SoftmaxCrossEntropy has been measured on CPUs only
-        return F.cross_entropy(logits, targets, ignore_index=ignore_index)
-    return _SoftmaxCrossEntropy.apply(logits, targets, ignore_index)
-
-
-class _SoftmaxCrossEntropy(torch.autograd.Function):
-    """F.cross_entropy's value and gradient with fewer passes over the (N, V) logits.
-
-    At V = 50304 the softmax is a step's biggest cost besides the matmuls: F.cross_entropy
-    writes log_softmax, a zero-filled gradient for nll_loss, and reads both again in
-    log_softmax's backward. The gradient of the mean loss is (softmax(z) - onehot(y)) / N, and
-    softmax(z) = e / sum(e) with e = exp(z - max z), which the forward computes anyway for the
-    logsumexp; so the forward keeps e and the backward only rescales it (`python -m tools.bench
-    --section softmax` times both; docs/performance.md has a measurement).
-    Rescaling e in place would save another ~10 %, but would break a second backward through a
-    retained graph, which gradcheck does. Positions whose target is ignore_index get no loss and
-    no gradient; none left: NaN, as in F.cross_entropy.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, targets, ignore_index):
-        valid = targets != ignore_index
-        safe_targets = torch.where(valid, targets, 0).unsqueeze(1)
-        row_max = logits.amax(dim=1, keepdim=True)
-        row_max = torch.where(row_max.isfinite(), row_max, 0.0)  # an all -inf row must not give -inf - -inf
-        e = torch.sub(logits, row_max).exp_()
-        row_sum = e.sum(dim=1, keepdim=True)
-        nll = (row_max + row_sum.log() - logits.gather(1, safe_targets)).squeeze(1)
-        count = valid.sum()
-        ctx.save_for_backward(e, row_sum, safe_targets, valid, count)
-        return torch.where(valid, nll, 0.0).sum() / count
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        e, row_sum, safe_targets, valid, count = ctx.saved_tensors
-        scale = grad_loss / count * valid.unsqueeze(1)
-        grad = e * (scale / row_sum)  # softmax, times the loss's upstream gradient / N
-        grad.scatter_add_(1, safe_targets, -scale.to(grad.dtype))  # - onehot(y), same scale
-        return grad, None, None
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------

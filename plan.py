@@ -28,7 +28,7 @@ micro-step (forward, the run's objective, backward) on the meta device (nothing 
 the run's batch and sequence length, and the peak of the tensors
 it creates is extrapolated to the run's depth (activation_gib).
 They are float32 figures, an upper bound for bf16 autocast, except the loss: a plan for a GPU
-measures the GPU's (logits in the compute dtype, F.cross_entropy: gpu_cross_entropy).
+measures the logits in the GPU's compute dtype (bf16 autocast's LM head gives them so).
 train.py compares this plan with the
 device's memory before it allocates anything (memory_problem); tools/bench.py --section
 plan_memory sets it against the measured peak of real runs (docs/performance.md).
@@ -58,7 +58,6 @@ takes exposed + max(compute, communication - exposed).
 """
 
 import argparse
-import contextlib
 import functools
 import math
 import os
@@ -72,7 +71,6 @@ from torch.utils._pytree import tree_flatten
 
 from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
-import losses
 import parallelism
 from losses import Objective, objective_step
 from model import GPT, GPTConfig
@@ -97,7 +95,7 @@ GPU_MEMORY_GIB = {"H100": 79.6, "H200": 140.4, "H800": 79.6, "A100": 80.0, "A800
                   "A10G": 22.5, "4090": 24.0}
 # the share of it batch_size = 'auto' fills: the CUDA context and the collectives' buffers are not in the
 # plan. Measured margin (one H100, results/gpu.md section 5: the 7B width at 2 and 4 blocks, batch 8 x 2048,
-# bf16, activation checkpointing): the plan, with the GPU's loss (gpu_cross_entropy), is 38.0 and 46.8 GiB
+# bf16, activation checkpointing): the plan, with the GPU's logits (step_peak_bytes), is 38.0 and 46.8 GiB
 # where the device peaked at 25.4 and 32.4 GiB allocated, 33.6 and 41.1 GiB reserved (the caching
 # allocator's whole footprint): 4.4 and 5.7 GiB above reserved, plus the 10 % (8.0 GiB of an H100) here
 AUTO_BATCH_MEMORY = 0.9
@@ -205,23 +203,6 @@ def cpu_flash_attention_on_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causa
                                           **kwargs)
 
 
-@contextlib.contextmanager
-def gpu_cross_entropy(on_gpu=True):
-    """losses.cross_entropy takes F.cross_entropy on CUDA logits (upcast to float32) and its own
-    _SoftmaxCrossEntropy elsewhere, the meta device included: inside (on_gpu), meta tensors take the
-    CUDA path, so a step measured on meta holds the GPU's loss. On (8 x 2048, 50304) bf16 logits
-    F.cross_entropy's forward and backward hold 9.21 GiB above the logits on meta, as an H100
-    measured (results/gpu.md, section 5); the CPU path 6.14 GiB."""
-    own = losses._SoftmaxCrossEntropy.apply
-    if on_gpu:
-        losses._SoftmaxCrossEntropy.apply = lambda logits, targets, ignore_index: F.cross_entropy(
-            logits, targets, ignore_index=ignore_index)
-    try:
-        yield
-    finally:
-        losses._SoftmaxCrossEntropy.apply = own
-
-
 @functools.lru_cache(maxsize=64)
 def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_len, device):
     config, model_config = dict(config_items), GPTConfig(**dict(model_config_items))
@@ -238,10 +219,9 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
         p.grad = torch.zeros_like(p)  # the gradients are the plan's states, not the step's
     x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
     model.use_attention(cpu_flash_attention_on_meta)
-    on_gpu = str(config.get("device", "")).startswith("cuda")
-    if on_gpu and config.get("dtype") in ("bfloat16", "float16"):  # the logits as autocast's LM head gives them
+    if str(config.get("device", "")).startswith("cuda") and config.get("dtype") in ("bfloat16", "float16"):  # the logits as autocast's LM head gives them
         model.lm_head.register_forward_hook(lambda module, args, logits: logits.to(getattr(torch, config["dtype"])))
-    with PeakTensorBytes() as counter, gpu_cross_entropy(on_gpu):
+    with PeakTensorBytes() as counter:
         loss, _, logits, hidden = objective_step(model, objective, x, x)
         loss.backward()
         del loss, logits, hidden
@@ -254,7 +234,7 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="
     the meta device by default: nothing is allocated, any width takes a fraction of a second, and
     the attention is the CPU flash kernel's (cpu_flash_attention_on_meta). The loss is the device's:
     where config['device'] is cuda (plan.py's plans, train.py on a GPU), the logits reach the objective
-    in the compute dtype and cross-entropy is F.cross_entropy's (gpu_cross_entropy), else the CPU's.
+    in the compute dtype, else in fp32.
     A mixture of experts runs there too (static shapes: its capacity buffers are counted).
     Cached: a plan asks for the same step often."""
     keys = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))
@@ -524,7 +504,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
         raise ConfigError(f"unknown gpu {gpu!r}: expected one of {', '.join(GPU_PEAK_BF16_FLOPS)}")
     if link_gbps is not None and not link_gbps > 0:
         raise ConfigError(f"link_gbps must be > 0, got {link_gbps}")
-    config = {**config, "device": "cuda"}  # its step measured with the GPU's loss (gpu_cross_entropy)
+    config = {**config, "device": "cuda"}  # its step measured with the GPU's logits (step_peak_bytes)
     model, objective = meta_model(config, run_vocab(config))
     auto = config["batch_size"] == "auto"
     config, fits = resolve_batch_size(config, processes, run_vocab(config), GPU_MEMORY_GIB[gpu])

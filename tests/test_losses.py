@@ -94,25 +94,6 @@ def test_bf16_logits_are_computed_in_float32():
     assert loss.item() == pytest.approx(brute_force_ce(logits.float(), targets, 0.6), rel=1e-5)
 
 
-def test_fast_cross_entropy_matches_torch_at_a_large_vocabulary():
-    """cross_entropy keeps exp(z - max) from its forward as the gradient (fewer passes over the
-    logits); value and gradient must equal F.cross_entropy's, with big logits, ignored positions
-    and an upstream gradient other than 1."""
-    g = torch.Generator().manual_seed(4)
-    for scale in (1.0, 80.0):  # 80: exp(z) alone would overflow float32
-        logits = (torch.randn(3, 16, 5003, generator=g) * scale).requires_grad_()
-        targets = torch.randint(0, 5003, (3, 16), generator=g)
-        targets[0, :5] = -1
-        (0.37 * cross_entropy(logits, targets)).backward()
-        got_loss, got_grad = cross_entropy(logits, targets).detach(), logits.grad.clone()
-        logits.grad = None
-        expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 5003), targets.reshape(-1), ignore_index=-1)
-        (0.37 * expected).backward()
-        assert torch.allclose(got_loss, expected.detach(), rtol=1e-5)
-        assert torch.allclose(got_grad, logits.grad, rtol=1e-4, atol=1e-9)
-        assert (got_grad[0, :5] == 0).all()
-
-
 def test_all_positions_ignored_gives_nan_like_torch():
     logits = torch.randn(2, 5)
     assert torch.isnan(cross_entropy(logits, torch.tensor([-1, -1])))

@@ -3,7 +3,7 @@ What does each loss cost? Times real training steps (forward, backward, AdamW) w
 switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
-    python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | softmax | gpu_memory | compile
+    python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | gpu_memory | compile
                                           # | plan_memory | plan_comm | prepare | moe
     python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
@@ -22,8 +22,6 @@ switched on, as ratios to the cross-entropy step measured in the same process:
           attention) / the 2048^2 fp32 matmul peak on all cores, for one process on all cores
           and for one 1-thread process per core running side by side (how tools/compare.py runs a grid)
   gpu_memory  tools/memory.py's table for the paper configs (c4_tiny and baseline_*) on 8 GPUs
-  softmax the cross-entropy alone on the BPE toy's logits (1024 x 50304), forward + backward on
-          1 thread: losses.cross_entropy vs F.cross_entropy, alternating so both see the same load
   compile the lowres CE step with every block compiled (train.py's compile key) vs eager, alternating
   plan_memory  plan.py's memory per process (train.py's memory check) against the measured peak of
           real short runs: c4_tiny, the 350M width at 2 blocks, FSDP on 2 gloo processes
@@ -56,7 +54,7 @@ from torch.utils._pytree import tree_flatten
 
 import parallelism
 import plan
-from losses import Objective, _SoftmaxCrossEntropy, cross_entropy, objective_step, simreg
+from losses import Objective, cross_entropy, objective_step, simreg
 from model import GPT, GPTConfig, MixtureOfExperts, build_model
 from optim import configure_optimizers
 from utils import (autocast_context, choose_device, choose_dtype, exit_on_bad_arguments, exit_unless_writable,
@@ -292,36 +290,6 @@ def efficiency(args, device, dtype):
                   f"{rate / peak:.2f}")]
     table(f"CE training step vs the {peak / 1e9:.0f} GFLOP/s fp32 matmul peak of {cores} cores",
           ["grid", "processes", "ms / step", "model FLOP/s / peak"], rows)
-
-
-def softmax_cross_entropy(args, device, dtype):
-    """The softmax is the biggest non-matmul cost of a BPE step. losses.cross_entropy keeps
-    exp(z - max z) from its forward for the backward; F.cross_entropy writes and rereads
-    log_softmax and a zero-filled nll gradient. Timed on 1 thread, the two alternating, so a
-    background load slows both alike. Freed memory is kept, as train.py keeps it (see
-    utils.keep_freed_memory), so neither pays for the kernel zeroing 206 MB of fresh pages."""
-    keep_freed_memory()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    logits = (3 * torch.randn(1024, 50304, device=device)).requires_grad_()
-    targets = torch.randint(0, 50304, (1024,), device=device)
-    # the fused class itself: losses.cross_entropy hands CUDA logits to F.cross_entropy
-    functions = {"F.cross_entropy": F.cross_entropy,
-                 "losses.cross_entropy": lambda z, t: _SoftmaxCrossEntropy.apply(z, t, -1)}
-    times = {name: [] for name in functions}
-    for i in range(args.warmup + 4 * args.steps):
-        for name, function in functions.items():
-            elapsed = seconds(lambda: function(logits, targets).backward(), device)
-            if i >= args.warmup:
-                times[name].append(elapsed)
-            logits.grad = None
-    torch.set_num_threads(threads)
-    base = statistics.median(times["F.cross_entropy"])
-    table("cross-entropy alone, 1024 x 50304 float32 logits, forward + backward, 1 thread",
-          ["function", "median ms", "min ms", "ratio to F.cross_entropy"],
-          [(name, f"{1000 * statistics.median(t):.0f}", f"{1000 * min(t):.0f}", f"{statistics.median(t) / base:.2f}")
-           for name, t in times.items()])
 
 
 def compile_step(args, device, dtype):
@@ -726,7 +694,7 @@ def prepare_throughput(args, device, dtype):
 
 
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
-            "softmax": softmax_cross_entropy, "gpu_memory": gpu_memory, "compile": compile_step,
+            "gpu_memory": gpu_memory, "compile": compile_step,
             "plan_memory": plan_memory, "plan_comm": plan_comm, "prepare": prepare_throughput, "moe": moe}
 
 
