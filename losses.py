@@ -150,70 +150,94 @@ def _simreg_sequences(h, labels, tau, ignore_index):
     return (per_sequence * has_valid).sum() / has_valid.sum().clamp_min(1)
 
 
-def _dispersion_one_layer(z, tau, variant, form="paper"):
-    """One (B,T,C) layer -> the mean over sequences of the chosen variant (see dispersion)."""
-    B, T, C = z.shape
+def _angular_distance(z):
+    """The paper's angular distance between the states of each sequence (Algorithm 1), (B,T,T):
+    D = arccos(cos) / pi in [0, 1] (0 parallel, 1/2 orthogonal, 1 opposite), with
+    z_hat = z / (|z| + eps) and the cosine clamped to [-1 + eps, 1 - eps], eps = 1e-4: arccos of the
+    cosine is better conditioned than the cosine itself, and the clamp keeps its slope finite."""
     eps = 1e-4
-    authors = form == "authors"
-    off_diagonal = ~torch.eye(T, dtype=torch.bool, device=z.device)
-    n_pairs = T * (T - 1)
-    # the released code's additive constant inside the logsumexp (a shift of the value, no gradient)
-    lse_shift = 1e-2 if authors else 0.0
-
-    if variant in ("angular", "orthogonalization"):
-        # angular distance in [0, 1]: 0 parallel, 1/2 orthogonal, 1 opposite; arccos of the cosine
-        # is better conditioned than the cosine itself, and the clamp keeps arccos' slope finite
-        z_hat = z / (z.norm(dim=-1, keepdim=True) + (1e-2 if authors else eps))
-        cos = z_hat @ z_hat.transpose(1, 2)
-        if authors:
-            # clamped in value only: the gradient passes as if the cosine were not clamped
-            cos = cos + (cos.clamp(-0.75, 0.75) - cos).detach()
-        else:
-            cos = cos.clamp(-1 + eps, 1 - eps)
-        distance = torch.arccos(cos) / math.pi
-        if variant == "angular":
-            # log-mean-exp over pairs: a soft minimum of the distances, so the closest pairs
-            # are pushed apart hardest
-            logits = (-distance / tau + lse_shift).reshape(B, T * T)
-            per_sequence = _masked_logsumexp(logits, off_diagonal.reshape(1, T * T), -1)
-            return (per_sequence - math.log(n_pairs)).mean()
-        # orthogonalization: only pairs closer than orthogonal (acute angles) are pushed apart
-        hinge = F.relu(0.5 - distance).square()
-        return (hinge * off_diagonal).sum((1, 2)).div(n_pairs).mean()
-
-    if variant == "decorrelation":
-        # tokens as standardised "features": their correlation across channels should vanish
-        centred = z - z.mean(-1, keepdim=True)
-        std = z.std(-1, keepdim=True)                                 # unbiased (C - 1)
-        z_c = centred / std.clamp_min(eps)                            # guards a constant token
-        cov = z_c @ z_c.transpose(1, 2) / (C - 1)                     # (B, T, T) token by token
-        return (cov.square() * off_diagonal).sum((1, 2)).div(n_pairs).mean()
-
-    if variant == "l2_repel":
-        # squared distances per channel via |a|^2 + |b|^2 - 2ab (no (B,T,T,C) difference tensor)
-        sq_norm = z.square().sum(-1)
-        sq_dist = sq_norm.unsqueeze(2) + sq_norm.unsqueeze(1) - 2 * z @ z.transpose(1, 2)
-        # a state's distance to itself is 0, set rather than computed: |a|^2 + |a|^2 - 2 a.a leaves
-        # rounding noise whose gradient, in a TF32 backward on CUDA, outweighed the true gradient of
-        # the released form 5 to 1 (tools/gpu_check.py, results/gpu.md)
-        sq_dist = sq_dist.masked_fill(~off_diagonal, 0.0)
-        distance = sq_dist.clamp_min(0) / (1 if authors else C)      # the released code: not / C
-        # all T^2 pairs, i = j included: each diagonal term is exp(0) = 1, so the log-mean-exp
-        # never falls below log(T / T^2) = -log T however far apart the states are pushed
-        per_sequence = torch.logsumexp((-distance / tau + lse_shift).reshape(B, T * T), -1)
-        # the norm term keeps the states from spreading out by simply growing
-        return (per_sequence - 2 * math.log(T)).mean() + 0.1 * z.square().mean()
-
-    if variant == "l2_repel_norm":
-        # l2_repel's norm term alone, the same in both forms: the released l2_repel's repulsion
-        # terms are exp(-|z_i - z_j|^2) of states far apart, 0 in float32 (issue 40 asks whether
-        # this term is all that acts)
-        return 0.1 * z.square().mean()
-
-    raise AssertionError(variant)  # checked by dispersion()
+    z_hat = z / (z.norm(dim=-1, keepdim=True) + eps)
+    return torch.arccos((z_hat @ z_hat.transpose(1, 2)).clamp(-1 + eps, 1 - eps)) / math.pi
 
 
-DISPERSION_VARIANTS = ("angular", "decorrelation", "l2_repel", "l2_repel_norm", "orthogonalization")
+def _angular_distance_released(z):
+    """The released code's angular distance: z_hat = z / (|z| + 1e-2), and the cosine clamped to
+    [-0.75, 0.75] in value only (straight-through: the gradient is the unclamped cosine's)."""
+    z_hat = z / (z.norm(dim=-1, keepdim=True) + 1e-2)
+    cos = z_hat @ z_hat.transpose(1, 2)
+    return torch.arccos(cos + (cos.clamp(-0.75, 0.75) - cos).detach()) / math.pi
+
+
+def _off_diagonal(T, device):
+    return ~torch.eye(T, dtype=torch.bool, device=device)
+
+
+def _dispersion_angular(z, tau, form):
+    """log-mean-exp over pairs i != j of -D_ij / tau: a soft minimum of the distances, so the
+    closest pairs are pushed apart hardest. The released code adds 1e-2 inside (a shift of the
+    value, no gradient)."""
+    B, T, _ = z.shape
+    distance, shift = (_angular_distance(z), 0.0) if form == "paper" else (_angular_distance_released(z), 1e-2)
+    logits = (-distance / tau + shift).reshape(B, T * T)
+    per_sequence = _masked_logsumexp(logits, _off_diagonal(T, z.device).reshape(1, T * T), -1)
+    return (per_sequence - math.log(T * (T - 1))).mean()
+
+
+def _dispersion_orthogonalization(z, tau, form):
+    """mean over pairs i != j of max(0, 1/2 - D_ij)^2: only pairs closer than orthogonal (acute
+    angles) are pushed apart."""
+    T = z.size(1)
+    distance = _angular_distance(z) if form == "paper" else _angular_distance_released(z)
+    hinge = F.relu(0.5 - distance).square()
+    return (hinge * _off_diagonal(T, z.device)).sum((1, 2)).div(T * (T - 1)).mean()
+
+
+def _dispersion_decorrelation(z, tau, form):
+    """The released code's token form, the same in both forms: each token standardised over its
+    channels, and the squared correlations between tokens (a T x T matrix) off the diagonal."""
+    T, C = z.shape[1:]
+    z_c = (z - z.mean(-1, keepdim=True)) / z.std(-1, keepdim=True).clamp_min(1e-4)  # unbiased std
+    cov = z_c @ z_c.transpose(1, 2) / (C - 1)                                         # (B, T, T)
+    return (cov.square() * _off_diagonal(T, z.device)).sum((1, 2)).div(T * (T - 1)).mean()
+
+
+def _dispersion_decorrelation_features(z, tau, form):
+    """The paper's text's form (Sec. 4.4: "reduces the correlations between feature dimensions"):
+    each channel standardised over the sequence's T tokens, and the squared correlations between
+    channels (a C x C matrix) off the diagonal."""
+    T, C = z.shape[1:]
+    z_c = (z - z.mean(1, keepdim=True)) / z.std(1, keepdim=True).clamp_min(1e-4)    # unbiased std over T
+    cov = z_c.transpose(1, 2) @ z_c / (T - 1)                                         # (B, C, C)
+    return (cov.square() * _off_diagonal(C, z.device)).sum((1, 2)).div(C * (C - 1)).mean()
+
+
+def _dispersion_l2_repel(z, tau, form):
+    """log-mean-exp over all T^2 pairs, i = j included, of -|z_i - z_j|^2 / (C tau), plus a norm
+    term that keeps the states from spreading out by simply growing. Each diagonal term is
+    exp(0) = 1, so the log-mean-exp never falls below -log T however far apart the states are
+    pushed. The released code: distances not divided by C, and 1e-2 added inside."""
+    B, T, C = z.shape
+    # squared distances via |a|^2 + |b|^2 - 2ab (no (B,T,T,C) difference tensor); a state's distance
+    # to itself is set to 0, not computed: the rounding noise of |a|^2 + |a|^2 - 2a.a had a gradient
+    # that, in a TF32 backward on CUDA, outweighed the released form's true one 5 to 1 (results/gpu.md)
+    sq_norm = z.square().sum(-1)
+    sq_dist = sq_norm.unsqueeze(2) + sq_norm.unsqueeze(1) - 2 * z @ z.transpose(1, 2)
+    sq_dist = sq_dist.masked_fill(~_off_diagonal(T, z.device), 0.0).clamp_min(0)
+    distance, shift = (sq_dist / C, 0.0) if form == "paper" else (sq_dist, 1e-2)
+    per_sequence = torch.logsumexp((-distance / tau + shift).reshape(B, T * T), -1)
+    return (per_sequence - 2 * math.log(T)).mean() + 0.1 * z.square().mean()
+
+
+def _dispersion_l2_repel_norm(z, tau, form):
+    """l2_repel's norm term alone, the same in both forms (an ablation, not in the paper): the
+    released l2_repel's repulsion terms, exp(-|z_i - z_j|^2) of states far apart, are 0 in float32."""
+    return 0.1 * z.square().mean()
+
+
+DISPERSION_VARIANTS = {"angular": _dispersion_angular, "decorrelation": _dispersion_decorrelation,
+                       "decorrelation_features": _dispersion_decorrelation_features,
+                       "l2_repel": _dispersion_l2_repel, "l2_repel_norm": _dispersion_l2_repel_norm,
+                       "orthogonalization": _dispersion_orthogonalization}
 DISPERSION_FORMS = ("paper", "authors")
 AUTHORS_MAX_POSITIONS = 256  # the released code's positions per sequence when T is longer
 
@@ -235,6 +259,10 @@ def dispersion(hidden_states, tau=1.0, variant="angular", form="paper"):
           matrix; loss = mean_{m!=n} Cov_mn^2. The paper's text (Sec. 4.4) and Table 1 speak of
           the C x C covariance between feature dimensions; this is the released code's token
           form (docs/fidelity.md), and the paper does not say which form gave its numbers.
+      decorrelation_features: the text's form: Z_c = (z - mean_T z) / std_T z per channel over
+          the sequence's tokens (unbiased, clamped at eps); Cov = Z_c^T Z_c / (T-1), C x C;
+          loss = mean_{m!=n} Cov_mn^2. (Table 1 standardises over d and divides by d - 1, which
+          mixes the two readings; Sec. 4.4's "correlations between feature dimensions" decides.)
       l2_repel: D_ij = |z_i - z_j|^2 / C (width-scaled, as in the authors' later code);
           loss = logsumexp_{all i, j}(-D_ij / tau) - log(T^2) + 0.1 * mean(z^2)
           Here the diagonal i = j is included (as in two of the authors' three code versions).
@@ -252,7 +280,7 @@ def dispersion(hidden_states, tau=1.0, variant="angular", form="paper"):
     z_hat = z / (|z| + 1e-2); cos clamped to [-0.75, 0.75] in value only (straight-through: the
     gradient is that of the unclamped cosine); 1e-2 added inside the logsumexp (angular,
     l2_repel); l2_repel's D_ij = |z_i - z_j|^2, not divided by C; and when T > 256, 256 random
-    positions (the same for every sequence, drawn per layer). Decorrelation is the same in both.
+    positions (the same for every sequence, drawn per layer). Decorrelation (either) is the same in both.
     On condensed states (every state of a sequence near one direction) the two forms' gradients
     differ several-fold: the paper's clamp near +-1 keeps arccos' steep slope, the released
     +-0.75 value clamp and straight-through gradient do not.
@@ -275,7 +303,7 @@ def dispersion(hidden_states, tau=1.0, variant="angular", form="paper"):
     with full_fp32(layers[0].device.type):
         if form == "authors" and layers[0].size(1) > AUTHORS_MAX_POSITIONS:
             layers = [z[:, torch.randperm(z.size(1), device=z.device)[:AUTHORS_MAX_POSITIONS]] for z in layers]
-        per_layer = [_dispersion_one_layer(at_least_fp32(z), tau, variant, form) for z in layers]
+        per_layer = [DISPERSION_VARIANTS[variant](at_least_fp32(z), tau, form) for z in layers]
     return torch.stack(per_layer).mean()
 
 

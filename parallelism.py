@@ -101,7 +101,7 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
     keep_gathered (fsdp): a block's weights, once gathered in its forward, stay gathered through its
         backward and the step's later micro-steps (gradient_sync reshards them after the last
         backward): one all-gather per block per optimizer step instead of two per micro-step, for
-        the whole model's weights in the compute dtype on every GPU (plan.memory counts both).
+        the whole model's weights in the compute dtype on every GPU (memory.memory_by_mode counts both).
     shard_size (fsdp): 0 shards over every process; k shards over groups of k consecutive ranks (a
         node: torchrun numbers a node's processes consecutively) and replicates the shards across
         the world / k groups (hybrid sharding, HSDP): the all-gathers and reduce-scatters stay

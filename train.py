@@ -27,6 +27,7 @@ import checkpoint
 import evaluate
 import metrics
 import parallelism
+import memory
 import plan
 import prepare_shakespeare
 import run
@@ -95,7 +96,7 @@ simreg_chunk_size = 0                # 0 = whole sequences
 simreg_layer = -1                    # -1 = the final normed state; l = output of block l (0 = embedding)
 dispersion_weight = 0.0              # dispersion loss (Liu et al., Eq. 2); the paper's 0.1 (Sec. 5.3)
 dispersion_tau = 1.0
-dispersion_variant = "angular"       # angular | decorrelation | l2_repel | l2_repel_norm | orthogonalization
+dispersion_variant = "angular"       # angular | orthogonalization | decorrelation[_features] | l2_repel[_norm]
 dispersion_form = "paper"            # paper (Algorithm 1) | authors (their released code; docs/fidelity.md)
 dispersion_layers = "all"            # all | last
 dispersion_positions = 0             # P > 0: P random positions per layer (an estimate); 0 = all
@@ -201,17 +202,17 @@ epoch_windows = EpochWindows(len(train_data), block_size, data_generator.initial
 
 
 # model, parallelism and optimizer --------------------------------------------
-# batch_size='auto': the most sequences per micro-step that the plan (plan.py) fits in this device's
+# batch_size='auto': the most sequences per micro-step that the plan (memory.py) fits in this device's
 # memory (1 if none: the memory check below says why); the smallest any rank found, so all run alike
 if batch_size == "auto":
     batch_size = config["batch_size"] = min(parallelism.gather_objects(
-        plan.device_batch_size({**config, "dtype": dtype}, world_size, vocab_size, device)))
+        memory.device_batch_size({**config, "dtype": dtype}, world_size, vocab_size, device)))
     if master:
         print(f"batch_size='auto': {batch_size} sequences per process and micro-step on {device}")
 if global_batch_size:  # the config names the batch the recipe needs; micro-steps follow from the hardware
     gradient_accumulation_steps = global_batch_size // (batch_size * world_size)
-# the plan's memory for this process (plan.py) against what the device has, before anything is allocated
-if check_memory and (problem := plan.device_memory_problem({**config, "dtype": dtype}, world_size, vocab_size, device)):
+# the plan's memory for this process (memory.py) against what the device has, before anything is allocated
+if check_memory and (problem := memory.device_memory_problem({**config, "dtype": dtype}, world_size, vocab_size, device)):
     exit_run(problem, master)
 try:
     model_config = GPTConfig.from_config(config, vocab_size)

@@ -7,10 +7,11 @@ import pytest
 
 import torch
 
+import memory  # noqa: E402
 import plan  # noqa: E402
 from configurator import train_defaults  # noqa: E402
 from model import GPTConfig  # noqa: E402
-from tools import memory  # noqa: E402
+from tools import memory as memory_table  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -18,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_peak_tensor_bytes_counts_live_storages_once():
     """The counter behind the plan's activations, against bytes written out by hand: a view is
     its storage's, a freed tensor stops counting, the peak stays."""
-    with plan.PeakTensorBytes() as counter:
+    with memory.PeakTensorBytes() as counter:
         a = torch.empty(1000)                  # 4000 bytes
         b = a.view(10, 100)[2:]                # a view: nothing new
         c = torch.empty(500, dtype=torch.float64)  # 4000 more: live 8000
@@ -37,8 +38,8 @@ def test_activations_extrapolated_in_depth_match_a_direct_measurement(arch):
         config = {**train_defaults(), "arch": arch, "tie_weights": arch == "gpt2", "n_layer": 4, "n_head": 4,
                   "n_embd": 64, "block_size": 128, **extra}
         model_config = GPTConfig.from_config(config, 500)
-        estimate = plan.activation_gib(config, model_config, batch_size=2, seq_len=128)
-        direct = plan.step_peak_bytes(config, model_config, 4, 2, 128) / plan.GiB
+        estimate = memory.activation_gib(config, model_config, batch_size=2, seq_len=128)
+        direct = memory.step_peak_bytes(config, model_config, 4, 2, 128) / memory.GiB
         assert direct <= estimate["act"] <= 1.06 * direct  # the extra: the 1-block step's own transients
         assert estimate["act_ckpt"] < estimate["act"]
 
@@ -51,12 +52,12 @@ def test_a_step_measured_on_meta_holds_what_it_holds_on_the_cpu(arch):
               "n_embd": 64, "block_size": 256, "simreg_weight": 1.0}
     model_config = GPTConfig.from_config(config, 300)
     for n_layer in (1, 2):
-        assert plan.step_peak_bytes(config, model_config, n_layer, 2, 256, "meta") == \
-            plan.step_peak_bytes(config, model_config, n_layer, 2, 256, "cpu")
+        assert memory.step_peak_bytes(config, model_config, n_layer, 2, 256, "meta") == \
+            memory.step_peak_bytes(config, model_config, n_layer, 2, 256, "cpu")
 
 
 def test_read_config_follows_includes():
-    config = memory.read_config(os.path.join(REPO, "config", "simreg_7b.py"))
+    config = memory_table.read_config(os.path.join(REPO, "config", "simreg_7b.py"))
     assert (config["arch"], config["n_layer"], config["n_embd"], config["ffn_hidden"], config["vocab_size"]) == \
         ("llama", 32, 4096, 11008, 50304)
     assert config["batch_size"] == "auto"
@@ -64,12 +65,12 @@ def test_read_config_follows_includes():
 
 def test_table_uses_each_configs_own_parallelism():
     """The 350M config trains with DDP: its states are whole on every GPU (~6 GiB), not sharded."""
-    lines = memory.table_lines([os.path.join(REPO, "config", n) for n in ("baseline_350m.py", "baseline_1b3.py")], 8,
+    lines = memory_table.table_lines([os.path.join(REPO, "config", n) for n in ("baseline_350m.py", "baseline_1b3.py")], 8,
                                measure=False)
     rows = {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines if line.startswith("| baseline")}
     params_350m = float(rows["baseline_350m.py"][1].rstrip("B")) * 1e9
     assert rows["baseline_350m.py"][2] == "ddp" and rows["baseline_1b3.py"][2] == "fsdp"
-    assert float(rows["baseline_350m.py"][4]) == pytest.approx(20 * params_350m / plan.GiB, rel=0.02)
+    assert float(rows["baseline_350m.py"][4]) == pytest.approx(20 * params_350m / memory.GiB, rel=0.02)
 
 
 def test_a_plan_for_a_gpu_counts_the_gpus_cross_entropy():
@@ -81,16 +82,16 @@ def test_a_plan_for_a_gpu_counts_the_gpus_cross_entropy():
     import losses
     logits = torch.empty(8, 2048, 50304, device="meta", dtype=torch.bfloat16, requires_grad=True)
     targets = torch.zeros(8, 2048, dtype=torch.long, device="meta")
-    with plan.PeakTensorBytes() as counter:
+    with memory.PeakTensorBytes() as counter:
         losses.cross_entropy(logits, targets).backward()
-    assert round(counter.peak / plan.GiB, 2) == 9.21
+    assert round(counter.peak / memory.GiB, 2) == 9.21
     assert counter.peak == pytest.approx(3 * 4 * logits.numel(), rel=1e-4)
     config = {**train_defaults(), "arch": "llama", "tie_weights": False, "n_layer": 2, "n_head": 4, "n_embd": 64,
               "block_size": 128, "vocab_size": 4096, "dtype": "bfloat16", "batch_size": 4}
     model_config = GPTConfig.from_config(config, 4096)
-    act = {device: plan.activation_gib({**config, "device": device}, model_config, 4, 128)["act"]
+    act = {device: memory.activation_gib({**config, "device": device}, model_config, 4, 128)["act"]
            for device in ("cpu", "cuda")}
     # the CUDA step's logits are bf16: 2 bytes per logit fewer than the CPU's fp32 logits
-    assert (act["cpu"] - act["cuda"]) * plan.GiB == pytest.approx(2 * 4 * 128 * 4096, rel=0.05)
+    assert (act["cpu"] - act["cuda"]) * memory.GiB == pytest.approx(2 * 4 * 128 * 4096, rel=0.05)
     p = plan.make_plan({**config, "device": "cpu", "max_iters": 10, "global_batch_size": 4}, 1)
     assert p["memory_parts"]["act"] == act["cuda"]

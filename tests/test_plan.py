@@ -14,6 +14,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import parallelism  # noqa: E402
+import memory  # noqa: E402
 import plan  # noqa: E402
 from tools import bench  # noqa: E402
 from configurator import ConfigError, parse_config, train_defaults  # noqa: E402
@@ -136,13 +137,13 @@ def test_batch_size_auto_takes_the_largest_split_of_the_global_batch_that_fits_t
     global batch whose plan fits 90 % of the H100's memory, the next larger divisor's does not."""
     config = config_of("config/baseline_7b.py", f"--data_dir={tmp_path / 'c4'}")
     assert config["batch_size"] == "auto"
-    vocab, room = plan.run_vocab(config), plan.AUTO_BATCH_MEMORY * plan.GPU_MEMORY_GIB["H100"]
+    vocab, room = plan.run_vocab(config), memory.AUTO_BATCH_MEMORY * memory.GPU_MEMORY_GIB["H100"]
     p = plan.make_plan(config, 64, measure=False)
     batch = p["micro_batch"]
     assert 32 % batch == 0 and p["micro_steps"] == 32 // batch and p["tokens_per_step"] == 2048 * 2048
-    assert plan.process_gib({**config, "batch_size": batch}, 64, vocab)[0] <= room
+    assert memory.process_gib({**config, "batch_size": batch}, 64, vocab)[0] <= room
     larger = min(b for b in (2, 4, 8, 16, 32) if b > batch)
-    assert plan.process_gib({**config, "batch_size": larger}, 64, vocab)[0] > room
+    assert memory.process_gib({**config, "batch_size": larger}, 64, vocab)[0] > room
     assert batch > 1 and "batch_size='auto'" in plan.format_plan(p)
     assert plan.make_plan(config, 64, gpu="H200", measure=False)["micro_batch"] >= batch  # more memory, no smaller
     # on 8 GPUs the states take most of an 80 GiB card: fewer sequences fit; on 4 GPUs not even one does:
@@ -150,7 +151,7 @@ def test_batch_size_auto_takes_the_largest_split_of_the_global_batch_that_fits_t
     assert plan.make_plan(config, 8, measure=False)["micro_batch"] <= batch
     p = plan.make_plan(config, 4, measure=False)
     assert p["micro_batch"] == 1 and "batch_size='auto': not even 1 fits 90% of one H100" in plan.format_plan(p)
-    assert plan.process_gib({**config, "batch_size": 1}, 4, vocab)[0] > room
+    assert memory.process_gib({**config, "batch_size": 1}, 4, vocab)[0] > room
     with pytest.raises(ConfigError, match="batch_size='auto' needs a global_batch_size"):
         plan.make_plan({**config, "global_batch_size": 0}, 64, measure=False)
 
@@ -255,18 +256,18 @@ def test_memory_problem_passes_what_fits_and_names_what_would():
     """train.py's check: None when the plan's figure fits; otherwise one line whose every
     suggestion the plan itself says fits, and the run as configured does not."""
     config = {**config_of("config/c4_tiny.py"), "dtype": "float32"}
-    need, states = plan.process_gib(config, 1, 50304)
-    ckpt = plan.process_gib({**config, "activation_checkpointing": True}, 1, 50304)[0]
+    need, states = memory.process_gib(config, 1, 50304)
+    ckpt = memory.process_gib({**config, "activation_checkpointing": True}, 1, 50304)[0]
     assert states < ckpt < need
-    assert plan.memory_problem(config, 1, 50304, need * 1.01, "cpu") is None
+    assert memory.memory_problem(config, 1, 50304, need * 1.01, "cpu") is None
     between = (ckpt + need) / 2  # enough with activation checkpointing only
-    message = plan.memory_problem(config, 1, 50304, between, "cpu (test)")
+    message = memory.memory_problem(config, 1, 50304, between, "cpu (test)")
     assert message.startswith(f"this run needs {need:.1f} GiB per process") and "cpu (test) has" in message
     assert "--activation_checkpointing=True" in message and "--check_memory=False" in message
     assert "\n" not in message
     # on the CPU the heap's allowance: a fraction of the step's transient tensors on top
-    assert plan.process_gib(config, 1, 50304, heap=0.5)[0] == pytest.approx(need + 0.5 * (need - states))
-    assert plan.memory_problem(config, 1, 50304, need * 1.01, "cpu", heap=0.5).startswith(
+    assert memory.process_gib(config, 1, 50304, heap=0.5)[0] == pytest.approx(need + 0.5 * (need - states))
+    assert memory.memory_problem(config, 1, 50304, need * 1.01, "cpu", heap=0.5).startswith(
         f"this run needs {need + 0.5 * (need - states):.1f} GiB")
 
 
@@ -278,35 +279,35 @@ def test_memory_problem_of_a_7b_model_suggests_the_smallest_fsdp_that_fits():
     """A 7B model in 24 GiB: its activations counted on the meta device (nothing allocated), and
     the FSDP suggestion is the smallest power of two whose plan fits."""
     config = {**config_of("config/baseline_7b.py", "--batch_size=1", "--global_batch_size=0"), "dtype": "float32"}
-    message = plan.memory_problem(config, 1, 50304, 24.0, "cpu")
-    need = plan.process_gib(config, 1, 50304)[0]
+    message = memory.memory_problem(config, 1, 50304, 24.0, "cpu")
+    need = memory.process_gib(config, 1, 50304)[0]
     assert message.startswith(f"this run needs {need:.1f} GiB per process (weights, gradients, AdamW states and "
                               "activations")
     # the recipe keeps the weights gathered over each step: 27.6 GB in fp32 on every process, whatever
     # the number of processes, so the suggestion also turns that off
     assert "--parallel=fsdp --fsdp_keep_gathered=False on " in message
     n, fsdp = smallest_fsdp(message), {**config, "parallel": "fsdp", "fsdp_keep_gathered": False}
-    assert plan.process_gib(fsdp, n, 50304)[0] <= 24.0 < plan.process_gib(fsdp, n // 2, 50304)[0]
+    assert memory.process_gib(fsdp, n, 50304)[0] <= 24.0 < memory.process_gib(fsdp, n // 2, 50304)[0]
 
 
 def test_memory_problem_of_experts_counts_their_activations_measured_on_meta():
     """A mixture of experts runs on meta like the rest (static shapes): nothing is allocated, and
     the activations, capacity buffers included, are counted with the states."""
     config = {**config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--global_batch_size=0"), "dtype": "float32"}
-    message = plan.memory_problem(config, 1, 50304, 24.0, "cpu")
-    need = plan.process_gib(config, 1, 50304)[0]
-    assert need > plan.process_gib(config, 1, 50304, measure=False)[1]  # the activations are in
+    message = memory.memory_problem(config, 1, 50304, 24.0, "cpu")
+    need = memory.process_gib(config, 1, 50304)[0]
+    assert need > memory.process_gib(config, 1, 50304, measure=False)[1]  # the activations are in
     assert message.startswith(f"this run needs {need:.1f} GiB per process (weights, gradients, AdamW states and "
                               "activations")
     assert config["activation_checkpointing"]  # the config has it: the line names what else would fit
     assert "--parallel=fsdp --fsdp_keep_gathered=False on " in message
     n = smallest_fsdp(message)
     fsdp = {**config, "parallel": "fsdp", "activation_checkpointing": True, "fsdp_keep_gathered": False}
-    assert plan.process_gib(fsdp, n, 50304)[0] <= 24.0 < plan.process_gib(fsdp, n // 2, 50304)[0]
+    assert memory.process_gib(fsdp, n, 50304)[0] <= 24.0 < memory.process_gib(fsdp, n // 2, 50304)[0]
     # the capacity's buffers are counted: a capacity of 1.25 x the routed slots needs less than every token
     fewer = {**config, "capacity_factor": 1.25}
-    assert plan.activation_gib(fewer, GPTConfig.from_config(fewer, 50304), 16, 2048)["block"] < \
-        plan.activation_gib(config, GPTConfig.from_config(config, 50304), 16, 2048)["block"]
+    assert memory.activation_gib(fewer, GPTConfig.from_config(fewer, 50304), 16, 2048)["block"] < \
+        memory.activation_gib(config, GPTConfig.from_config(config, 50304), 16, 2048)["block"]
 
 
 def test_ddp_communication_is_one_all_reduce_per_step():
@@ -426,17 +427,17 @@ def test_moe_shards_on_a_dimension_the_ranks_divide_and_the_plan_counts_the_padd
     assert parallelism.padded_numel((10, 3), 4) == 12 * 3  # torch.chunk's rows: 3, 3, 3, 1, padded to 3 each
     config = {**config_of("config/simreg_moe_8x1b.py"), "batch_size": 8}
     p = plan.make_plan(config, 64, measure=False)
-    model, objective = plan.meta_model(config, plan.run_vocab(config))
+    model, objective = memory.meta_model(config, plan.run_vocab(config))
     n = model.num_params()
     if not parallelism.PLACES_SHARDS:
         pytest.skip(f"torch {torch.__version__} has no shard_placement_fn: FSDP pads the experts (the plan says so)")
-    assert p["padding"] is None and sum(plan.fsdp_units(model, 64)[0]) + plan.fsdp_units(model, 64)[1] == n
+    assert p["padding"] is None and sum(memory.fsdp_units(model, 64)[0]) + memory.fsdp_units(model, 64)[1] == n
     assert p["communication"]["all_gather"] == pytest.approx(63 / 64 * 2 * n)  # bf16, kept gathered: once a step
     assert p["communication"]["reduce_scatter"] == pytest.approx(63 / 64 * 4 * n)
     padded = {**config, "vocab_size": 50305, "n_embd": 2050, "ffn_hidden": 5634, "n_head": 25}  # nothing divides 64
     q = plan.make_plan(padded, 64, measure=False)
     assert "fsdp pads" in plan.format_plan(q) and q["padding"] in plan.format_plan(q)
-    model = plan.meta_model(padded, 50305)[0]
+    model = memory.meta_model(padded, 50305)[0]
     assert q["communication"]["all_gather"] > 63 / 64 * 2 * model.num_params() * 7  # 8 experts padded to 64
 
 

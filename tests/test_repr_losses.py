@@ -190,13 +190,17 @@ def brute_dispersion_layer(z, tau, variant):
         elif variant == "decorrelation":
             z_c = [(z[b, t] - z[b, t].mean()) / z[b, t].std(unbiased=True) for t in range(T)]
             per_sequence.append(torch.stack([(torch.dot(z_c[m], z_c[n]) / (C - 1)) ** 2 for m, n in pairs]).mean())
+        elif variant == "decorrelation_features":  # channel by channel, over the sequence's tokens
+            z_c = [(z[b, :, c] - z[b, :, c].mean()) / z[b, :, c].std(unbiased=True) for c in range(C)]
+            per_sequence.append(torch.stack([(torch.dot(z_c[m], z_c[n]) / (T - 1)) ** 2
+                                             for m in range(C) for n in range(C) if m != n]).mean())
         elif variant == "l2_repel":  # every ordered pair, i = j included
             terms = torch.stack([-((z[b, i] - z[b, j]) ** 2).sum() / C / tau for i in range(T) for j in range(T)])
             per_sequence.append(torch.logsumexp(terms, 0) - math.log(T * T) + 0.1 * (z[b] ** 2).mean())
     return torch.stack(per_sequence).mean()
 
 
-VARIANTS = ["angular", "decorrelation", "l2_repel", "orthogonalization"]
+VARIANTS = ["angular", "decorrelation", "decorrelation_features", "l2_repel", "orthogonalization"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -217,7 +221,7 @@ def test_dispersion_gradcheck_float64(variant):
     assert torch.autograd.gradcheck(lambda x: dispersion(x, 1.0, variant), (z,))
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "decorrelation_features"])
 def test_dispersion_spread_states_score_lower_than_collapsed_ones(variant):
     # three zero-mean, mutually orthogonal rows of equal norm: orthogonal directions and
     # uncorrelated tokens; collapsed: the same row three times
@@ -245,6 +249,21 @@ def test_dispersion_list_of_layers_is_the_mean_of_layers_and_bf16_is_computed_in
         loss = dispersion([z16, z16])
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(dispersion(z16.double()).item(), rel=1e-5)
+
+
+def test_dispersion_decorrelation_features_scores_correlated_channels_one_and_independent_ones_zero():
+    """The text's form looks at channels, not tokens: states that move along one direction (every
+    channel a multiple of the same sequence a_t) score 1, channels that are orthogonal zero-mean
+    sequences score 0; a sequence whose states are all one point has no variance to correlate and
+    scores 0 (the token form scores it 1): this form does not see that collapse."""
+    a = torch.tensor([1., -2., 0.5, 3., -1.], dtype=torch.float64)
+    along_one_direction = (a[:, None] * torch.tensor([1., -3., 2.], dtype=torch.float64))[None]
+    assert dispersion(along_one_direction, variant="decorrelation_features").item() == pytest.approx(1, rel=1e-12)
+    independent = torch.tensor([[[1., 1.], [-1., 1.], [1., -1.], [-1., -1.]]], dtype=torch.float64)
+    assert dispersion(independent, variant="decorrelation_features").item() == pytest.approx(0, abs=1e-12)
+    one_point = torch.tensor([1., -1., 2.], dtype=torch.float64).expand(1, 4, 3)
+    assert dispersion(one_point, variant="decorrelation_features").item() == 0
+    assert dispersion(one_point, variant="decorrelation").item() == pytest.approx(1, rel=1e-12)
 
 
 def test_dispersion_rejects_unknown_variant_and_bad_input():

@@ -53,6 +53,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import parallelism
+import memory
 import plan
 from losses import Objective, cross_entropy, objective_step, simreg
 from model import GPT, GPTConfig, MixtureOfExperts, build_model
@@ -242,7 +243,7 @@ def memory_child(chunk_size):
     print(json.dumps({"peak_delta_mib": (_status_kib("VmHWM") - before) / 1024}))
 
 
-def memory(args, device, dtype):
+def simreg_memory(args, device, dtype):
     rows = []
     for chunk in (0, 1024, 256):
         out = subprocess.run([*SELF, "--memory_child", str(chunk)], capture_output=True, text=True, check=True,
@@ -383,8 +384,8 @@ def gpu_memory(args, device, dtype):
     config = gpu.read_config(os.path.join(REPO, "config/baseline_7b.py"))
     n = plan.make_plan(config, 8, measure=False)["params"]
     emit(f"\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter: on one GPU the 7B model's "
-         f"states alone are {16 * n / plan.GiB:.0f} GiB. With several micro-steps per step FSDP2 also keeps the "
-         f"gradients unsharded between them (4 bytes per parameter, {4 * n / plan.GiB:.0f} GiB at 7B), counted in the "
+         f"states alone are {16 * n / memory.GiB:.0f} GiB. With several micro-steps per step FSDP2 also keeps the "
+         f"gradients unsharded between them (4 bytes per parameter, {4 * n / memory.GiB:.0f} GiB at 7B), counted in the "
          "table. Activations are per micro-batch, measured in fp32 (bf16 autocast stores most at half size). "
          "`python train.py CONFIG --dry_run=True` prints the whole plan of a run (plan.py).")
 
@@ -406,18 +407,18 @@ def peak_rss_gib(command):
     _, status, usage = os.wait4(process.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"error: {' '.join(command)} failed: {process.stderr.read()[-2000:]}")
-    return usage.ru_maxrss * 1024 / plan.GiB  # Linux: KiB
+    return usage.ru_maxrss * 1024 / memory.GiB  # Linux: KiB
 
 
 def plan_memory(args, device, dtype):
-    """The plan's memory for a process (plan.process_gib: what train.py's memory check uses)
+    """The plan's memory for a process (memory.process_gib: what train.py's memory check uses)
     against the peak resident memory of the same run, --steps training steps with an evaluation
     every 2 and a checkpoint, on this machine, --repeats times: the peak moves from run to run
     (glibc's heap, kept at its peak by utils.keep_freed_memory, fragments differently with the
     address-space layout). The process's own footprint (Python, torch, the data's memmap
     untouched) is measured apart, as the peak of a process that imports what train.py imports,
     and taken off: the plan counts the run's tensors, and on the CPU the heap's allowance
-    (plan.CPU_HEAP_ALLOWANCE x the step's transient tensors), which this table calibrates: its
+    (memory.CPU_HEAP_ALLOWANCE x the step's transient tensors), which this table calibrates: its
     last column is that fraction as each row's median peak implies it."""
     from configurator import parse_config, train_defaults
     data_dir = os.environ.get("PLAN_MEMORY_DATA", "data/c4_tiny")
@@ -438,9 +439,9 @@ def plan_memory(args, device, dtype):
         median = statistics.median(peaks)
         config = {**parse_config([*train_args, *short], train_defaults()), "dtype": "float32"}
         vocab = plan.run_vocab(config)
-        tensors, states = plan.process_gib(config, processes, vocab)
-        heap = plan.cpu_heap_allowance(processes)
-        planned = plan.process_gib(config, processes, vocab, heap=heap)[0]
+        tensors, states = memory.process_gib(config, processes, vocab)
+        heap = memory.cpu_heap_allowance(processes)
+        planned = memory.process_gib(config, processes, vocab, heap=heap)[0]
         implied = (median - tensors) / (tensors - states)
         rows.append((name, str(processes), f"{states:.3f}", f"{tensors:.3f}", f"{planned:.3f}",
                      " / ".join(f"{p:.3f}" for p in (peaks[0], median, peaks[-1])),
@@ -450,8 +451,8 @@ def plan_memory(args, device, dtype):
           ["run", "processes", "plan: states GiB", "plan: tensors GiB", "plan: with heap GiB",
            "measured peak GiB, min / median / max", "plan error (median)", "heap fraction implied"], rows,
           intro=f"Measured peak: the run's largest process's peak resident set minus {base:.3f} GiB, the peak of a "
-                f"process that only imports what train.py imports. Heap: plan.CPU_HEAP_ALLOWANCE = "
-                f"{plan.CPU_HEAP_ALLOWANCE}, as fractions of the step's transient tensors.")
+                f"process that only imports what train.py imports. Heap: memory.CPU_HEAP_ALLOWANCE = "
+                f"{memory.CPU_HEAP_ALLOWANCE}, as fractions of the step's transient tensors.")
 
 
 # plan_comm: the runs whose collectives are counted, on 2 gloo processes in one process group: the 350M
@@ -528,7 +529,7 @@ def comm_child():
         train_model, train_objective = parallelism.parallelize(model, objective, config["parallel"], "cpu", param_dtype,
                                                                keep_gathered=keep)
         optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
-        micro_steps = plan.micro_steps_of(config, world)
+        micro_steps = memory.micro_steps_of(config, world)
         x = torch.randint(0, model.config.vocab_size, (config["batch_size"], config["block_size"]))
         with CollectiveBytes() as counter:
             for micro_step in range(micro_steps):
@@ -693,7 +694,7 @@ def prepare_throughput(args, device, dtype):
          f"(one stream, in the main process) sets the pace: 350 x {C4_SHARD_GZ_BYTES / 1e6:.0f} MB at the link's speed.")
 
 
-SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": memory, "efficiency": efficiency,
+SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": simreg_memory, "efficiency": efficiency,
             "gpu_memory": gpu_memory, "compile": compile_step,
             "plan_memory": plan_memory, "plan_comm": plan_comm, "prepare": prepare_throughput, "moe": moe}
 

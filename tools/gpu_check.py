@@ -63,6 +63,7 @@ import torch.nn.functional as F
 import checkpoint
 import losses
 import parallelism
+import memory
 import plan
 from configurator import parse_config, train_defaults
 from model import GPT, GPTConfig, build_model
@@ -224,7 +225,7 @@ def step_times(check, step, warmup, steps):
 
 def plan_gib(config, processes=1):
     """The plan's memory for this process (train.py's memory check), GiB."""
-    return plan.process_gib(config, processes, config["vocab_size"])[0]
+    return memory.process_gib(config, processes, config["vocab_size"])[0]
 
 
 # 1 -------------------------------------------------------------------------------------------
@@ -408,7 +409,7 @@ def model_350m(check):
     """Section 3's config: baseline_350m.py on this one device, batch_size='auto' as train.py resolves it."""
     config = check.config("config/baseline_350m.py", parallel="none", compile=True, dtype=check.dtype)
     if check.cuda:
-        config["batch_size"] = plan.device_batch_size(config, 1, config["vocab_size"], check.device)
+        config["batch_size"] = memory.device_batch_size(config, 1, config["vocab_size"], check.device)
     else:
         config["global_batch_size"], config["batch_size"] = 2, 2
     return config
@@ -580,7 +581,7 @@ def wide_7b(check):
 
 def cross_entropy_transient(check):
     """losses.cross_entropy's forward + backward on (8 x 2048, 50304) bf16 logits: the device's
-    peak above the logits themselves, against what the plan counts for it (plan.PeakTensorBytes on
+    peak above the logits themselves, against what the plan counts for it (memory.PeakTensorBytes on
     the meta device, where the CPU path runs)."""
     B, T, V = (check.sizes["wide_batch"], check.sizes["wide_seq"], 50304 if check.cuda else 512)
     check.reset_memory()
@@ -592,7 +593,7 @@ def cross_entropy_transient(check):
     device_gib = (torch.cuda.max_memory_allocated() - base) / GiB if check.cuda else float("nan")
     del logits
     meta_logits = torch.empty(B, T, V, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    with plan.PeakTensorBytes() as counter:
+    with memory.PeakTensorBytes() as counter:
         losses.cross_entropy(meta_logits, torch.zeros(B, T, dtype=torch.long, device="meta")).backward()
     check.line(f"- cross-entropy on {B} x {T} x {V} bf16 logits, forward + backward: {device_gib:.2f} GiB above the "
                f"logits on {check.device}; the plan counts {counter.peak / GiB:.2f} GiB (the CPU path, on meta): "
