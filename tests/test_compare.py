@@ -374,6 +374,56 @@ def test_results_readme_verdict_counts_are_the_tables():
         assert f"{reproduce} reproduce, {not_shown} not shown, {contradicted} contradicted, of {claims} claims." in table
 
 
+def test_results_readme_per_seed_paragraph_is_the_tables():
+    """The per-seed numbers results/README.md types in its Stop Jostling paragraphs are read here
+    from the tables tools.compare --table_only writes (lowres.md's and jostling.md's per-seed
+    tables, jostling.md's transition line and claims): a rebuilt table that moves them fails."""
+    import re
+    readme = open(os.path.join(REPO, "results", "README.md"), encoding="utf-8").read()
+    readme = " ".join(readme.split())  # the paragraphs' line breaks
+    results = {grid: open(os.path.join(REPO, "results", f"{grid}.md"), encoding="utf-8").read()
+               for grid in ("lowres", "jostling")}
+
+    def per_seed(grid, method, n):  # (LR accuracies, seeds that make it, twin shares) of a per-seed row
+        (row,) = re.findall(rf"^\| {re.escape(method)} \| {n} \| ([\d. ]+) \| \d+ of {n} \| [^|]+ \| ([^|]+) \| "
+                            rf"([\d. ]+) \|$", results[grid], flags=re.M)
+        return [float(v) for v in row[0].split()], row[1].strip(), [float(v) for v in row[2].split()]
+
+    def dot(x):  # .498, as the paragraph writes an accuracy
+        return f"{x:.3f}"[1:]
+
+    ce, margin, se = (per_seed("lowres", m, 10) for m in ("CE", "margin 0.6", "margin 0.6 + SE"))
+    assert "the transition happens on two seeds, 1342 and 1346" in readme
+    assert margin[1].startswith("1342") and "1346" in margin[1] and se[1].startswith("1342") and "1346" in se[1]
+    assert f"margin 0.6 reaches LR accuracy {dot(margin[0][-1])} and {dot(margin[0][-2])}" in readme
+    assert f"margin 0.6 + SE {dot(se[0][-1])} and {dot(se[0][-2])}" in readme
+    crossing_twins = margin[2][-2:] + se[2][-2:]
+    assert f"with {100 * min(crossing_twins):.0f}–{100 * max(crossing_twins):.0f} % of the rows' twins" in readme
+    others = margin[0][:-2] + se[0][:-2]
+    assert f"stays at {dot(min(others))}–{dot(max(others))} with at most {100 * max(margin[2][:-2] + se[2][:-2]):.0f} % twins" \
+        in readme
+    assert f"CE stays at {dot(min(ce[0]))}–{dot(max(ce[0]))}" in readme
+    steps = [int(step) for step in re.findall(r"step (\d+)", margin[1] + se[1])]
+    assert f"from step {min(steps)}–{max(steps)} of 8000 on" in readme
+    # the 30-seed rates, Fisher's p, and the spread without the crossing seeds
+    rates = {m: re.search(rf"^\| {m} \| 30 \| (\d+) of 30: ([\d.]+) (\[[\d., ]+\])", results["jostling"], flags=re.M)
+             for m in ("baseline", "margin 0.6")}
+    k, rate, interval = rates["margin 0.6"].groups()
+    assert f"{k} of 30 seeds with margin 0.6, {rate} {interval}" in readme
+    assert f"{rates['baseline'].group(1)} of 30 for CE, {rates['baseline'].group(3)}" in readme
+    p = float(re.search(r"Margin 0.6 against CE: [^,]+, Fisher's exact p = ([\d.]+)", results["jostling"]).group(1))
+    assert f"Fisher's exact p = {p:.2f}" in readme
+    margin30, _, _ = per_seed("jostling", "margin 0.6", 30)
+    ce30, _, _ = per_seed("jostling", "baseline", 30)
+    below = [v for v in margin30 if v < 0.43]
+    assert f"the third, 1356, only partly: LR accuracy {dot(sorted(margin30)[-3])}" in readme
+    assert f"every margin 0.6 seed ({dot(min(below))}–{dot(max(below))}, {len(below)} seeds)" in readme
+    assert f"every CE seed ({dot(min(ce30))}–{dot(max(ce30))}, 30 seeds)" in readme
+    (not_decayed,) = re.findall(r"LR accuracy, rows not decayed ↑ \| [^|]+ \| ([-+][\d.]+ \[[-+\d., ]+\]), \d/5",
+                                results["jostling"])
+    assert f"LR accuracy {not_decayed.replace('-', '−')} against margin 0.6 + SE" in readme
+
+
 def archived_run(archive, grid, method, seed, config, metrics, extra=(), run_identity=None):
     """An archived run as tools.compare leaves it: metrics.json, a log and run.json with its command."""
     out = grids.run_dir(archive, grid, method, seed)
