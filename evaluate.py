@@ -38,12 +38,16 @@ from utils import (PathError, check_writable, choose_device, exit_run, keep_free
 
 def load_model(path, device="cpu"):
     """The model of a checkpoint written by train.py (best.pt or ckpt.pt, an FSDP run's too);
-    CheckpointError names the file when it is missing, a directory, damaged or not ours."""
-    checkpoint = checkpoints.load_with_weights(path, device)
-    model = GPT(GPTConfig(**checkpoint["model_config"])).to(device)
-    model.load_state_dict(checkpoint["model"])
-    model.eval()
-    return model, checkpoint
+    CheckpointError names the file when it is missing, a directory, damaged or not ours.
+    The process holds one copy of the weights: the model is built on the meta device (no memory,
+    no random init) and takes the checkpoint's tensors themselves (assign), which stay memory-mapped
+    from the file on the CPU."""
+    checkpoint = checkpoints.load_with_weights(path, "cpu", mmap=True)
+    with torch.device("meta"):
+        model = GPT(GPTConfig(**checkpoint["model_config"]))
+    model.load_state_dict(checkpoint["model"], assign=True)
+    model.tie_weights()  # assign gave the tied matrix two parameters
+    return model.to(device).eval(), checkpoint
 
 
 def val_blocks(data_dir, block_size):
