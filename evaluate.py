@@ -91,13 +91,23 @@ def tail_sums(logits, targets, mask):
                         (1.0 / rank).sum(), nll.sum()])
 
 
-def tail_metrics(sums, n_total):
-    """tail_sums added up -> the rare-target metrics (None when there is no rare target)."""
+def tail_nll_at(logits, targets, b):
+    """Sum of the targets' NLL under softmax(b z) over these rows: the rare targets at the
+    temperature 1/b that is best for all tokens (PPL_best's t_best), the rule a PPL_best claim uses."""
+    z = logits.float() * b
+    nll = torch.logsumexp(z, dim=1) - z.gather(1, targets.view(-1, 1)).squeeze(1)
+    return float(nll.to(widest_float(z.device)).sum())
+
+
+def tail_metrics(sums, n_total, nll_at_t_best=None):
+    """tail_sums added up -> the rare-target metrics (None when there is no rare target);
+    nll_at_t_best (tail_nll_at's sum at the overall t_best) adds their PPL there."""
     tokens, hits, reciprocal, nll = sums.tolist()
     if tokens == 0:
         return None
     return {"tokens": int(tokens), "fraction": tokens / n_total, "accuracy": hits / tokens, "mrr": reciprocal / tokens,
-            "ppl": math.exp(nll / tokens)}
+            "ppl": math.exp(nll / tokens),
+            **({} if nll_at_t_best is None else {"ppl_at_t_best": math.exp(nll_at_t_best / tokens)})}
 
 
 @torch.no_grad()
@@ -133,9 +143,11 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024, rare=None)
         return means
 
     log_ppl_best, b_best, passes = metrics.best_inverse_temperature(means_at, b=1.0)
+    # the rare targets at t_best: the LM head once more, over their rows only
+    rare_nll = sum(tail_nll_at(lm_head(states[r]), t[r], b_best) for states, t, r in chunks if r.any())
     return {"ppl": math.exp(log_ppl), "ppl_best": math.exp(log_ppl_best), "t_best": 1.0 / b_best,
-            **{k: rank_sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")}, "head_passes": passes,
-            "rare": tail_metrics(rare_sums, n)}
+            **{k: rank_sums[k] / n for k in ("accuracy", "recall_at_5", "mrr")},
+            "head_passes": passes + int(rare.sum()) / n, "rare": tail_metrics(rare_sums, n, rare_nll)}
 
 
 @torch.no_grad()
@@ -185,7 +197,8 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
         if x.numel() * model.config.vocab_size <= STREAM_ABOVE:
             logits, geometry = forward_val(model, x, y, device)
             scores = prediction_metrics(logits, y.reshape(-1))
-            scores["rare"] = tail_metrics(tail_sums(logits, y.reshape(-1), rare), rare.numel())
+            rare_nll = tail_nll_at(logits[rare], y.reshape(-1)[rare], 1 / scores["t_best"]) if rare.any() else 0.0
+            scores["rare"] = tail_metrics(tail_sums(logits, y.reshape(-1), rare), rare.numel(), rare_nll)
             flops = forward_flops
         else:  # too many logits to hold at once (GPT-2 BPE): keep the final states instead
             finals, geometry = forward_val(model, x, y, device, batch_size=32, keep_logits=False)

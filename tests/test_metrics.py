@@ -665,8 +665,11 @@ def test_streamed_prediction_metrics_equal_the_full_ones():
     picked = [i for i in range(500) if rare[i]]
     ranks = [1 + int((logits[i] > logits[i, targets[i]]).sum()) for i in picked]
     nll = [float(torch.logsumexp(logits[i], 0) - logits[i, targets[i]]) for i in picked]
+    b = 1 / full["t_best"]  # and at the temperature best for all tokens
+    nll_best = [float(torch.logsumexp(b * logits[i], 0) - b * logits[i, targets[i]]) for i in picked]
     expected = {"tokens": len(picked), "fraction": len(picked) / 500, "accuracy": sum(r == 1 for r in ranks) / len(picked),
-                "mrr": sum(1 / r for r in ranks) / len(picked), "ppl": math.exp(sum(nll) / len(picked))}
+                "mrr": sum(1 / r for r in ranks) / len(picked), "ppl": math.exp(sum(nll) / len(picked)),
+                "ppl_at_t_best": math.exp(sum(nll_best) / len(picked))}
     assert streamed["rare"] == pytest.approx(expected, rel=1e-5)
     assert evaluate.streamed_prediction_metrics(head, h, targets, chunk=64)["rare"] is None  # no rare positions
 
@@ -675,7 +678,8 @@ def test_streamed_and_in_memory_paths_on_the_very_same_logits():
     """A "head" that looks the logits up (a copy each call, as a real head gives): both paths see
     identical float32 logits, so they must agree to rounding of the float64 sums, on sets with
     inner minima and at the edges. The head only ever sees one chunk, and goes over all states
-    head_passes times: the rank and rare-target sums add no pass."""
+    head_passes times: the rank and rare-target sums add no pass, the rare targets at t_best their
+    rows' share of one (all of them here)."""
     import evaluate
     sets = _miscalibrated_logit_sets()[1::3]
     g = torch.Generator().manual_seed(5)
@@ -695,5 +699,6 @@ def test_streamed_and_in_memory_paths_on_the_very_same_logits():
             assert streamed[key] == pytest.approx(full[key], rel=1e-9, abs=1e-12), key
         assert streamed["ppl"] == pytest.approx(full["ppl"], rel=1e-6)  # float32 exp sums vs float64 log_softmax
         assert streamed["rare"]["mrr"] == pytest.approx(full["mrr"], rel=1e-12)
+        assert streamed["rare"]["ppl_at_t_best"] == pytest.approx(full["ppl_best"], rel=1e-6)
         assert max(calls) <= chunk and len(calls) == streamed["head_passes"] * math.ceil(n / chunk)
-        assert 1 <= streamed["head_passes"] <= 21
+        assert 2 <= streamed["head_passes"] <= 22
