@@ -303,8 +303,8 @@ def resume_command(argv, world_size):
     """The command that continues a stopped run: the launch it had (launcher) and its own arguments
     with --init_from=resume (an --overwrite dropped: it would start the run over)."""
     args = [a for a in argv[1:] if not a.startswith(("--init_from=", "--overwrite="))]
-    script = os.path.basename(argv[0])
-    return f"{launcher(argv[0], world_size)} {script} {shlex.join(args)} --init_from=resume"
+    parts = (launcher(argv[0], world_size), os.path.basename(argv[0]), shlex.join(args), "--init_from=resume")
+    return " ".join(part for part in parts if part)
 
 
 def launcher(script, world_size):

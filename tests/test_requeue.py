@@ -97,3 +97,18 @@ def test_every_rank_takes_rank_0s_decision_to_start_or_resume(tmp_path, data_dir
     assert ("error: cannot resume: rank 0 resumes from step 6 of out/run/ckpt.pt, but rank 1 finds: no "
             "checkpoint at out/run/ckpt.pt. Every rank must see out_dir as rank 0 does") in results[0].stderr
     assert (first / "log.jsonl").read_bytes() == before and not (empty / "out" / "run" / "log.jsonl").exists()
+
+
+def test_the_resume_command_reads_the_launch_from_the_environment_without_torchrun_as_parent(monkeypatch):
+    """Where torchrun's command line cannot be read (this process's parent is not torchrun), the
+    resume command gives the shape torchrun put in the environment: nodes and processes per node."""
+    import run
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert run.resume_command(["train.py", "config/simreg_7b.py", "--init_from=auto"], 16) == \
+        ("(on each of the 2 nodes) torchrun --nnodes=2 --nproc_per_node=8 train.py config/simreg_7b.py "
+         "--init_from=resume")
+    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    assert run.resume_command(["train.py", "--overwrite=True"], 1) == "python train.py --init_from=resume"
