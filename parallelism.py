@@ -366,12 +366,12 @@ def _host_group():
     return dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
 
-def any_process(flag):
-    """Whether flag (a bool) is True on any rank, the same answer on every rank: one all-reduce of
-    one number on the host (a gloo group beside NCCL), so it costs no device sync and can run every
-    step. Collective: every rank calls it at the same point; flag itself on one process."""
+def any_over_processes(flag, device=None):
+    """Whether flag is true on any rank, the same answer on every rank: one all-reduce of one number
+    on the host (a gloo group beside NCCL) whatever the device, so it costs no device sync and can
+    run every step. Collective: every rank calls it at the same point; bool(flag) on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return flag
+        return bool(flag)
     vote = torch.tensor([int(flag)])
     dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_host_group())
     return bool(vote.item())

@@ -367,7 +367,7 @@ while True:
     window_iters += 1
     training.flops_done["train"] += flops_per_iter
     bar.update(1)
-    stopping = parallelism.any_process(stop.signum is not None)  # a stop any rank got, every rank acts on
+    stopping = parallelism.any_over_processes(stop.signum is not None)  # a stop any rank got, every rank acts on
 
     if iter_num % log_interval == 0:
         # the loss of the global batch: mean over micro-steps here, over processes by one all-reduce
