@@ -212,6 +212,9 @@ def json_step(path):
         return None
 
 
+RESUME_NEEDS = ("model_config", "config", "iter_num", "data_rng", "torch_rng")  # what a full state holds
+
+
 def load_latest(out_dir, device, master=True):
     """The newest readable full checkpoint of out_dir: ckpt.pt, or ckpt_prev.pt if ckpt.pt is
     missing or unreadable (rank 0 says so). Returns (checkpoint, path). A JSON that names
@@ -223,7 +226,7 @@ def load_latest(out_dir, device, master=True):
     problems = []
     for path in paths:
         try:
-            checkpoint = load(path, device, need=("model_config", "config", "iter_num", "data_rng", "torch_rng"))
+            checkpoint = load(path, device, need=RESUME_NEEDS)
         except CheckpointError as e:
             problems.append(str(e))
             continue

@@ -36,6 +36,7 @@ loss does not change with the number of GPUs as long as batch_size does.
 """
 
 import contextlib
+import functools
 import gc
 import inspect
 import math
@@ -351,6 +352,39 @@ def mean_over_processes(values):
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
     return sum_over_processes(values) / dist.get_world_size()  # SUM then divide: gloo has no AVG
+
+
+def rank():
+    """This process's rank (0 without a group)."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+@functools.cache
+def _host_group():
+    """A gloo group over the same ranks beside NCCL's, for votes on host values (None where the
+    default group is gloo already)."""
+    return dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
+
+
+def any_over_processes(flag, device=None):
+    """Whether flag is true on any rank, the same answer on every rank: one all-reduce of one number
+    on the host (a gloo group beside NCCL) whatever the device, so it costs no device sync and can
+    run every step. Collective: every rank calls it at the same point; bool(flag) on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return bool(flag)
+    vote = torch.tensor([int(flag)])
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_host_group())
+    return bool(vote.item())
+
+
+def from_rank_0(value):
+    """Rank 0's value (any picklable object) on every rank, whatever the others hold: what rank 0
+    alone decides (resume or start, from which checkpoint). One broadcast; value on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def all_finite(parameters, device):

@@ -11,8 +11,8 @@ A run's out_dir holds
 Under FSDP the full state is sharded into ckpt_dcp/<slot>/ and best.pt's weights into
 best_dcp/step_<iter>/ (checkpoint.py).
 
-    open_run      one run per out_dir (the lock), 'auto' = resume if there is a checkpoint, else start;
-                  a fresh run never replaces another unless told to (--overwrite=True)
+    open_run      one run per out_dir (the lock), 'auto' = resume if there is a checkpoint, else start
+                  (rank 0 decides for every rank); a fresh run never replaces another unless told to
     RunFiles      what a run writes while it trains: log lines, checkpoints, the divergence stop
     resume        continue exactly where the newest readable checkpoint stopped, if the config allows
                   (RESUME_MAY_CHANGE, check_resumable: the resume policy)
@@ -33,8 +33,8 @@ import time
 
 import parallelism
 import tracking
-from checkpoint import (BEST_DCP, CheckpointError, agree, check_dataset, load_latest, restore, save_full,
-                        save_weights)
+from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, agree, check_dataset, load, load_latest, restore,
+                        save_full, save_weights)
 from utils import LogError, exit_run, read_log, save_text, write_failure
 
 
@@ -137,21 +137,24 @@ def open_run(out_dir, init_from, overwrite, master, command):
     becomes 'resume' or 'scratch' (start_of), and a fresh run refuses a run already there (a
     forgotten --init_from=resume would lose it) unless overwrite, which then deletes it whole.
     'auto' on a run stopped before its first checkpoint starts it again and keeps its files
-    (keep_aside). Returns (lock or None, init_from). Collective: a CheckpointError on any rank is
-    raised on all."""
-    lock, problem, existing, restart = None, None, [], False
-    try:
-        lock = lock_run(out_dir, command) if master else None
-        restart = init_from == "auto"
-        init_from = start_of(init_from, out_dir)
-        existing = existing_run(out_dir) if init_from != "resume" else []
-        if existing and not (overwrite or restart):
-            raise CheckpointError(f"{out_dir} already holds a run ({', '.join(existing)}). Continue it with "
-                                  f"--init_from=resume, start it over on purpose with --overwrite=True, or give "
-                                  f"another --out_dir.")
-    except CheckpointError as e:
-        problem = str(e)
-    agree(problem)
+    (keep_aside). Rank 0 decides alone, on what it sees, and every rank takes its decision (a rank
+    whose view of a shared file system lags cannot start fresh beside ranks that resume). Returns
+    (lock or None, init_from). Collective: a CheckpointError is raised on every rank."""
+    lock, problem, existing, restart = None, None, [], init_from == "auto"
+    if master:
+        try:
+            lock = lock_run(out_dir, command)
+            init_from = start_of(init_from, out_dir)
+            existing = existing_run(out_dir) if init_from != "resume" else []
+            if existing and not (overwrite or restart):
+                raise CheckpointError(f"{out_dir} already holds a run ({', '.join(existing)}). Continue it "
+                                      f"with --init_from=resume, start it over on purpose with --overwrite=True, "
+                                      f"or give another --out_dir.")
+        except CheckpointError as e:
+            problem = str(e)
+    problem, init_from = parallelism.from_rank_0((problem, init_from))
+    if problem is not None:
+        raise CheckpointError(problem)
     if master:
         if existing and restart and not overwrite:
             folder = keep_aside(out_dir, existing)
@@ -168,6 +171,33 @@ class RunComplete(Exception):
     (train.py prints the message and exits 0, so a requeued job of a finished run ends)."""
 
 
+def load_agreed(out_dir, device, master):
+    """The checkpoint to resume from, the same on every rank: rank 0 picks it (load_latest: ckpt.pt,
+    or ckpt_prev.pt if that cannot be read) and sends its path and step; every other rank loads that
+    path and must find that step there, or every rank ends with one line naming what that rank saw.
+    Returns (checkpoint, path). Collective."""
+    checkpoint, path, problem = None, None, None
+    if master:
+        try:
+            checkpoint, path = load_latest(out_dir, device, master)
+        except CheckpointError as e:
+            problem = str(e)
+    problem, path, step = parallelism.from_rank_0((problem, path, checkpoint and checkpoint["iter_num"]))
+    if problem is not None:
+        raise CheckpointError(problem)
+    if not master:
+        try:
+            checkpoint = load(path, device, need=RESUME_NEEDS)
+            if checkpoint["iter_num"] != step:
+                raise CheckpointError(f"{path} holds step {checkpoint['iter_num']}")
+        except CheckpointError as e:
+            problem = (f"cannot resume: rank 0 resumes from step {step} of {path}, but rank "
+                       f"{parallelism.rank()} finds: {e}. Every rank must see out_dir as rank 0 does (one shared "
+                       f"file system, the same path); nothing was changed")
+    agree(problem)
+    return checkpoint, path
+
+
 def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_slots, training):
     """Continue the run in out_dir exactly: the newest readable full checkpoint (load_latest),
     checked against config, loaded into modules and optimizers and into training (a
@@ -175,7 +205,7 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     step on are dropped (the loop logs them again: the evaluation at that step, the steps a killed
     run logged after its checkpoint). Returns (checkpoint, path, changes): changes as
     check_resumable returns them."""
-    checkpoint, path = load_latest(out_dir, device, master)
+    checkpoint, path = load_agreed(out_dir, device, master)
     changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
     if checkpoint["iter_num"] >= config["max_iters"]:  # before anything is loaded, trimmed or saved
         scored = os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]
@@ -270,11 +300,28 @@ class RunFiles:
 
 
 def resume_command(argv, world_size):
-    """The command that continues a stopped run: its own arguments with --init_from=resume (an
-    --overwrite dropped: it would start the run over)."""
+    """The command that continues a stopped run: the launch it had (launcher) and its own arguments
+    with --init_from=resume (an --overwrite dropped: it would start the run over)."""
     args = [a for a in argv[1:] if not a.startswith(("--init_from=", "--overwrite="))]
-    launcher = f"torchrun --nproc_per_node={world_size}" if world_size > 1 else "python"
-    return f"{launcher} {os.path.basename(argv[0])} {shlex.join(args)} --init_from=resume"
+    parts = (launcher(argv[0], world_size), os.path.basename(argv[0]), shlex.join(args), "--init_from=resume")
+    return " ".join(part for part in parts if part)
+
+
+def launcher(script, world_size):
+    """How this process was started: 'python', or torchrun with the options it was given (its command
+    line, the parent's; where that cannot be read, the shape torchrun describes in the environment:
+    nodes and processes per node), plus a note when each node runs its own copy."""
+    if world_size == 1 and "TORCHELASTIC_RUN_ID" not in os.environ:
+        return "python"
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            parent = f.read().decode().split("\0")[:-1]
+        start = next(i for i, a in enumerate(parent) if a.endswith(("torchrun", "torch.distributed.run"))) + 1
+        options = shlex.join(parent[start:parent.index(script)])
+    except (OSError, StopIteration, ValueError):  # no /proc, or not torchrun's child
+        options = f"--nnodes={nodes} --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', str(world_size))}"
+    return f"{'' if nodes == 1 else f'(on each of the {nodes} nodes) '}torchrun {options}"
 
 
 # the config keys that give the weights their shapes and the data its meaning: never changed on a resume

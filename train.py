@@ -307,8 +307,8 @@ if master:
         print(notice, flush=True)
 
 last_eval = None
-# a stop takes effect between steps; one process reads its own flag every step, under torchrun the
-# ranks agree on it at each logged step through the all-reduce the log makes anyway (no extra sync)
+# a stop takes effect between steps: after every step the ranks agree on it (one host all-reduce of
+# the flag, no device sync), so every rank stops at the same step, well inside torchrun's 30 s
 stopping = False
 bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True,
            disable=not master)
@@ -368,17 +368,13 @@ while True:
     window_iters += 1
     training.flops_done["train"] += flops_per_iter
     bar.update(1)
-    if world_size == 1:
-        stopping = stop.signum is not None
+    stopping = parallelism.any_over_processes(stop.signum is not None)  # a stop any rank got, every rank acts on
 
     if iter_num % log_interval == 0:
-        # the loss of the global batch: mean over micro-steps here, over processes by one all-reduce,
-        # which also carries each rank's stop flag: a stop any rank got, every rank acts on
-        flag = torch.tensor(0.0 if stop.signum is None else 1.0, device=step_loss.device)
-        values = parallelism.mean_over_processes(torch.stack([v.float() for v in (step_loss, *step_terms.values(), flag)]))
-        *values, stop_vote = values.tolist()  # .tolist() syncs: only when logging
-        stopping = stopping or stop_vote > 0
-        loss_value, *term_values = values
+        # the loss of the global batch: mean over micro-steps here, over processes by one all-reduce
+        # (.tolist() syncs the device: only when logging)
+        values = torch.stack([v.float() for v in (step_loss, *step_terms.values())])
+        loss_value, *term_values = parallelism.mean_over_processes(values).tolist()
         dt = (time.perf_counter() - t_window) / window_iters
         record = {"iter": iter_num - 1, "loss": loss_value, **dict(zip(step_terms, term_values)),
                   "lr": lr, "ms_per_iter": 1000 * dt,

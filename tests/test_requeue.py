@@ -1,0 +1,114 @@
+"""A multi-node job that is preempted and requeued (docs/runs.md's Slurm script), on one machine:
+two torchrun "nodes" of one gloo process each, joined by a c10d rendezvous on 127.0.0.1, run with
+the same command every time (--init_from=auto). The preemption arrives as the script delivers it:
+its trap passes Slurm's SIGUSR1 to srun, and srun to every process of the job step, each node's
+torchrun and its workers; torchrun (told to handle SIGUSR1) passes a second one to its worker.
+Every rank agrees on the stop at the step it reached, saves it, and the requeued job goes on from
+there: its losses are the uninterrupted run's, step for step. Rank 0
+alone decides whether a job resumes or starts, and from which checkpoint: ranks whose view of
+out_dir differs (here: two working directories and a relative out_dir) follow it or stop together."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from test_distributed import ENV, REPO, TINY, finish, launch
+from test_train import train_losses
+
+LONG = ["--parallel=ddp", "--max_iters=200", "--lr_decay_iters=200", "--eval_interval=100",
+        "--log_interval=1", "--init_from=auto"]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_nodes(out_dir, data_dir, *args, rendezvous="c10d", cwds=(REPO, REPO)):
+    """Two torchrun agents, one worker each, as srun starts one per node: a c10d rendezvous as the
+    Slurm script has it, or a static one (node 0 is rank 0: to give rank 0 a chosen view)."""
+    port = free_port()
+    join = ["--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=job42"] \
+        if rendezvous == "c10d" else ["--master_addr=127.0.0.1", f"--master_port={port}"]
+    train = [os.path.join(REPO, "train.py"), os.path.join(REPO, "config/lowres_baseline.py"),
+             f"--data_dir={data_dir}", f"--out_dir={out_dir}", *TINY, *args]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1", *join,
+                "--signals_to_handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown_timeout=240"]
+    return [subprocess.Popen([*torchrun, f"--node_rank={node}", *train], cwd=cwd, env=ENV, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE) for node, cwd in enumerate(cwds)]
+
+
+def test_a_preempted_two_node_job_is_requeued_and_loses_no_step(tmp_path, data_dir):
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    reference, job = launch_nodes(whole, data_dir, *LONG), launch_nodes(stopped, data_dir, *LONG)
+    log, t0 = stopped / "log.jsonl", time.time()
+    while not (log.exists() and len(log.read_text().splitlines()) > 40) and time.time() - t0 < 300:
+        time.sleep(0.01)
+    workers = [subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
+               for agent in job]
+    assert [len(w) for w in workers] == [1, 1], workers
+    signalled = time.time()
+    for pid in [agent.pid for agent in job] + [int(w[0]) for w in workers]:  # srun: every process of the step
+        os.kill(pid, signal.SIGUSR1)
+    results = finish(*job, check=False)
+    seconds = time.time() - signalled
+    finish(*reference)
+    # torchrun exits 1 after a clean stop (its SignalException): the script requeues on its own trap
+    assert [r.returncode for r in results] == [1, 1], [r.stderr[-2000:] for r in results]
+    output = "".join(r.stdout for r in results)
+    step = json.loads((stopped / "ckpt.json").read_text())["iter_num"]
+    assert 40 <= step < 200 and f"stopped by SIGUSR1 at step {step};" in output
+    assert max(train_losses(stopped)) == step - 1  # every step trained before the stop is in ckpt.pt
+    assert "(on each of the 2 nodes) torchrun --nnodes=2 --nproc_per_node=1" in output
+    assert "--rdzv_endpoint=127.0.0.1:" in output and output.rstrip().endswith("--init_from=resume")
+    assert seconds < 30, seconds  # torchrun's default grace; a real run adds one step and its save
+    print(f"stopped at step {step}, {seconds:.1f} s from the signal to both launchers' exit")
+    # the requeued job: the same command
+    results = finish(*launch_nodes(stopped, data_dir, *LONG))
+    assert f"resumed from {stopped / 'ckpt.pt'} at iter {step}" in "".join(r.stdout for r in results)
+    assert train_losses(stopped) == train_losses(whole)
+
+
+def test_every_rank_takes_rank_0s_decision_to_start_or_resume(tmp_path, data_dir):
+    """out_dir is relative and the nodes run in two directories: rank 1's out_dir holds a complete
+    run, rank 0's none. Rank 0 starts fresh and rank 1 with it (alone it would resume, find the run
+    complete and leave): the run is the one it would be anywhere. The other way round, rank 0
+    resumes and rank 1, which sees no checkpoint, stops every rank with one line; nothing changes."""
+    empty, holding = tmp_path / "empty", tmp_path / "holding"
+    empty.mkdir()
+    first = holding / "out" / "run"
+    finish(launch(first, data_dir, "--parallel=ddp", processes=2))  # complete: step 6 of 6
+    results = finish(*launch_nodes("out/run", data_dir, "--parallel=ddp", "--init_from=auto",
+                                   rendezvous="static", cwds=(empty, holding)))
+    assert "resumed" not in results[0].stdout and "complete run" not in results[1].stdout
+    assert train_losses(empty / "out" / "run") == train_losses(first)
+    # rank 0 resumes (a longer run), rank 1 finds nothing to resume from
+    shutil.rmtree(empty / "out")
+    before = (first / "log.jsonl").read_bytes()
+    results = finish(*launch_nodes("out/run", data_dir, "--parallel=ddp", "--init_from=auto", "--max_iters=8",
+                                   rendezvous="static", cwds=(holding, empty)), check=False)
+    assert [r.returncode for r in results] == [1, 1]
+    assert ("error: cannot resume: rank 0 resumes from step 6 of out/run/ckpt.pt, but rank 1 finds: no "
+            "checkpoint at out/run/ckpt.pt. Every rank must see out_dir as rank 0 does") in results[0].stderr
+    assert (first / "log.jsonl").read_bytes() == before and not (empty / "out" / "run" / "log.jsonl").exists()
+
+
+def test_the_resume_command_reads_the_launch_from_the_environment_without_torchrun_as_parent(monkeypatch):
+    """Where torchrun's command line cannot be read (this process's parent is not torchrun), the
+    resume command gives the shape torchrun put in the environment: nodes and processes per node."""
+    import run
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job42")
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert run.resume_command(["train.py", "config/simreg_7b.py", "--init_from=auto"], 16) == \
+        ("(on each of the 2 nodes) torchrun --nnodes=2 --nproc_per_node=8 train.py config/simreg_7b.py "
+         "--init_from=resume")
+    for name in ("TORCHELASTIC_RUN_ID", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name)
+    assert run.resume_command(["train.py", "--overwrite=True"], 1) == "python train.py --init_from=resume"
