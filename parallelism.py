@@ -353,6 +353,13 @@ def mean_over_processes(values):
     return sum_over_processes(values) / dist.get_world_size()  # SUM then divide: gloo has no AVG
 
 
+def any_over_processes(flag, device):
+    """Whether flag (a bool) is true on any rank: one small all-reduce, none on one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return bool(flag)
+    return sum_over_processes(torch.tensor([float(flag)], device=device)).item() > 0
+
+
 def all_finite(parameters, device):
     """Whether every weight on every rank is finite (each rank looks at its own shards); one
     all-reduce."""
