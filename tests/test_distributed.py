@@ -199,6 +199,45 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
 
 
 @needs_fsdp_on_cpu
+def test_fsdp_resume_falls_back_to_the_previous_slot_when_a_shard_is_truncated(tmp_path, data_dir):
+    """One .distcp shard of the latest slot truncated (a disk that filled, a copy cut short), then
+    --init_from=resume (issue 43, case 4): once both ranks printed DCP's tracebacks; now one line says
+    which shard is damaged and the run resumes from ckpt_prev.pt, whose slot is intact, and finishes
+    the uninterrupted run bit for bit. With that slot damaged too: one line naming both, no rank's
+    traceback, no file changed."""
+    import shutil
+    from test_reliability import snapshot
+    full, part, both = tmp_path / "full", tmp_path / "part", tmp_path / "both"
+    fsdp = ["--parallel=fsdp"]
+    finish(launch(full, data_dir, *fsdp, processes=2), launch(part, data_dir, *fsdp, "--max_iters=4", processes=2))
+    latest, previous = (torch.load(part / name, weights_only=True) for name in ("ckpt.pt", "ckpt_prev.pt"))
+    assert (latest["iter_num"], previous["iter_num"]) == (4, 3)
+    shard = part / latest["dcp"] / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    shutil.copytree(part, both)
+    result = finish(launch(part, data_dir, *fsdp, "--init_from=resume", processes=2))
+    warning = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and f"the FSDP shard {shard} is truncated" in warning[0], result.stdout[-3000:]
+    assert f"resuming from the previous checkpoint {part / 'ckpt_prev.pt'} (step 3) instead" in warning[0]
+    assert "Traceback" not in result.stderr
+    assert train_losses(part) == train_losses(full)
+    assert [r["val"] for r in read_log(part) if "val" in r] == [r["val"] for r in read_log(full) if "val" in r]
+    assert_same_weights(part, full)
+    metadata = both / previous["dcp"] / ".metadata"
+    metadata.write_bytes(b"")
+    before = snapshot(str(both))
+    result = finish(launch(both, data_dir, *fsdp, "--init_from=resume", processes=2), check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert f"{both / latest['dcp'] / '__1_0.distcp'} is truncated" in errors[0] and str(both / previous["dcp"]) in errors[0]
+    assert "[rank" not in result.stderr and "checkpoint.py" not in result.stderr, result.stderr[-3000:]
+    assert snapshot(str(both)) == before
+    import checkpoint  # evaluate.py, sample.py and the HF export read the shards whole: one line too
+    with pytest.raises(checkpoint.CheckpointError, match="__1_0.distcp is truncated"):
+        checkpoint.load_with_weights(str(both / "ckpt.pt"))
+
+
+@needs_fsdp_on_cpu
 @pytest.mark.parametrize("experts", [2, 8])
 def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir, experts):
     """4 ranks. 2 experts: cut on dim 0 the stacked experts (2, 32, 16) would leave ranks 2-3 empty and
