@@ -326,14 +326,14 @@ def evaluate_checkpoint(path, device="cpu", data_dir=None):
 def write_run_metrics(out_dir, run_flops, device, stopped_by=None):
     """The end of a finished train.py run: score its best.pt, add the FLOPs the whole run executed
     (all processes, evaluations included: tools/runner.py sums them over a grid), write
-    out_dir/metrics.json and print the table. Ctrl-C here, or a stop signal in the run's last step
-    (stopped_by: its name), leaves training complete: say in one line how to write metrics.json
+    out_dir/metrics.json and print the table. Ctrl-C here, or a stop signal in the run's last step or
+    after it (stopped_by: its name), leaves training complete: say in one line how to write metrics.json
     later (the same figures, the run's FLOPs from ckpt.pt: flops_of_run), exit 128 + the signal."""
     best_path, metrics_path = os.path.join(out_dir, "best.pt"), os.path.join(out_dir, "metrics.json")
-    later = (f"training is complete ({os.path.join(out_dir, 'ckpt.pt')}, {best_path}): python evaluate.py {best_path} "
-             f"--out={metrics_path} writes metrics.json")
+    later = (f"training is complete ({os.path.join(out_dir, 'ckpt.pt')}, {best_path}): "
+             f"python evaluate.py {best_path} --out={metrics_path} writes metrics.json")
     if stopped_by is not None:
-        print(f"{stopped_by} during the last step: no final evaluation; {later}", file=sys.stderr)
+        print(f"{stopped_by} at the end of training: no final evaluation; {later}", file=sys.stderr)
         sys.exit(128 + signal.Signals[stopped_by])
     try:
         result = evaluate_checkpoint(best_path, device=device)

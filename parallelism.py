@@ -354,10 +354,10 @@ def mean_over_processes(values):
 
 
 def any_over_processes(flag, device):
-    """Whether flag (a bool) is true on any rank: one small all-reduce, none on one process."""
+    """Whether flag is true on any rank: one small all-reduce, none on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return bool(flag)
-    return sum_over_processes(torch.tensor([float(flag)], device=device)).item() > 0
+    return sum_over_processes(torch.tensor([float(bool(flag))], device=device)).item() > 0
 
 
 def all_finite(parameters, device):

@@ -320,9 +320,9 @@ while True:
 
     evaluating, best = iter_num % eval_interval == 0 or iter_num == max_iters, False
     if evaluating:  # the batches split over the ranks, the result the same everywhere
-        evaluation = evaluate.validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift,
-                                                low_resource_prob, device, autocast, rank, world_size,
-                                                stop_pending=lambda: stop.signum is not None and iter_num < max_iters)
+        evaluation = evaluate.validation_losses(model, objective, val_data, batch_size, block_size, eval_iters,
+                                                shift, low_resource_prob, device, autocast, rank, world_size,
+                                                stop_pending=lambda: stop.signum and iter_num < max_iters)
         # None: a stop cut it short (on any rank); this step is saved without it, a resume evaluates it again
         stopping = stopping or evaluation is None
     if evaluating and evaluation is not None:
@@ -412,6 +412,6 @@ if grad_recorder.steps:  # (log_marginalization, parallel='none' only: one proce
 
 stop.release()  # the run is complete: from here Ctrl-C interrupts the final evaluation at once
 if final_eval and master:  # one process: best.pt is read whole in any mode (FSDP: from its shards)
-    evaluate.write_run_metrics(out_dir, flops_done, device, stopped_by=stop.name)  # a stop in the last step: skipped
+    evaluate.write_run_metrics(out_dir, flops_done, device, stop.name)  # a stop in the last step: not run
 if wandb_run is not None:
     wandb_run.finish()

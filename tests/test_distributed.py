@@ -229,7 +229,8 @@ def test_fsdp_resume_falls_back_to_the_previous_slot_when_a_shard_is_truncated(t
     result = finish(launch(both, data_dir, *fsdp, "--init_from=resume", processes=2), check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
-    assert f"{both / latest['dcp'] / '__1_0.distcp'} is truncated" in errors[0] and str(both / previous["dcp"]) in errors[0]
+    assert f"{both / latest['dcp'] / '__1_0.distcp'} is truncated" in errors[0]
+    assert str(both / previous["dcp"]) in errors[0]
     assert "[rank" not in result.stderr and "checkpoint.py" not in result.stderr, result.stderr[-3000:]
     assert snapshot(str(both)) == before
     import checkpoint  # evaluate.py, sample.py and the HF export read the shards whole: one line too
@@ -367,6 +368,35 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, data_d
     assert f"at step {step}; the full state is in" in result.stdout and "--init_from=resume" in result.stdout
     finish(launch(stopped, data_dir, *long, "--init_from=resume", processes=2))
     assert train_losses(stopped) == train_losses(whole)
+
+
+def test_a_signal_to_one_rank_ends_an_evaluation_on_every_rank_between_batches(tmp_path, data_dir):
+    """SIGUSR1 to rank 1 alone while the evaluation at step 3 runs (2,000 batches over 2 ranks): the
+    ranks agree between two batches (issue 43, case 12), abandon it together, save step 3 without it
+    and exit; resuming evaluates step 3 again and finishes the uninterrupted run bit for bit."""
+    import signal
+    import time
+    args = ["--parallel=ddp", "--eval_iters=2000"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    reference, process = launch(whole, data_dir, *args, processes=2), launch(stopped, data_dir, *args, processes=2)
+    log = stopped / "log.jsonl"
+    t0 = time.time()  # 4 lines: the evaluation at 0, steps 0-2: the evaluation at step 3 is running
+    while not (log.exists() and sum(1 for _ in open(log)) >= 4) and process.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    rank1 = next(pid for pid in workers if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"))
+    os.kill(int(rank1), signal.SIGUSR1)  # not rank 0, which would announce it
+    result = finish(process, check=False)
+    finish(reference)
+    assert result.returncode != 0 and "[rank" not in result.stderr, result.stderr[-3000:]
+    assert torch.load(stopped / "ckpt.pt", weights_only=True)["iter_num"] == 3
+    assert [r["iter"] for r in read_log(stopped) if "val" in r] == [0]
+    assert "stopped by a stop signal on another rank at step 3" in result.stdout
+    finish(launch(stopped, data_dir, *args, "--init_from=resume", processes=2))
+    assert train_losses(stopped) == train_losses(whole)
+    assert [r["val"] for r in read_log(stopped) if "val" in r] == [r["val"] for r in read_log(whole) if "val" in r]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -269,7 +269,7 @@ def test_evaluate_into_a_runs_metrics_json_keeps_its_training_flops(tmp_path, fi
     assert flops["total"] == flops["train"] + flops["eval"] + flops["final_eval"]
 
 
-def test_ctrl_c_in_the_final_evaluation_is_one_line_whose_command_writes_the_runs_metrics(tmp_path, data_dir):  # noqa: F811
+def test_ctrl_c_in_the_final_evaluation_is_one_line_whose_command_writes_metrics(tmp_path, data_dir):  # noqa: F811
     """SIGINT during the final evaluation of a complete run (train.py has given the signals their
     default actions back: it interrupts at once), on a validation split large enough for it to take
     seconds: exit 130 and one line on stderr holding the evaluate.py command; every file of the trained
@@ -308,7 +308,8 @@ def test_ctrl_c_in_the_final_evaluation_is_one_line_whose_command_writes_the_run
     result = run([sys.executable, *command[1:]])
     assert result.returncode == 0, result.stderr[-2000:]
     after = snapshot(str(out))
-    assert {path for path in after if path not in before or after[path] != before[path]} == {str(out / "metrics.json")}
+    changed = {path for path in after if path not in before or after[path] != before[path]}
+    assert changed == {str(out / "metrics.json")}
     flops = json.loads((out / "metrics.json").read_text())["flops"]
     done = torch.load(out / "ckpt.pt", weights_only=True)["flops_done"]
     assert flops["train"] == done["train"] > 0 and flops["eval"] == done["eval"] > 0
@@ -320,8 +321,8 @@ def test_a_stop_in_the_last_step_skips_the_final_evaluation_in_one_line(tmp_path
     checkpoint complete the run; the final evaluation is not started (it would not stop for a pending
     stop) and one line says how to write metrics.json later; exit 143."""
     out = tmp_path / "run"
-    process = subprocess.Popen(train_command(str(out), data_dir, "--max_iters=1", "--gradient_accumulation_steps=2000",
-                                             "--final_eval=True"), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+    args = ["--max_iters=1", "--gradient_accumulation_steps=2000", "--final_eval=True"]
+    process = subprocess.Popen(train_command(str(out), data_dir, *args), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     t0 = time.time()
     while not (out / "ckpt.json").exists() and process.poll() is None and time.time() - t0 < 300:
@@ -333,7 +334,7 @@ def test_a_stop_in_the_last_step_skips_the_final_evaluation_in_one_line(tmp_path
              if line.strip() and not re.search(r"\| *\d+/\d+ \[", line)]  # not the progress bar
     assert process.returncode == 128 + signal.SIGTERM and len(lines) == 2, stderr[-3000:]
     assert lines[0].startswith("SIGTERM: stopping after this step"), lines[0]
-    assert lines[1].startswith("SIGTERM during the last step: no final evaluation; training is complete"), lines[1]
+    assert lines[1].startswith("SIGTERM at the end of training: no final evaluation; training is complete"), lines[1]
     assert f"python evaluate.py {out / 'best.pt'} --out={out / 'metrics.json'}" in lines[1]
     assert json.loads((out / "ckpt.json").read_text())["iter_num"] == 1 and not (out / "metrics.json").exists()
 
