@@ -79,6 +79,27 @@ def load_with_weights(path, device="cpu", mmap=False):
     return checkpoint
 
 
+def damaged_shards(directory):
+    """Why the shards save_sharded wrote into directory cannot be read whole (its .metadata unreadable,
+    a .distcp file missing or shorter than the bytes the metadata places in it: truncated), or None.
+    Reads the metadata and the files' sizes only, so every rank can ask before any collective."""
+    import torch.distributed.checkpoint as dcp
+    try:
+        metadata = dcp.FileSystemReader(directory).read_metadata()
+    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
+        return f"cannot read the FSDP shards in {directory} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    expected = {}
+    for item in metadata.storage_data.values():
+        expected[item.relative_path] = max(expected.get(item.relative_path, 0), item.offset + item.length)
+    for name, size in sorted(expected.items()):
+        shard = os.path.join(directory, name)
+        if not os.path.isfile(shard):
+            return f"the FSDP shard {shard} is missing"
+        if os.path.getsize(shard) < size:
+            return f"the FSDP shard {shard} is truncated ({os.path.getsize(shard):,} bytes of {size:,})"
+    return None
+
+
 def sharded_weights(directory, device="cpu"):
     """{'model': {name: tensor}, 'objective': {...}}: the whole weights from the shards that
     save_sharded wrote into directory, without the optimizer state (for a 7B run that
@@ -87,10 +108,9 @@ def sharded_weights(directory, device="cpu"):
     import warnings
 
     import torch.distributed.checkpoint as dcp
-    try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()
-    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
-        raise CheckpointError(f"cannot read the FSDP shards in {directory} ({type(e).__name__}: {e})") from None
+    if problem := damaged_shards(directory):
+        raise CheckpointError(problem)
+    metadata = dcp.FileSystemReader(directory).read_metadata()
     weights = {"model": {}, "objective": {}}
     for key, meta in metadata.state_dict_metadata.items():
         top, _, name = key.partition(".")  # "model.<module>.<parameter>", module "model" or "objective"
@@ -217,7 +237,8 @@ RESUME_NEEDS = ("model_config", "config", "iter_num", "data_rng", "torch_rng")  
 
 def load_latest(out_dir, device, master=True):
     """The newest readable full checkpoint of out_dir: ckpt.pt, or ckpt_prev.pt if ckpt.pt is
-    missing or unreadable (rank 0 says so). Returns (checkpoint, path). A JSON that names
+    missing or unreadable, or names FSDP shards that are (damaged_shards; rank 0 says so, in one
+    line). Returns (checkpoint, path). A JSON that names
     another step than its weights (a kill between the two writes) is written again."""
     paths = [os.path.join(out_dir, name) for name in ("ckpt.pt", "ckpt_prev.pt")]
     if not any(os.path.exists(p) for p in paths):
@@ -227,6 +248,8 @@ def load_latest(out_dir, device, master=True):
     for path in paths:
         try:
             checkpoint = load(path, device, need=RESUME_NEEDS)
+            if "dcp" in checkpoint and (problem := damaged_shards(os.path.join(out_dir, checkpoint["dcp"]))):
+                raise CheckpointError(f"{problem}, named by {path}")
         except CheckpointError as e:
             problems.append(str(e))
             continue
@@ -384,8 +407,14 @@ def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
         shapes = {k: list(v.shape) for k, v in modules["objective"].state_dict().items()}
         if checkpoint["objective_shapes"] != shapes:
             raise CheckpointError(objective_mismatch)
-        load_sharded(os.path.join(out_dir, checkpoint["dcp"]), modules, optimizers,
-                                 with_optimizers=checkpoint["dcp_optimizers"])
+        from torch.distributed.checkpoint.api import CheckpointException
+        directory = os.path.join(out_dir, checkpoint["dcp"])
+        try:  # DCP gathers every rank's failure: all ranks are here together
+            load_sharded(directory, modules, optimizers, with_optimizers=checkpoint["dcp_optimizers"])
+        except (CheckpointException, OSError, RuntimeError, EOFError, pickle.UnpicklingError) as e:
+            before = f"; move {path} aside to resume from ckpt_prev.pt" if path.endswith("ckpt.pt") else ""
+            raise CheckpointError(f"cannot read the FSDP shards in {directory}, named by {path} "
+                                  f"({type(e).__name__}){before}") from None
         dcp_slots[:] = [checkpoint.get("dcp_previous"), os.path.basename(checkpoint["dcp"])]
         return
     if parallel == "fsdp":

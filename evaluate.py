@@ -21,6 +21,7 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
 
 import numpy as np
@@ -224,7 +225,7 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
 
 @torch.no_grad()
 def validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift, low_resource_prob,
-                      device, autocast, rank=0, world_size=1):
+                      device, autocast, rank=0, world_size=1, stop_pending=None):
     """train.py's evaluation during training. Cross-entropy (never thresholded) on the same eval_iters validation batches every time
     (a fixed generator), in both languages. 'val' is the loss on the mixed batches, each window
     in the low-resource language with probability low_resource_prob, as in training; it is
@@ -240,7 +241,9 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     rank whose share is short repeats the last batch and discards it).
     shift > 0: the low-resource language's id offset (0: one language). Returns {"val", "val_high",
     "val_low" (two languages), "val_<term>" (each other active term; "val_ce" when headless),
-    "twin_cos", "twin_top3" (two languages, char vocabulary: metrics.twin_alignment)}."""
+    "twin_cos", "twin_top3" (two languages, char vocabulary: metrics.twin_alignment)}, or None when
+    stop_pending() (a stop signal: utils.StopRequest) became true on any rank before its last batch: the
+    evaluation is abandoned between batches, with nothing of it returned."""
     low_resource, on_cuda = shift > 0, str(device).startswith("cuda")
     model.eval()
     generator = torch.Generator().manual_seed(0)
@@ -254,6 +257,9 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     results = torch.zeros(eval_iters, 2 * B + len(aux), device=device)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_cuda else []):
         for i in range(rank, math.ceil(eval_iters / world_size) * world_size, world_size):
+            if stop_pending is not None and parallelism.any_over_processes(stop_pending(), device):
+                model.train()
+                return None
             windows, is_low = draws[min(i, eval_iters - 1)]
             x, y = read_windows(val_data, *windows, block_size, shift, device)
             row = torch.zeros(2 * B + len(aux), device=device)
@@ -334,17 +340,22 @@ def evaluate_checkpoint(path, device="cpu", data_dir=None):
     return result
 
 
-def write_run_metrics(out_dir, run_flops, device):
+def write_run_metrics(out_dir, run_flops, device, stopped_by=None):
     """The end of a finished train.py run: score its best.pt, add the FLOPs the whole run executed
     (all processes, evaluations included: tools/runner.py sums them over a grid), write
-    out_dir/metrics.json and print the table. Ctrl-C here leaves training complete: say how to
-    write metrics.json later, exit 130."""
+    out_dir/metrics.json and print the table. Ctrl-C here, or a stop signal in the run's last step or
+    after it (stopped_by: its name), leaves training complete: say in one line how to write metrics.json
+    later (the same figures, the run's FLOPs from ckpt.pt: flops_of_run), exit 128 + the signal."""
     best_path, metrics_path = os.path.join(out_dir, "best.pt"), os.path.join(out_dir, "metrics.json")
+    later = (f"training is complete ({os.path.join(out_dir, 'ckpt.pt')}, {best_path}): "
+             f"python evaluate.py {best_path} --out={metrics_path} writes metrics.json")
+    if stopped_by is not None:
+        print(f"{stopped_by} at the end of training: no final evaluation; {later}", file=sys.stderr)
+        sys.exit(128 + signal.Signals[stopped_by])
     try:
         result = evaluate_checkpoint(best_path, device=device)
     except KeyboardInterrupt:
-        print(f"interrupted during the final evaluation; training is complete ({os.path.join(out_dir, 'ckpt.pt')}, "
-              f"{best_path}): python evaluate.py {best_path} --out={metrics_path} writes metrics.json", file=sys.stderr)
+        print(f"interrupted during the final evaluation; {later}", file=sys.stderr)
         sys.exit(130)
     except (checkpoints.CheckpointError, DataError) as e:  # best.pt damaged since it was written, its data moved
         ckpt = os.path.join(out_dir, "ckpt.pt")

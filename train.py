@@ -149,7 +149,7 @@ config_keys = [k for k, v in globals().items()
 config = parse_config_or_exit(sys.argv[1:], {k: globals()[k] for k in config_keys}, TRAIN_RULES)
 globals().update(config)
 keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted in anew every step
-stop = StopRequest()  # from here on Ctrl-C / kill / SIGUSR1 end the run at the next step, saved
+stop = StopRequest(announce=os.environ.get("RANK", "0") == "0")  # from here a stop signal ends the run, saved
 # -----------------------------------------------------------------------------
 
 world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; a plain `python train.py` is one process
@@ -321,8 +321,13 @@ while True:
 
     evaluating, best = iter_num % eval_interval == 0 or iter_num == max_iters, False
     if evaluating:  # the batches split over the ranks, the result the same everywhere
-        last_eval = evaluate.validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift,
-                                               low_resource_prob, device, autocast, rank, world_size)
+        evaluation = evaluate.validation_losses(model, objective, val_data, batch_size, block_size, eval_iters,
+                                                shift, low_resource_prob, device, autocast, rank, world_size,
+                                                stop_pending=lambda: stop.signum and iter_num < max_iters)
+        # None: a stop cut it short (on any rank); this step is saved without it, a resume evaluates it again
+        stopping = stopping or evaluation is None
+    if evaluating and evaluation is not None:
+        last_eval = evaluation
         training.flops_done["eval"] += flops_per_eval
         run_files.log({"iter": iter_num, **last_eval})
         bar.set_postfix(val=f"{last_eval['val']:.4f}")
@@ -404,6 +409,6 @@ if grad_recorder.steps:  # (log_marginalization, parallel='none' only: one proce
 
 stop.release()  # the run is complete: from here Ctrl-C interrupts the final evaluation at once
 if final_eval and master:  # one process: best.pt is read whole in any mode (FSDP: from its shards)
-    evaluate.write_run_metrics(out_dir, flops_done, device)
+    evaluate.write_run_metrics(out_dir, flops_done, device, stop.name)  # a stop in the last step: not run
 if wandb_run is not None:
     wandb_run.finish()

@@ -326,16 +326,17 @@ def exit_run(message, master=True):
 class StopRequest:
     """Turn SIGINT (Ctrl-C), SIGTERM (`kill`, torchrun passing on a stop) and SIGUSR1 (what a
     cluster scheduler such as SLURM's --signal sends before preempting a job) into a request the
-    training loop reads between steps: it finishes the step, writes a checkpoint and exits with
-    128 + the signal's number, the shell's convention for "ended by a signal". A second SIGINT or
+    training loop reads between steps: it says so at once (one line on stderr; announce=False: ranks
+    other than 0), finishes the step (an evaluation stops between its batches), writes a checkpoint
+    and exits with 128 + the signal's number, the shell's convention for "ended by a signal". A second SIGINT or
     SIGTERM while a stop is pending (a step or an evaluation that takes long, a user who means it)
     ends the process at once with that status, saying so: a checkpoint being written is left as
     it was (writes are atomic), so the run resumes from its last one."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
-    def __init__(self):
-        self.signum = None
+    def __init__(self, announce=True):
+        self.signum, self.announce = None, announce  # announce: say at once that the stop is coming (rank 0)
         for signum in self.SIGNALS:
             signal.signal(signum, self._note)
 
@@ -344,6 +345,9 @@ class StopRequest:
             print(f"\n{signal.Signals(signum).name} while a stop was pending: ending now, without saving this step; "
                   f"the last checkpoint is as it was", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
+        if self.signum is None and self.announce:  # os.write: the handler may run inside a write to stderr (tqdm)
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (an evaluation stops at once), "
+                        f"saving a checkpoint; a second Ctrl-C ends now without saving it\n".encode())
         self.signum = self.signum or signum
 
     @property

@@ -199,6 +199,46 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
 
 
 @needs_fsdp_on_cpu
+def test_fsdp_resume_falls_back_to_the_previous_slot_when_a_shard_is_truncated(tmp_path, data_dir):
+    """One .distcp shard of the latest slot truncated (a disk that filled, a copy cut short), then
+    --init_from=resume (issue 43, case 4): once both ranks printed DCP's tracebacks; now one line says
+    which shard is damaged and the run resumes from ckpt_prev.pt, whose slot is intact, and finishes
+    the uninterrupted run bit for bit. With that slot damaged too: one line naming both, no rank's
+    traceback, no file changed."""
+    import shutil
+    from test_reliability import snapshot
+    full, part, both = tmp_path / "full", tmp_path / "part", tmp_path / "both"
+    fsdp = ["--parallel=fsdp"]
+    finish(launch(full, data_dir, *fsdp, processes=2), launch(part, data_dir, *fsdp, "--max_iters=4", processes=2))
+    latest, previous = (torch.load(part / name, weights_only=True) for name in ("ckpt.pt", "ckpt_prev.pt"))
+    assert (latest["iter_num"], previous["iter_num"]) == (4, 3)
+    shard = part / latest["dcp"] / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:shard.stat().st_size // 2])
+    shutil.copytree(part, both)
+    result = finish(launch(part, data_dir, *fsdp, "--init_from=resume", processes=2))
+    warning = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warning) == 1 and f"the FSDP shard {shard} is truncated" in warning[0], result.stdout[-3000:]
+    assert f"resuming from the previous checkpoint {part / 'ckpt_prev.pt'} (step 3) instead" in warning[0]
+    assert "Traceback" not in result.stderr
+    assert train_losses(part) == train_losses(full)
+    assert [r["val"] for r in read_log(part) if "val" in r] == [r["val"] for r in read_log(full) if "val" in r]
+    assert_same_weights(part, full)
+    metadata = both / previous["dcp"] / ".metadata"
+    metadata.write_bytes(b"")
+    before = snapshot(str(both))
+    result = finish(launch(both, data_dir, *fsdp, "--init_from=resume", processes=2), check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+    assert f"{both / latest['dcp'] / '__1_0.distcp'} is truncated" in errors[0]
+    assert str(both / previous["dcp"]) in errors[0]
+    assert "[rank" not in result.stderr and "checkpoint.py" not in result.stderr, result.stderr[-3000:]
+    assert snapshot(str(both)) == before
+    import checkpoint  # evaluate.py, sample.py and the HF export read the shards whole: one line too
+    with pytest.raises(checkpoint.CheckpointError, match="__1_0.distcp is truncated"):
+        checkpoint.load_with_weights(str(both / "ckpt.pt"))
+
+
+@needs_fsdp_on_cpu
 @pytest.mark.parametrize("experts", [2, 8])
 def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir, experts):
     """4 ranks. 2 experts: cut on dim 0 the stacked experts (2, 32, 16) would leave ranks 2-3 empty and
@@ -330,6 +370,35 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, data_d
     assert f"at step {step}; the full state is in" in result.stdout and "--init_from=resume" in result.stdout
     finish(launch(stopped, data_dir, *long, "--init_from=resume", processes=2))
     assert_same_weights(whole, stopped)
+
+
+def test_a_signal_to_one_rank_ends_an_evaluation_on_every_rank_between_batches(tmp_path, data_dir):
+    """SIGUSR1 to rank 1 alone while the evaluation at step 3 runs (2,000 batches over 2 ranks): the
+    ranks agree between two batches (issue 43, case 12), abandon it together, save step 3 without it
+    and exit; resuming evaluates step 3 again and finishes the uninterrupted run bit for bit."""
+    import signal
+    import time
+    args = ["--parallel=ddp", "--eval_iters=2000"]
+    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
+    reference, process = launch(whole, data_dir, *args, processes=2), launch(stopped, data_dir, *args, processes=2)
+    log = stopped / "log.jsonl"
+    t0 = time.time()  # 4 lines: the evaluation at 0, steps 0-2: the evaluation at step 3 is running
+    while not (log.exists() and sum(1 for _ in open(log)) >= 4) and process.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.01)
+    time.sleep(0.5)
+    workers = subprocess.run(["pgrep", "-P", str(process.pid)], capture_output=True, text=True).stdout.split()
+    assert len(workers) == 2, workers
+    rank1 = next(pid for pid in workers if b"RANK=1" in open(f"/proc/{pid}/environ", "rb").read().split(b"\0"))
+    os.kill(int(rank1), signal.SIGUSR1)  # not rank 0, which would announce it
+    result = finish(process, check=False)
+    finish(reference)
+    assert result.returncode != 0 and "[rank" not in result.stderr, result.stderr[-3000:]
+    assert torch.load(stopped / "ckpt.pt", weights_only=True)["iter_num"] == 3
+    assert [r["iter"] for r in read_log(stopped) if "val" in r] == [0]
+    assert "stopped by a stop signal on another rank at step 3" in result.stdout
+    finish(launch(stopped, data_dir, *args, "--init_from=resume", processes=2))
+    assert train_losses(stopped) == train_losses(whole)
+    assert [r["val"] for r in read_log(stopped) if "val" in r] == [r["val"] for r in read_log(whole) if "val" in r]
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])

@@ -158,14 +158,15 @@ def test_a_stop_signal_saves_the_step_and_resumes_bit_identically(tmp_path, data
     assert_same_run(out, uninterrupted)
 
 
-def test_a_second_stop_signal_ends_a_long_evaluation_at_once(tmp_path, data_dir):  # noqa: F811
-    """The first SIGTERM waits for the step (here an evaluation of 200,000 batches, hours on this
-    machine); a second one ends the process at once, status 143, one line, nothing saved."""
+def test_a_second_stop_signal_ends_a_long_step_at_once(tmp_path, data_dir):  # noqa: F811
+    """The first SIGTERM says at once that the stop waits for the step (here 200,000 micro-steps, minutes
+    on this machine); a second one ends the process at once, status 143, one line, nothing of the step
+    saved: ckpt.pt is still the one of step 0."""
     out = str(tmp_path / "long")
-    process = subprocess.Popen(command(out, data_dir, "--eval_iters=200000"), cwd=REPO, env=ENV,
+    process = subprocess.Popen(command(out, data_dir, "--gradient_accumulation_steps=200000"), cwd=REPO, env=ENV,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert wait_for(lambda: os.path.exists(os.path.join(out, "run.lock")), process)
-    time.sleep(2)  # in the evaluation at step 0
+    assert wait_for(lambda: os.path.exists(os.path.join(out, "ckpt.pt")), process)
+    time.sleep(2)  # in step 0
     process.send_signal(signal.SIGTERM)
     time.sleep(1)
     assert process.poll() is None  # the first one only asks
@@ -173,8 +174,54 @@ def test_a_second_stop_signal_ends_a_long_evaluation_at_once(tmp_path, data_dir)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM
     lines = [line for line in stderr.splitlines() if line.strip() and "%|" not in line]
-    assert len(lines) == 1 and "SIGTERM while a stop was pending: ending now" in lines[0], stderr[-2000:]
-    assert sorted(os.listdir(out)) == ["run.lock"]
+    assert len(lines) == 2 and lines[0].startswith("SIGTERM: stopping after this step"), stderr[-2000:]
+    assert "SIGTERM while a stop was pending: ending now" in lines[1]
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 0
+
+
+def test_one_ctrl_c_in_a_long_evaluation_says_so_at_once_and_saves_without_it(tmp_path, data_dir):  # noqa: F811
+    """One SIGINT while the evaluation at step 2 runs (2,000 batches: seconds here, minutes at scale):
+    once nothing was said, the evaluation ran to its end and a whole step after it before the save
+    (users pressed again and lost it). Now one line at once says the stop is coming and what a second
+    Ctrl-C does; the evaluation stops between two batches, ckpt.pt holds step 2 and the log no figure
+    of the abandoned evaluation; exit 130. The printed command evaluates step 2 again and finishes
+    the uninterrupted run bit for bit, its FLOPs too."""
+    import threading
+    args = ["--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--eval_iters=2000", "--final_eval=False"]
+    whole, out = str(tmp_path / "whole"), str(tmp_path / "stopped")
+    reference = subprocess.Popen(command(whole, data_dir, *args), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command(out, data_dir, *args), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    said = []  # (time, line) of every stderr line as it comes
+    reader = threading.Thread(target=lambda: said.extend((time.time(), line) for line in process.stderr))
+    reader.start()
+    # 3 lines: the evaluation at 0, steps 0 and 1: the evaluation at step 2 is running
+    assert wait_for(lambda: os.path.exists(os.path.join(out, "log.jsonl"))
+                    and sum(1 for _ in open(os.path.join(out, "log.jsonl"))) >= 3, process)
+    time.sleep(0.5)
+    sent = time.time()
+    process.send_signal(signal.SIGINT)
+    process.wait(timeout=120)
+    reader.join()
+    stdout = process.stdout.read()
+    stderr = "".join(line for _, line in said)
+    assert process.returncode == 128 + signal.SIGINT, stderr[-2000:]
+    announced = [(t, line) for t, line in said if line.startswith("SIGINT: stopping after this step")]
+    assert len(announced) == 1 and "a second Ctrl-C ends now without saving" in announced[0][1], stderr[-2000:]
+    assert announced[0][0] - sent < 5 and "Traceback" not in stderr
+    assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 2
+    assert [r["iter"] for r in read_log(out) if "val" in r] == [0]  # nothing of the abandoned evaluation
+    assert "stopped by SIGINT at step 2" in stdout
+    finish_reference = reference.communicate(timeout=600)
+    assert reference.returncode == 0, finish_reference[1][-2000:]
+    resume = stdout.strip().splitlines()[-1].split()
+    assert resume[:2] == ["python", "train.py"] and resume[-1] == "--init_from=resume"
+    result = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=ENV, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert_same_run(out, whole)
+    flops = [torch.load(os.path.join(run, "ckpt.pt"), weights_only=True)["flops_done"] for run in (out, whole)]
+    assert flops[0] == flops[1]
 
 
 def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, data_dir):  # noqa: F811

@@ -6,6 +6,7 @@ meets it first. Real subprocesses, signals and files, as in test_user_errors.py.
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -266,6 +267,76 @@ def test_evaluate_into_a_runs_metrics_json_keeps_its_training_flops(tmp_path, fi
     done = torch.load(run_dir / "ckpt.pt", weights_only=True)["flops_done"]
     assert flops["train"] == done["train"] > 0 and flops["eval"] == done["eval"]
     assert flops["total"] == flops["train"] + flops["eval"] + flops["final_eval"]
+
+
+def test_ctrl_c_in_the_final_evaluation_is_one_line_whose_command_writes_metrics(tmp_path, data_dir):  # noqa: F811
+    """SIGINT during the final evaluation of a complete run (train.py has given the signals their
+    default actions back: it interrupts at once), on a validation split large enough for it to take
+    seconds: exit 130 and one line on stderr holding the evaluate.py command; every file of the trained
+    run kept. That command writes metrics.json with the FLOPs the run executed (from ckpt.pt, as the
+    final evaluation would have; once: without them), and changes nothing else."""
+    import torch
+    import prepare_shakespeare
+    (tmp_path / "big.txt").write_text(open(os.path.join(os.path.dirname(data_dir), "input.txt")).read() * 80)
+    big, out = tmp_path / "big", tmp_path / "run"
+    prepare_shakespeare.prepare(input_path=str(tmp_path / "big.txt"), out_dir=str(big))
+    process = subprocess.Popen(train_command(str(out), str(big), "--final_eval=True"), cwd=REPO, env=ENV,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def in_final_evaluation():  # a checkpoint written, and SIGTERM no longer caught: past stop.release()
+        try:
+            with open(f"/proc/{process.pid}/status") as f:
+                caught = int(next(line for line in f if line.startswith("SigCgt:")).split()[1], 16)
+        except (OSError, StopIteration):
+            return False
+        return (out / "ckpt.json").exists() and not caught & (1 << (signal.SIGTERM - 1))
+    t0 = time.time()
+    while not in_final_evaluation() and process.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.001)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    lines = [line for line in stderr.replace("\r", "\n").splitlines()
+             if line.strip() and not re.search(r"\| *\d+/\d+ \[", line)]  # not the progress bar
+    assert process.returncode == 128 + signal.SIGINT and len(lines) == 1, stderr[-3000:]
+    assert lines[0].startswith("interrupted during the final evaluation; training is complete"), lines[0]
+    assert json.loads((out / "ckpt.json").read_text())["iter_num"] == 4 and not (out / "metrics.json").exists()
+    assert {"ckpt.pt", "ckpt_prev.pt", "best.pt", "log.jsonl"} <= set(os.listdir(out))
+    assert not any(name.endswith(".tmp") for name in os.listdir(out))
+    command = lines[0].split("): ", 1)[1].removesuffix(" writes metrics.json").split()
+    assert command[:2] == ["python", "evaluate.py"], lines[0]
+    before = snapshot(str(out))
+    result = run([sys.executable, *command[1:]])
+    assert result.returncode == 0, result.stderr[-2000:]
+    after = snapshot(str(out))
+    changed = {path for path in after if path not in before or after[path] != before[path]}
+    assert changed == {str(out / "metrics.json")}
+    flops = json.loads((out / "metrics.json").read_text())["flops"]
+    done = torch.load(out / "ckpt.pt", weights_only=True)["flops_done"]
+    assert flops["train"] == done["train"] > 0 and flops["eval"] == done["eval"] > 0
+    assert flops["total"] == flops["train"] + flops["eval"] + flops["final_eval"]
+
+
+def test_a_stop_in_the_last_step_skips_the_final_evaluation_in_one_line(tmp_path, data_dir):  # noqa: F811
+    """SIGTERM during the run's last step (2,000 micro-steps): the step, its evaluation and its
+    checkpoint complete the run; the final evaluation is not started (it would not stop for a pending
+    stop) and one line says how to write metrics.json later; exit 143."""
+    out = tmp_path / "run"
+    args = ["--max_iters=1", "--gradient_accumulation_steps=2000", "--final_eval=True"]
+    process = subprocess.Popen(train_command(str(out), data_dir, *args), cwd=REPO, env=ENV, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (out / "ckpt.json").exists() and process.poll() is None and time.time() - t0 < 300:
+        time.sleep(0.01)
+    time.sleep(1)  # in step 0, the last
+    process.send_signal(signal.SIGTERM)
+    _, stderr = process.communicate(timeout=300)
+    lines = [line for line in stderr.replace("\r", "\n").splitlines()
+             if line.strip() and not re.search(r"\| *\d+/\d+ \[", line)]  # not the progress bar
+    assert process.returncode == 128 + signal.SIGTERM and len(lines) == 2, stderr[-3000:]
+    assert lines[0].startswith("SIGTERM: stopping after this step"), lines[0]
+    assert lines[1].startswith("SIGTERM at the end of training: no final evaluation; training is complete"), lines[1]
+    assert f"python evaluate.py {out / 'best.pt'} --out={out / 'metrics.json'}" in lines[1]
+    assert json.loads((out / "ckpt.json").read_text())["iter_num"] == 1 and not (out / "metrics.json").exists()
 
 
 # 5. a finished run asked to go on says so and changes nothing ------------------------------------
