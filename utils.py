@@ -331,16 +331,23 @@ class StopRequest:
     and exits with 128 + the signal's number, the shell's convention for "ended by a signal". A second SIGINT or
     SIGTERM while a stop is pending (a step or an evaluation that takes long, a user who means it)
     ends the process at once with that status, saying so: a checkpoint being written is left as
-    it was (writes are atomic), so the run resumes from its last one."""
+    it was (writes are atomic), so the run resumes from its last one. A SIGTERM within REPEAT_S of
+    the first is not a second one."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
     def __init__(self, announce=True):
-        self.signum, self.announce = None, announce  # announce: say at once that the stop is coming (rank 0)
+        self.signum, self.since, self.announce = None, None, announce  # announce: say so at once (rank 0)
         for signum in self.SIGNALS:
             signal.signal(signum, self._note)
 
+    # a SIGTERM this soon after the first is the same stop passed on, not a user's second: under
+    # Slurm every process of a job step gets one and torchrun forwards its own to its workers
+    REPEAT_S = 2.0
+
     def _note(self, signum, frame):
+        if signum == signal.SIGTERM == self.signum and time.monotonic() - self.since < self.REPEAT_S:
+            return
         if self.signum is not None and signum in (signal.SIGINT, signal.SIGTERM):
             print(f"\n{signal.Signals(signum).name} while a stop was pending: ending now, without saving this step; "
                   f"the last checkpoint is as it was", file=sys.stderr, flush=True)
@@ -348,7 +355,8 @@ class StopRequest:
         if self.signum is None and self.announce:  # os.write: the handler may run inside a write to stderr (tqdm)
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (an evaluation stops at once), "
                         f"saving a checkpoint; a second Ctrl-C ends now without saving it\n".encode())
-        self.signum = self.signum or signum
+        if self.signum is None:
+            self.signum, self.since = signum, time.monotonic()
 
     @property
     def name(self):

@@ -19,6 +19,9 @@ import torch
 
 from test_train import REPO, TINY, read_log, train
 
+sys.path.insert(0, REPO)
+import utils  # noqa: E402
+
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 # long enough to interrupt: 200 steps, an evaluation every 50, a full checkpoint every step
 LONG = ["--max_iters=200", "--lr_decay_iters=200", "--eval_interval=50", "--checkpoint_interval=1"]
@@ -160,16 +163,20 @@ def test_a_stop_signal_saves_the_step_and_resumes_bit_identically(tmp_path, data
 
 def test_a_second_stop_signal_ends_a_long_step_at_once(tmp_path, data_dir):  # noqa: F811
     """The first SIGTERM says at once that the stop waits for the step (here 200,000 micro-steps, minutes
-    on this machine); a second one ends the process at once, status 143, one line, nothing of the step
-    saved: ckpt.pt is still the one of step 0."""
+    on this machine); a repeat within a moment is the same stop passed on by a launcher (Slurm sends
+    every process of the step one, torchrun forwards another) and changes nothing; a second one
+    later ends the process at once, status 143, one line, nothing of the step saved: ckpt.pt is
+    still the one of step 0."""
     out = str(tmp_path / "long")
     process = subprocess.Popen(command(out, data_dir, "--gradient_accumulation_steps=200000"), cwd=REPO, env=ENV,
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert wait_for(lambda: os.path.exists(os.path.join(out, "ckpt.pt")), process)
     time.sleep(2)  # in step 0
     process.send_signal(signal.SIGTERM)
-    time.sleep(1)
-    assert process.poll() is None  # the first one only asks
+    time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)  # within StopRequest.REPEAT_S: the same stop passed on (Slurm + torchrun)
+    time.sleep(2 * utils.StopRequest.REPEAT_S)
+    assert process.poll() is None  # the first one only asks, its repeat changes nothing
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=60)
     assert process.returncode == 128 + signal.SIGTERM
