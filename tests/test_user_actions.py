@@ -6,7 +6,6 @@ meets it first. Real subprocesses, signals and files, as in test_user_errors.py.
 
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -16,7 +15,8 @@ import time
 import pytest
 
 from test_train import REPO, TINY, train
-from test_user_errors import ENV, SHORT, in_tmpfs, needs_namespaces, one_line, run, snapshot, train_command
+from test_user_errors import (ENV, SHORT, in_tmpfs, needs_namespaces, one_line, run, said_lines, snapshot,
+                              train_command)
 
 
 @pytest.fixture(scope="module")
@@ -295,8 +295,7 @@ def test_ctrl_c_in_the_final_evaluation_is_one_line_whose_command_writes_metrics
         time.sleep(0.001)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
-    lines = [line for line in stderr.replace("\r", "\n").splitlines()
-             if line.strip() and not re.search(r"\| *\d+/\d+ \[", line)]  # not the progress bar
+    lines = said_lines(stderr)
     assert process.returncode == 128 + signal.SIGINT and len(lines) == 1, stderr[-3000:]
     assert lines[0].startswith("interrupted during the final evaluation; training is complete"), lines[0]
     assert json.loads((out / "ckpt.json").read_text())["iter_num"] == 4 and not (out / "metrics.json").exists()
@@ -330,8 +329,7 @@ def test_a_stop_in_the_last_step_skips_the_final_evaluation_in_one_line(tmp_path
     time.sleep(1)  # in step 0, the last
     process.send_signal(signal.SIGTERM)
     _, stderr = process.communicate(timeout=300)
-    lines = [line for line in stderr.replace("\r", "\n").splitlines()
-             if line.strip() and not re.search(r"\| *\d+/\d+ \[", line)]  # not the progress bar
+    lines = said_lines(stderr)
     assert process.returncode == 128 + signal.SIGTERM and len(lines) == 2, stderr[-3000:]
     assert lines[0].startswith("SIGTERM: stopping after this step"), lines[0]
     assert lines[1].startswith("SIGTERM at the end of training: no final evaluation; training is complete"), lines[1]

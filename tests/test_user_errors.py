@@ -46,11 +46,16 @@ def snapshot(*directories):
     return files
 
 
+def said_lines(stderr):
+    """The lines a process wrote on stderr, besides a run's progress bar."""
+    return [line for line in stderr.replace("\r", "\n").splitlines()
+            if line.strip() and not re.search(r"\| *\d+/\d+ \[", line)]
+
+
 def one_line(result, status, *parts):
     """The exit status, exactly one line on stderr (besides a run's progress bar), starting with
     'error: ' and holding each part."""
-    lines = [line for line in result.stderr.replace("\r", "\n").splitlines()
-             if line.strip() and not re.search(r"\| *\d+/\d+ \[", line)]
+    lines = said_lines(result.stderr)
     assert result.returncode == status, result.stderr[-3000:]
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-3000:]
     assert all(part in lines[0] for part in parts), lines[0]
