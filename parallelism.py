@@ -372,7 +372,7 @@ def any_over_processes(flag, device=None):
     run every step. Collective: every rank calls it at the same point; bool(flag) on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return bool(flag)
-    vote = torch.tensor([int(flag)])
+    vote = torch.tensor([int(bool(flag))])
     dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_host_group())
     return bool(vote.item())
 
