@@ -66,14 +66,15 @@ def read_config_file(path, _chain=()):
     except OSError as e:
         raise ConfigError(f"cannot read config file '{path}'{where}: {e.strerror}") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file '{path}'{where} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at position "
-                          f"{e.start}); save it as UTF-8") from None
+        raise ConfigError(f"config file '{path}'{where} is not UTF-8 text "
+                          f"(byte 0x{e.object[e.start]:02x} at position {e.start}); "
+                          "save it as UTF-8") from None
     namespace = {}
     try:
         exec(compile(source_code, path, "exec"), namespace)
     except SystemExit as e:  # sys.exit(0) in a config would end a run as a success having trained nothing
-        raise ConfigError(f"config file '{path}' called sys.exit({e.code!r}); a config file only assigns keys") \
-            from None
+        raise ConfigError(f"config file '{path}' called sys.exit({e.code!r}); "
+                          "a config file only assigns keys") from None
     except Exception as e:
         raise ConfigError(f"config file '{path}' failed to run: {type(e).__name__}: {e}") from None
     own = {key: value for key, value in namespace.items()
@@ -81,7 +82,8 @@ def read_config_file(path, _chain=()):
     include = own.pop("include", [])
     includes = [include] if isinstance(include, str) else include
     if not isinstance(includes, list) or not all(isinstance(name, str) for name in includes):
-        raise ConfigError(f"config file '{path}': include must be a file name or a list of them, got {include!r}")
+        raise ConfigError(f"config file '{path}': include must be a file name or a list of them, "
+                          f"got {include!r}")
     values = {}
     for name in includes:
         values.update(read_config_file(os.path.join(os.path.dirname(path), name), _chain + (path,)))
@@ -99,7 +101,8 @@ def train_defaults(path=TRAIN_PY):
     config (tools/memory.py) gets exactly what train.py would use."""
     with open(path) as f:
         source = f.read()
-    first, last = (source[:source.index(marker)].count("\n") + 1 for marker in ("# default config", "config_keys ="))
+    first, last = (source[:source.index(marker)].count("\n") + 1
+                   for marker in ("# default config", "config_keys ="))
     defaults = {}
     for node in ast.parse(source).body:
         if isinstance(node, ast.Assign) and first < node.lineno < last and len(node.targets) == 1 \
@@ -155,10 +158,11 @@ TRAIN_RULES = {
     **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size", "vocab_size",
                      "ffn_hidden", "simreg_chunk_size", "dispersion_positions", "nitp_layer", "nitp_hidden",
                      "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
-    **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight", "moe_aux_weight",
-                     "min_lr", "weight_decay", "grad_clip", "capacity_factor"), NON_NEGATIVE_NUMBER),
-    **dict.fromkeys(("simreg_tau", "dispersion_tau", "cwt_tau", "rope_theta", "init_std", "learning_rate", "adagc_rel"),
-                    POSITIVE_NUMBER),
+    **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight",
+                     "moe_aux_weight", "min_lr", "weight_decay", "grad_clip", "capacity_factor"),
+                    NON_NEGATIVE_NUMBER),
+    **dict.fromkeys(("simreg_tau", "dispersion_tau", "cwt_tau", "rope_theta", "init_std", "learning_rate",
+                     "adagc_rel"), POSITIVE_NUMBER),
     **dict.fromkeys(("dropout", "beta1", "beta2", "adagc_beta"), FRACTION),
     "batch_size": ("a positive integer or 'auto'", lambda v: v == "auto" or v > 0),
     "low_resource_prob": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
@@ -166,7 +170,8 @@ TRAIN_RULES = {
     "margin": ("None or a finite number > 0", lambda v: v is None or (_number(v) and v > 0)),
     "simreg_layer": ("-1 or a block index >= 0", lambda v: v >= -1),
     **dict.fromkeys(("data_seed", "init_embeddings_from_seed"),
-                    ("None or an integer", lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)))),
+                    ("None or an integer",
+                     lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)))),
     **dict.fromkeys(("out_dir", "data_dir", "init_from", "wandb_project"), NON_EMPTY),
     "arch": _choice("gpt2", "llama"),
     "dispersion_variant": _choice("angular", "decorrelation", "decorrelation_features", "l2_repel",
@@ -178,7 +183,8 @@ TRAIN_RULES = {
     "grad_clip_mode": _choice("norm", "adagc"),
     "parallel": _choice("none", "ddp", "fsdp"),
     "compile": _choice("auto", "True", "False"),
-    "dtype": _choice("auto", "float32", "bfloat16", "float16"),  # float16 with loss scaling (optim.apply_gradients)
+    # float16 with loss scaling (optim.apply_gradients)
+    "dtype": _choice("auto", "float32", "bfloat16", "float16"),
 }
 
 
@@ -205,13 +211,16 @@ def check_train_config(config, world_size):
          "log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
          "(it splits the tied embedding's cross-entropy gradient)"),
         (c["init_from"] not in ("scratch", "resume", "auto") and not os.path.isfile(c["init_from"]),
-         f"key 'init_from' must be 'scratch', 'resume', 'auto' or an existing checkpoint file, got {c['init_from']!r}"),
-        (c["head_from_embedding"] and c["init_from"] not in ("scratch", "resume", "auto") and c["tie_weights"],
+         f"key 'init_from' must be 'scratch', 'resume', 'auto' or an existing checkpoint file, "
+         f"got {c['init_from']!r}"),
+        (c["head_from_embedding"] and c["init_from"] not in ("scratch", "resume", "auto")
+         and c["tie_weights"],
          "head_from_embedding=True needs tie_weights=False (a tied head is the embedding)"),
         (c["lr_schedule"] == "cosine" and c["lr_decay_iters"] <= c["warmup_iters"],
-         f"key 'lr_decay_iters' ({c['lr_decay_iters']}) must be above warmup_iters ({c['warmup_iters']}) with the "
-         f"cosine schedule"),
-        (c["top_k"] > c["n_expert"] > 1, f"key 'top_k' ({c['top_k']}) must be at most n_expert ({c['n_expert']})"),
+         f"key 'lr_decay_iters' ({c['lr_decay_iters']}) must be above warmup_iters ({c['warmup_iters']}) "
+         f"with the cosine schedule"),
+        (c["top_k"] > c["n_expert"] > 1,
+         f"key 'top_k' ({c['top_k']}) must be at most n_expert ({c['n_expert']})"),
         (world_size > 1 and c["parallel"] == "none",
          f"launched on {world_size} processes but key 'parallel' is 'none' (use ddp or fsdp)"),
         (c["parallel"] != "none" and c["log_marginalization"],
@@ -220,18 +229,20 @@ def check_train_config(config, world_size):
         (c["fsdp_keep_gathered"] and c["parallel"] != "fsdp",
          "fsdp_keep_gathered=True needs parallel='fsdp' (it changes when FSDP reshards the weights)"),
         (c["fsdp_shard_size"] and (c["parallel"] != "fsdp" or world_size % c["fsdp_shard_size"]),
-         f"key 'fsdp_shard_size' ({c['fsdp_shard_size']}) needs parallel='fsdp' and must divide the number of "
-         f"processes ({world_size}): it shards over groups of that many processes and replicates across the groups"),
+         f"key 'fsdp_shard_size' ({c['fsdp_shard_size']}) needs parallel='fsdp' and must divide the number "
+         f"of processes ({world_size}): it shards over groups of that many processes and replicates across "
+         f"the groups"),
         (c["parallel"] == "fsdp" and c["separate_embeddings"],
-         "separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps per-row state as "
-         "plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),
+         "separate_embeddings=True does not work with parallel='fsdp' (SeparatedRowsAdamW keeps per-row "
+         "state as plain tensors, not as sharded DTensors); use parallel='ddp' or 'none'"),
         (c["batch_size"] == "auto" and (not c["global_batch_size"] or c["global_batch_size"] % world_size),
-         f"batch_size='auto' needs a global_batch_size that is a multiple of the processes ({world_size}), got "
-         f"{c['global_batch_size']}: auto chooses how the recipe's global batch is split, not the batch itself"),
-        (c["global_batch_size"] % (c["batch_size"] * world_size) if c["global_batch_size"] and c["batch_size"] != "auto"
-         else False,
-         f"key 'global_batch_size' ({c['global_batch_size']}) must be a multiple of batch_size ({c['batch_size']}) x "
-         f"processes ({world_size})"),
+         f"batch_size='auto' needs a global_batch_size that is a multiple of the processes ({world_size}), "
+         f"got {c['global_batch_size']}: auto chooses how the recipe's global batch is split, not the batch "
+         f"itself"),
+        (c["global_batch_size"] % (c["batch_size"] * world_size)
+         if c["global_batch_size"] and c["batch_size"] != "auto" else False,
+         f"key 'global_batch_size' ({c['global_batch_size']}) must be a multiple of batch_size "
+         f"({c['batch_size']}) x processes ({world_size})"),
         (any(name.strip() not in c for name in c["resume_changes"].split(",") if name.strip()),
          f"key 'resume_changes' must name keys of train.py, comma-separated, got {c['resume_changes']!r}"),
         (c["wandb_log"] and not _importable("wandb"),
@@ -251,7 +262,8 @@ def model_problem(config):
     from losses import Objective
     from model import GPTConfig
     try:
-        GPTConfig(**{k: config[k] for k in GPTConfig.__dataclass_fields__ if k in config and k != "vocab_size"})
+        GPTConfig(**{k: config[k] for k in GPTConfig.__dataclass_fields__
+                     if k in config and k != "vocab_size"})
         with torch.device("meta"):  # nothing allocated (the NITP head is a module)
             Objective.from_config(config)
     except ValueError as e:

@@ -25,7 +25,8 @@ BPE_EOT = 50256             # <|endoftext|>
 BPE_VOCAB_SIZE = 50304      # BPE_TOKENS padded up to a multiple of 64: GPU-friendly matmul shapes
 
 
-HASH_TRAIN_UP_TO = 1 << 30  # a per-shard train split up to this many bytes is hashed at every load (_load_shards)
+# a per-shard train split up to this many bytes is hashed at every load (_load_shards)
+HASH_TRAIN_UP_TO = 1 << 30
 
 
 class DataError(Exception):
@@ -40,8 +41,9 @@ def gpt2_encoding():
     try:
         return tiktoken.get_encoding(BPE_ENCODING)
     except Exception as exc:  # whatever its HTTP client or file reader raised
-        raise DataError(f"cannot load tiktoken's {BPE_ENCODING} ranks ({type(exc).__name__}: {exc}); offline, "
-                        "point TIKTOKEN_CACHE_DIR at a directory that holds its cached BPE file") from None
+        raise DataError(f"cannot load tiktoken's {BPE_ENCODING} ranks ({type(exc).__name__}: {exc}); "
+                        "offline, point TIKTOKEN_CACHE_DIR at a directory that holds its cached "
+                        "BPE file") from None
 
 
 def sha256_of_file(path):
@@ -113,15 +115,17 @@ def read_meta(data_dir):
         with open(path, encoding="utf-8") as f:
             meta = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
-        raise DataError(f"{path} is not valid JSON (truncated or damaged? {e}); prepare the dataset again") from None
+        raise DataError(f"{path} is not valid JSON (truncated or damaged? {e}); "
+                        "prepare the dataset again") from None
     vocab = meta.get("vocab_size") if isinstance(meta, dict) else None
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab <= 0:
-        raise DataError(f"{path} has no positive integer 'vocab_size' (got {vocab!r}); prepare the dataset again")
+        raise DataError(f"{path} has no positive integer 'vocab_size' (got {vocab!r}); "
+                        "prepare the dataset again")
     if "itos" in meta and len(meta["itos"]) != vocab:
         raise DataError(f"{path}: 'itos' has {len(meta['itos'])} entries but vocab_size is {vocab}")
     if meta.get("unfinished"):  # prepare_c4.py writes its index after every shard; this one was cut short
-        raise DataError(f"the preparation of {data_dir} did not finish ({len(meta['unfinished'])} shard(s) not yet "
-                        f"tokenised, first {meta['unfinished'][0]}); rerun it to finish: "
+        raise DataError(f"the preparation of {data_dir} did not finish ({len(meta['unfinished'])} shard(s) "
+                        f"not yet tokenised, first {meta['unfinished'][0]}); rerun it to finish: "
                         f"{preparation_command(data_dir, len(meta.get('train_shards', [])) or 1)}")
     return meta
 
@@ -149,18 +153,19 @@ def dataset_mismatch(recorded, meta, data_dir, whole=True):
     if whole:
         keys += ["n_train", "n_val", "sha256", "train_sha256", "val_sha256"]
     differing = [key for key in keys if key in recorded and key in meta and recorded[key] != meta[key]]
-    if whole and "token_files" in recorded and "token_files" in meta:  # per-shard C4 files: their hashes in order
-        hashes = [{split: [f["sha256"] for f in m["token_files"].get(split, [])] for split in ("train", "val")}
-                  for m in (recorded, meta)]
+    if whole and "token_files" in recorded and "token_files" in meta:  # per-shard C4 files: hashes in order
+        hashes = [{split: [f["sha256"] for f in m["token_files"].get(split, [])]
+                   for split in ("train", "val")} for m in (recorded, meta)]
         differing += ["token_files"] if hashes[0] != hashes[1] else []
     if not differing:
         return None
 
     def describe(m):
         sizes = [f"{m[key]:,}" if isinstance(m.get(key), int) else "?" for key in ("n_train", "n_val")]
-        return f"{m.get('tokenizer', 'char')} tokens, vocab_size {m.get('vocab_size')}, {sizes[0]} train / {sizes[1]} val"
-    return (f"the dataset in {data_dir} is not the checkpoint's ({', '.join(differing)} differ): the checkpoint's "
-            f"is {describe(recorded)}; {data_dir} holds {describe(meta)}")
+        return (f"{m.get('tokenizer', 'char')} tokens, vocab_size {m.get('vocab_size')}, "
+                f"{sizes[0]} train / {sizes[1]} val")
+    return (f"the dataset in {data_dir} is not the checkpoint's ({', '.join(differing)} differ): "
+            f"the checkpoint's is {describe(recorded)}; {data_dir} holds {describe(meta)}")
 
 
 class ShardedTokens:
@@ -172,7 +177,8 @@ class ShardedTokens:
     def __init__(self, paths, counts):
         self.paths = list(paths)
         self.files = [np.memmap(path, dtype=np.uint16, mode="r") for path in self.paths]
-        self.offsets = np.cumsum([0] + [int(n) for n in counts], dtype=np.int64)  # file k holds [offsets[k], offsets[k+1])
+        # file k holds [offsets[k], offsets[k+1])
+        self.offsets = np.cumsum([0] + [int(n) for n in counts], dtype=np.int64)
 
     def __len__(self):
         return int(self.offsets[-1])
@@ -217,8 +223,8 @@ def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
     start (a 105 GB C4 run starts at once): a train shard rewritten in place with the same size is
     not seen there (docs/data.md)."""
     paths, counts = [], []
-    sizes = [os.path.getsize(os.path.join(data_dir, e["file"])) if os.path.isfile(os.path.join(data_dir, e["file"]))
-             else 0 for e in files]
+    sizes = [os.path.getsize(path) if os.path.isfile(path) else 0
+             for path in (os.path.join(data_dir, e["file"]) for e in files)]
     hash_them = split == "val" or sum(sizes) <= HASH_TRAIN_UP_TO
     for entry in files:
         path = os.path.join(data_dir, entry["file"])
@@ -229,11 +235,12 @@ def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
         size = os.path.getsize(path)
         if size != 2 * entry["n_tokens"]:
             raise DataError(f"{path} has {size:,} bytes but meta.json records {entry['n_tokens']:,} tokens "
-                            f"({2 * entry['n_tokens']:,} bytes): truncated or from another preparation; prepare "
-                            f"the dataset again")
+                            f"({2 * entry['n_tokens']:,} bytes): truncated or from another preparation; "
+                            f"prepare the dataset again")
         if vocab_size is not None and entry["max_id"] >= vocab_size:
-            raise DataError(f"{path} holds token id {entry['max_id']} (recorded by its preparation) but meta.json's "
-                            f"vocab_size is {vocab_size}: the two do not belong together; prepare the dataset again")
+            raise DataError(f"{path} holds token id {entry['max_id']} (recorded by its preparation) but "
+                            f"meta.json's vocab_size is {vocab_size}: the two do not belong together; "
+                            "prepare the dataset again")
         if hash_them and entry.get("sha256"):
             _check_content(path, sha256_of_file(path), entry["sha256"], data_dir)
         paths.append(path)
@@ -241,8 +248,8 @@ def _load_shards(data_dir, split, files, block_size, vocab_size, n_tokens):
     total = sum(counts)
     where = os.path.join(data_dir, split)
     if n_tokens is not None and total != n_tokens:
-        raise DataError(f"{where}: the token files listed hold {total:,} tokens but meta.json says n_{split} is "
-                        f"{n_tokens:,}; prepare the dataset again")
+        raise DataError(f"{where}: the token files listed hold {total:,} tokens but meta.json says "
+                        f"n_{split} is {n_tokens:,}; prepare the dataset again")
     _check_window(where, total, block_size)
     if len(paths) == 1:  # one file: the memmap itself (no offsets to look up)
         return np.memmap(paths[0], dtype=np.uint16, mode="r")
@@ -280,24 +287,24 @@ def load_tokens(data_dir, split, block_size, vocab_size=None, n_tokens=None):
         raise DataError(f"{path} has an odd number of bytes ({size}): not uint16 token ids (truncated?)")
     _check_window(path, size // 2, block_size)
     if n_tokens is not None and size // 2 != n_tokens:
-        raise DataError(f"{path} holds {size // 2:,} tokens but meta.json says {n_tokens:,}: the two do not belong "
-                        f"together; prepare the dataset again")
+        raise DataError(f"{path} holds {size // 2:,} tokens but meta.json says {n_tokens:,}: "
+                        f"the two do not belong together; prepare the dataset again")
     recorded = meta.get(f"{split}_sha256")
     if vocab_size is not None or recorded:
         largest, digest = _scan(path)
         if recorded:
             _check_content(path, digest, recorded, data_dir)
         if vocab_size is not None and largest >= vocab_size:
-            raise DataError(f"{path} holds token id {largest} but meta.json's vocab_size is {vocab_size}: the "
-                            f"two do not belong together; prepare the dataset again")
+            raise DataError(f"{path} holds token id {largest} but meta.json's vocab_size is {vocab_size}: "
+                            f"the two do not belong together; prepare the dataset again")
     return np.memmap(path, dtype=np.uint16, mode="r")
 
 
 def _check_content(path, digest, recorded, data_dir):
     if digest != recorded:
-        raise DataError(f"{path} is not the file its preparation wrote (sha256 {digest[:12]}..., meta.json records "
-                        f"{recorded[:12]}...): changed in place or copied from another preparation; prepare the "
-                        f"dataset again: {preparation_command(data_dir)}")
+        raise DataError(f"{path} is not the file its preparation wrote (sha256 {digest[:12]}..., "
+                        f"meta.json records {recorded[:12]}...): changed in place or copied from another "
+                        f"preparation; prepare the dataset again: {preparation_command(data_dir)}")
 
 
 def _scan(path):
@@ -326,7 +333,8 @@ class EpochWindows:
         """Epoch's permutation of the window indices. numpy hashes the pair (seed, epoch) into
         the generator's state (SeedSequence): neighbouring seeds or epochs give unrelated orders."""
         if self._order[0] != epoch:
-            self._order = (epoch, np.random.default_rng([self.seed % 2 ** 64, epoch]).permutation(self.n_windows))
+            rng = np.random.default_rng([self.seed % 2 ** 64, epoch])
+            self._order = (epoch, rng.permutation(self.n_windows))
         return self._order[1]
 
     def next(self, n):
@@ -346,8 +354,8 @@ class EpochWindows:
 
     def load_state_dict(self, state):
         if state["n_windows"] != self.n_windows:
-            raise DataError(f"the data position was saved over {state['n_windows']:,} windows but the training split "
-                            f"now has {self.n_windows:,} of block_size {self.block_size}")
+            raise DataError(f"the data position was saved over {state['n_windows']:,} windows but the "
+                            f"training split now has {self.n_windows:,} of block_size {self.block_size}")
         self.epoch, self.index = state["epoch"], state["index"]
 
 
@@ -366,10 +374,11 @@ def sample_windows(n_tokens, block_size, n, generator, prob_low_resource=0.0, ep
 def read_windows(data, starts, is_low, block_size, shift, device="cpu"):
     """The windows of block_size + 1 tokens at starts (offsets into the split's whole stream, from
     load_tokens: a window may run from one shard's file into the next) -> inputs (B, T) and
-    next-token targets (B, T) on the device; a low-resource window has every id shifted by `shift` (the char vocabulary's
-    size: the second language is the first one's copy with its own ids)."""
+    next-token targets (B, T) on the device; a low-resource window has every id shifted by `shift`
+    (the char vocabulary's size: the second language is the first one's copy with its own ids)."""
     import torch
-    windows = torch.from_numpy(data[(starts.unsqueeze(1) + torch.arange(block_size + 1)).numpy()].astype(np.int64))
+    positions = (starts.unsqueeze(1) + torch.arange(block_size + 1)).numpy()
+    windows = torch.from_numpy(data[positions].astype(np.int64))
     windows = windows + shift * is_low.unsqueeze(1)
     x, y = windows[:, :-1], windows[:, 1:]
     if str(device).startswith("cuda"):  # pinned host memory: the copy overlaps with compute

@@ -33,8 +33,8 @@ import parallelism
 from data import DataError, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
-from utils import (PathError, check_writable, choose_device, exit_run, keep_freed_memory, save_json, widest_float,
-                   write_failure)
+from utils import (PathError, check_writable, choose_device, exit_run, keep_freed_memory, save_json,
+                   widest_float, write_failure)
 
 
 def load_model(path, device="cpu"):
@@ -77,7 +77,7 @@ def rare_targets(data_dir, targets):
     GPT-2 BPE on tiny Shakespeare that is 11 % of val positions (2 % never seen at all): the long
     tail that Stop Jostling says a tied embedding marginalizes, on a natural vocabulary."""
     train = load_tokens(data_dir, "train", 1)
-    files = getattr(train, "files", [train])  # a split of per-shard files (prepare_c4.py): counted file by file
+    files = getattr(train, "files", [train])  # per-shard files (prepare_c4.py): counted file by file
     counts = torch.from_numpy(sum(np.bincount(f, minlength=int(targets.max()) + 1) for f in files))
     return counts[targets] <= RARE_MAX_COUNT
 
@@ -106,8 +106,8 @@ def tail_metrics(sums, n_total, nll_at_t_best=None):
     tokens, hits, reciprocal, nll = sums.tolist()
     if tokens == 0:
         return None
-    return {"tokens": int(tokens), "fraction": tokens / n_total, "accuracy": hits / tokens, "mrr": reciprocal / tokens,
-            "ppl": math.exp(nll / tokens),
+    return {"tokens": int(tokens), "fraction": tokens / n_total, "accuracy": hits / tokens,
+            "mrr": reciprocal / tokens, "ppl": math.exp(nll / tokens),
             **({} if nll_at_t_best is None else {"ppl_at_t_best": math.exp(nll_at_t_best / tokens)})}
 
 
@@ -125,7 +125,8 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024, rare=None)
     n = len(targets)
     rare = torch.zeros(n, dtype=torch.bool) if rare is None else rare
     chunks = [(finals[i:i + chunk], targets[i:i + chunk], rare[i:i + chunk]) for i in range(0, n, chunk)]
-    rank_sums, rare_sums, log_ppl = {}, torch.zeros(4, dtype=widest_float("cpu")), None  # sums on the CPU, in its widest float
+    # sums on the CPU, in its widest float
+    rank_sums, rare_sums, log_ppl = {}, torch.zeros(4, dtype=widest_float("cpu")), None
 
     def means_at(b):
         nonlocal log_ppl
@@ -181,7 +182,8 @@ def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
     logits = torch.cat(all_logits).flatten(0, 1)
     rho, tau = metrics.spearman(mu[1:L + 1], depths), metrics.kendall(mu[1:L + 1], depths)
     return logits, {"mu": mu[:L + 1],  # undefined correlations (one block) are written as null
-            "spearman_rho": None if math.isnan(rho) else rho, "kendall_tau": None if math.isnan(tau) else tau, "final_cosine": mu[L + 1],
+            "spearman_rho": None if math.isnan(rho) else rho, "kendall_tau": None if math.isnan(tau) else tau,
+            "final_cosine": mu[L + 1],
             "simreg_final": simreg_sum, "cosine_histograms": hists[:L + 1]}
 
 
@@ -198,25 +200,27 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
         if x.numel() * model.config.vocab_size <= STREAM_ABOVE:
             logits, geometry = forward_val(model, x, y, device)
             scores = prediction_metrics(logits, y.reshape(-1))
-            rare_nll = tail_nll_at(logits[rare], y.reshape(-1)[rare], 1 / scores["t_best"]) if rare.any() else 0.0
+            rare_nll = (tail_nll_at(logits[rare], y.reshape(-1)[rare], 1 / scores["t_best"]) if rare.any()
+                        else 0.0)
             scores["rare"] = tail_metrics(tail_sums(logits, y.reshape(-1), rare), rare.numel(), rare_nll)
             flops = forward_flops
         else:  # too many logits to hold at once (GPT-2 BPE): keep the final states instead
             finals, geometry = forward_val(model, x, y, device, batch_size=32, keep_logits=False)
-            scores = streamed_prediction_metrics(lambda h: model.lm_head(h.to(device)).cpu(), finals, y.reshape(-1),
-                                                 rare=rare)
+            scores = streamed_prediction_metrics(lambda h: model.lm_head(h.to(device)).cpu(), finals,
+                                                 y.reshape(-1), rare=rare)
             head_flops = 2 * model.config.n_embd * model.config.vocab_size * x.numel()
             flops = forward_flops - head_flops + scores.pop("head_passes") * head_flops
         rare_scores = scores.pop("rare")
-        return {"val": {**scores, "isotropy": metrics.isotropy(W)}, "geometry": {"val": geometry}, "flops": flops,
-                **({"rare": rare_scores} if rare_scores else {})}
+        return {"val": {**scores, "isotropy": metrics.isotropy(W)}, "geometry": {"val": geometry},
+                "flops": flops, **({"rare": rare_scores} if rare_scores else {})}
     shift = len(itos)
     result = {"geometry": {}, "flops": 2 * forward_flops}  # scored twice: HR and LR
     for lang, offset in (("high", 0), ("low", shift)):
         logits, result["geometry"][lang] = forward_val(model, x + offset, y + offset, device)
         rows = W[offset:offset + shift]
         result[lang] = {**prediction_metrics(logits, (y + offset).reshape(-1)),
-                        "isotropy": metrics.isotropy(rows), "isotropy_authors": metrics.isotropy_authors(rows)}
+                        "isotropy": metrics.isotropy(rows),
+                        "isotropy_authors": metrics.isotropy_authors(rows)}
     result["isotropy_all"] = metrics.isotropy(W)
     E = model.input_embedding().detach().float().cpu()
     result["translations"] = metrics.translation_metrics(E, itos, shift)
@@ -224,16 +228,17 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
 
 
 @torch.no_grad()
-def validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift, low_resource_prob,
-                      device, autocast, rank=0, world_size=1, stop_pending=None):
-    """train.py's evaluation during training. Cross-entropy (never thresholded) on the same eval_iters validation batches every time
-    (a fixed generator), in both languages. 'val' is the loss on the mixed batches, each window
-    in the low-resource language with probability low_resource_prob, as in training; it is
-    assembled from the per-window HR and LR losses, so it costs no extra forward pass. The other
-    active loss terms are evaluated on the same mixed batches ('val_<term>'), their states
-    picked per window from the HR and LR passes (windows do not attend to each other). A run
-    without CE (headless) keeps the checkpoint with the best weighted sum of its terms instead.
-    The RNG is forked so that evaluation never changes the training run's random stream.
+def validation_losses(model, objective, val_data, batch_size, block_size, eval_iters, shift,
+                      low_resource_prob, device, autocast, rank=0, world_size=1, stop_pending=None):
+    """train.py's evaluation during training. Cross-entropy (never thresholded) on the same
+    eval_iters validation batches every time (a fixed generator), in both languages. 'val' is the
+    loss on the mixed batches, each window in the low-resource language with probability
+    low_resource_prob, as in training; it is assembled from the per-window HR and LR losses, so it
+    costs no extra forward pass. The other active loss terms are evaluated on the same mixed batches
+    ('val_<term>'), their states picked per window from the HR and LR passes (windows do not attend
+    to each other). A run without CE (headless) keeps the checkpoint with the best weighted sum of
+    its terms instead. The RNG is forked so that evaluation never changes the training run's random
+    stream.
     Under torchrun (rank, world_size) the batches are split over the ranks, batch i to rank
     i % world_size, and one sum over the ranks puts every batch's losses together: each value
     comes from one rank, the others add zeros, so the figures are exactly those of one process
@@ -278,9 +283,11 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
                 if low_resource:
                     pick = is_low.to(device).view(-1, 1, 1)
                     logits = torch.where(pick, passes["low"][0], logits)
-                    hidden = [torch.where(pick, low_h, high_h) for low_h, high_h in zip(passes["low"][1], hidden)]
+                    hidden = [torch.where(pick, low_h, high_h)
+                              for low_h, high_h in zip(passes["low"][1], hidden)]
                 with autocast:
-                    _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1), model.embeddings())
+                    _, terms = objective(logits, hidden, y + shift * is_low.to(device).unsqueeze(1),
+                                         model.embeddings())
                 row[2 * B:] = torch.stack([terms[name].float() for name in aux])
             if i < eval_iters:
                 results[i] = row
@@ -300,8 +307,8 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     out.update({f"val_{name}": value for name, value in term_sums.items()})
     if low_resource and 2 * shift <= 4096:  # the LR rows' alignment with their HR twins (a char vocabulary's
         embedding = model.input_embedding()  # 2V x 2V cosines are cheap; a BPE table's are not)
-        out.update(metrics.twin_alignment(embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding,
-                                          shift))
+        full = embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding
+        out.update(metrics.twin_alignment(full, shift))
     if not objective.needs_logits:
         out["val_ce"] = out["val"]
         out["val"] = sum(objective.weights[name] * value for name, value in term_sums.items())
@@ -335,7 +342,8 @@ def evaluate_checkpoint(path, device="cpu", data_dir=None):
     config = checkpoint["config"]
     data_dir = checkpoints.data_dir_of(checkpoint, path, data_dir)
     result = evaluate_model(model, data_dir, config["low_resource"], checkpoint["meta"].get("itos"), device)
-    result["checkpoint"] = {"path": path, "iter": checkpoint["iter_num"], "val_loss": checkpoint["best_val_loss"]}
+    result["checkpoint"] = {"path": path, "iter": checkpoint["iter_num"],
+                            "val_loss": checkpoint["best_val_loss"]}
     result["flops"] = {"final_eval": result["flops"], "total": result["flops"]}  # train.py adds its own
     return result
 
@@ -357,7 +365,7 @@ def write_run_metrics(out_dir, run_flops, device, stopped_by=None):
     except KeyboardInterrupt:
         print(f"interrupted during the final evaluation; {later}", file=sys.stderr)
         sys.exit(130)
-    except (checkpoints.CheckpointError, DataError) as e:  # best.pt damaged since it was written, its data moved
+    except (checkpoints.CheckpointError, DataError) as e:  # best.pt damaged since written, its data moved
         ckpt = os.path.join(out_dir, "ckpt.pt")
         exit_run(f"the final evaluation: {e}; training is complete ({ckpt}): python evaluate.py {ckpt} "
                  f"--out={metrics_path} scores its latest weights instead")
@@ -387,21 +395,22 @@ def marginalization_report(parts, train_data, shift, itos):
     aor = torch.tensor([row["average_of_ratio"] for row in rows])
     return {"steps": parts.size(0),
             "mean_ratio_of_average": roa.nanmean().item(), "mean_average_of_ratio": aor.nanmean().item(),
-            "n_ratio_of_average_below_1": int((roa < 1).sum()), "n_average_of_ratio_below_1": int((aor < 1).sum()),
+            "n_ratio_of_average_below_1": int((roa < 1).sum()),
+            "n_average_of_ratio_below_1": int((aor < 1).sum()),
             "tokens_rarest_first": rows}
 
 
 def format_metrics(result):
     langs = [k for k in ("high", "low", "val") if k in result]
-    keys = [k for k in ("ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy", "isotropy_authors")
-            if k in result[langs[0]]]
+    keys = [k for k in ("ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy",
+                        "isotropy_authors") if k in result[langs[0]]]
     lines = ["metric       " + "".join(f"{lang:>10}" for lang in langs)]
     for key in keys:
         lines.append(f"{key:<13}" + "".join(f"{result[lang][key]:>10.4f}" for lang in langs))
     if result.get("rare"):
         r = result["rare"]
-        lines.append(f"rare targets (seen <= {RARE_MAX_COUNT}x in train, {r['fraction']:.1%} of val): ppl {r['ppl']:.2f} "
-                     f"| accuracy {r['accuracy']:.4f} | mrr {r['mrr']:.4f}")
+        lines.append(f"rare targets (seen <= {RARE_MAX_COUNT}x in train, {r['fraction']:.1%} of val): "
+                     f"ppl {r['ppl']:.2f} | accuracy {r['accuracy']:.4f} | mrr {r['mrr']:.4f}")
     for lang, g in result.get("geometry", {}).items():
         lines.append(f"geometry {lang}: mu(l) " + " ".join(f"{m:.3f}" for m in g["mu"]) +
                      " | spearman " + ("n/a" if g["spearman_rho"] is None else f"{g['spearman_rho']:.2f}") +
@@ -409,15 +418,17 @@ def format_metrics(result):
                      f" | final cos {g['final_cosine']:.3f} | simreg {g['simreg_final']:.2e}")
     if "translations" in result:
         t = result["translations"]
-        lines.append(f"isotropy_all {result['isotropy_all']:.4f} | twin in top-3: {t['twin_top3_fraction']:.3f} "
-                     f"| 12 cases: {t['cases_12']} | letters: {t['cases_letters']}/{t['cases_letters_total']}")
+        lines.append(f"isotropy_all {result['isotropy_all']:.4f} | twin in top-3: "
+                     f"{t['twin_top3_fraction']:.3f} | 12 cases: {t['cases_12']} "
+                     f"| letters: {t['cases_letters']}/{t['cases_letters_total']}")
     return "\n".join(lines)
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="path to a checkpoint written by train.py (best.pt or ckpt.pt)")
-    parser.add_argument("--out", default=None, help="where to write the metrics (default: eval_<name>.json beside it)")
+    parser.add_argument("--out", default=None,
+                        help="where to write the metrics (default: eval_<name>.json beside it)")
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--data_dir", default=None, help="the dataset, if not where the run found it")
     parser.add_argument("--device", default="auto")
@@ -428,7 +439,8 @@ if __name__ == "__main__":
     if os.path.exists(out) and not args.overwrite:
         sys.exit(f"error: {out} exists; pass --overwrite to replace it or --out to write elsewhere")
     try:
-        if args.out or os.path.exists(args.checkpoint):  # (no checkpoint: say that, not where its output goes)
+        # (no checkpoint: say that, not where its output goes)
+        if args.out or os.path.exists(args.checkpoint):
             check_writable(out, "--out" if args.out else "the output")  # now, not after the evaluation
         device = choose_device(args.device)
         result = evaluate_checkpoint(args.checkpoint, device, args.data_dir)
@@ -441,9 +453,10 @@ if __name__ == "__main__":
                 previous = json.load(f)
         except ValueError:
             pass
-    if isinstance(previous, dict) and "train" in previous.get("flops", {}):  # a run's metrics.json: keep its FLOPs
+    # a run's metrics.json: keep its FLOPs; its first metrics.json: from ckpt.pt
+    if isinstance(previous, dict) and "train" in previous.get("flops", {}):
         result = with_run_flops(result, previous["flops"])
-    elif (run_flops := flops_of_run(args.checkpoint, out)) is not None:  # its first metrics.json: from ckpt.pt
+    elif (run_flops := flops_of_run(args.checkpoint, out)) is not None:
         result = with_run_flops(result, run_flops)
     try:
         save_json(result, out)

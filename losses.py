@@ -53,18 +53,18 @@ def cross_entropy(logits, targets, ignore_index=-1, margin=None):
     logits = at_least_fp32(logits)
     if margin is not None:
         logits = threshold_logits(logits, targets, margin, ignore_index)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=ignore_index)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=ignore_index)
 
 
 # ----------------------------------------------------------------------------------------------
 # Representation-level losses (SimReg, dispersion, NITP, CWT; each docstring cites its paper).
-# Each works on hidden states, not on logits.
-# They share three habits: half precision is upcast to float32 (at_least_fp32; float64 stays
-# float64) and autocast and TF32 are switched off inside (full_fp32), so the similarity matmuls
-# really run in that precision; masked entries get _mask_out's finite fill (sets that may be empty go through
-# _masked_logsumexp), so an empty set gives a very negative number instead of -inf and no NaN
-# ever reaches a gradient; and nothing calls .item() or indexes with a boolean mask, so no loss
-# forces a host-device sync.
+# Each works on hidden states, not on logits. They share three habits: half precision is upcast to
+# float32 (at_least_fp32; float64 stays float64) and autocast and TF32 are switched off inside
+# (full_fp32), so the similarity matmuls really run in that precision; masked entries get _mask_out's
+# finite fill (sets that may be empty go through _masked_logsumexp), so an empty set gives a very
+# negative number instead of -inf and no NaN ever reaches a gradient; and nothing calls .item() or
+# indexes with a boolean mask, so no loss forces a host-device sync.
 # ----------------------------------------------------------------------------------------------
 
 def _mask_out(x, keep):
@@ -119,10 +119,8 @@ def simreg(h, labels, tau=0.01, chunk_size=None, ignore_index=-1):
             # chunks become sequences of the batch; the last chunk is padded with ignored positions
             n_chunks = -(-T // chunk_size)
             pad = n_chunks * chunk_size - T
-            h = F.pad(h, (0, 0, 0, pad))
-            labels = F.pad(labels, (0, pad), value=ignore_index)
-            h = h.reshape(B * n_chunks, chunk_size, C)
-            labels = labels.reshape(B * n_chunks, chunk_size)
+            h = F.pad(h, (0, 0, 0, pad)).reshape(B * n_chunks, chunk_size, C)
+            labels = F.pad(labels, (0, pad), value=ignore_index).reshape(B * n_chunks, chunk_size)
 
     with full_fp32(h.device.type):
         return _simreg_sequences(at_least_fp32(h), labels, tau, ignore_index)
@@ -177,8 +175,8 @@ def _dispersion_angular(z, tau, form):
     closest pairs are pushed apart hardest. The released code adds 1e-2 inside (a shift of the
     value, no gradient)."""
     B, T, _ = z.shape
-    distance, shift = (_angular_distance(z), 0.0) if form == "paper" else (_angular_distance_released(z), 1e-2)
-    logits = (-distance / tau + shift).reshape(B, T * T)
+    distance = _angular_distance(z) if form == "paper" else _angular_distance_released(z)
+    logits = (-distance / tau + (0.0 if form == "paper" else 1e-2)).reshape(B, T * T)
     per_sequence = _masked_logsumexp(logits, _off_diagonal(T, z.device).reshape(1, T * T), -1)
     return (per_sequence - math.log(T * (T - 1))).mean()
 
@@ -266,11 +264,8 @@ def dispersion(hidden_states, tau=1.0, variant="angular", form="paper"):
       l2_repel: D_ij = |z_i - z_j|^2 / C (width-scaled, as in the authors' later code);
           loss = logsumexp_{all i, j}(-D_ij / tau) - log(T^2) + 0.1 * mean(z^2)
           Here the diagonal i = j is included (as in two of the authors' three code versions).
-          Why: without it the repulsion falls like -2|z|^2/(C tau) as the states grow, while the
-          norm term rises only like 0.1|z|^2/C, so the loss is unbounded below and training
-          diverges (our grids did, with the i != j version). The T diagonal terms, each
-          exp(0) = 1, bound the repulsion below by -log T. Raising the norm coefficient instead
-          would make z = 0 the minimum, i.e. reward the collapse the loss is meant to prevent.
+          Without it the loss is unbounded below as the states grow (our grids diverged); the T
+          diagonal terms, each exp(0) = 1, bound the repulsion below by -log T (docs/fidelity.md).
       orthogonalization: angular D; loss = mean_{i!=j} max(0, 1/2 - D_ij)^2
       l2_repel_norm: l2_repel's norm term alone, 0.1 * mean(z^2) (not in the paper: an ablation)
     The loss is the mean over sequences, then over the given layers.
@@ -302,7 +297,8 @@ def dispersion(hidden_states, tau=1.0, variant="angular", form="paper"):
         raise ValueError(f"dispersion needs T >= 2 positions (pairs i != j), got T = {layers[0].size(1)}")
     with full_fp32(layers[0].device.type):
         if form == "authors" and layers[0].size(1) > AUTHORS_MAX_POSITIONS:
-            layers = [z[:, torch.randperm(z.size(1), device=z.device)[:AUTHORS_MAX_POSITIONS]] for z in layers]
+            layers = [z[:, torch.randperm(z.size(1), device=z.device)[:AUTHORS_MAX_POSITIONS]]
+                      for z in layers]
         per_layer = [DISPERSION_VARIANTS[variant](at_least_fp32(z), tau, form) for z in layers]
     return torch.stack(per_layer).mean()
 
@@ -396,9 +392,9 @@ class Objective(nn.Module):
                            model computes (model.aux_loss) and forward() takes as router_loss
     """
 
-    SETTINGS = ("margin", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau", "dispersion_variant",
-                "dispersion_form", "dispersion_layers", "dispersion_positions", "nitp_layer", "nitp_prenorm", "nitp_hidden",
-                "cwt_tau")
+    SETTINGS = ("margin", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau",
+                "dispersion_variant", "dispersion_form", "dispersion_layers", "dispersion_positions",
+                "nitp_layer", "nitp_prenorm", "nitp_hidden", "cwt_tau")
 
     @classmethod
     def from_config(cls, config):
@@ -411,8 +407,8 @@ class Objective(nn.Module):
 
     def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
                  simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
-                 dispersion_form="paper", dispersion_layers="all", dispersion_positions=0, nitp=0.0, nitp_layer=0, nitp_prenorm=False,
-                 nitp_hidden=0, cwt=0.0, cwt_tau=1.0, moe_aux=0.0):
+                 dispersion_form="paper", dispersion_layers="all", dispersion_positions=0, nitp=0.0,
+                 nitp_layer=0, nitp_prenorm=False, nitp_hidden=0, cwt=0.0, cwt_tau=1.0, moe_aux=0.0):
         super().__init__()
         self.weights = {"ce": ce, "simreg": simreg, "dispersion": dispersion, "nitp": nitp, "cwt": cwt}
         for name, weight in self.weights.items():
@@ -420,26 +416,26 @@ class Objective(nn.Module):
                 raise ValueError(f"{name}_weight must be >= 0, got {weight}")
         if not any(self.weights.values()):
             raise ValueError("every loss weight is 0: nothing to train (set ce_weight or another *_weight)")
-        if dispersion_variant not in DISPERSION_VARIANTS:
-            raise ValueError(f"dispersion_variant must be one of {', '.join(DISPERSION_VARIANTS)}, got {dispersion_variant!r}")
-        if dispersion_form not in DISPERSION_FORMS:
-            raise ValueError(f"dispersion_form must be one of {', '.join(DISPERSION_FORMS)}, got {dispersion_form!r}")
+        for key, value, valid in (("dispersion_variant", dispersion_variant, tuple(DISPERSION_VARIANTS)),
+                                  ("dispersion_form", dispersion_form, DISPERSION_FORMS)):
+            if value not in valid:
+                raise ValueError(f"{key} must be one of {', '.join(valid)}, got {value!r}")
         if dispersion_layers not in ("all", "last"):
             raise ValueError(f"dispersion_layers must be 'all' or 'last', got {dispersion_layers!r}")
         if not -1 <= simreg_layer <= n_layer:
-            raise ValueError(f"simreg_layer must be -1 (final normed state) or 0..{n_layer}, got {simreg_layer}")
-        self.n_layer = n_layer
+            raise ValueError(f"simreg_layer must be -1 (final normed state) or 0..{n_layer}, "
+                             f"got {simreg_layer}")
+        self.n_layer, self.margin = n_layer, margin
         self.moe_aux = moe_aux  # not in weights: a term of the router, not of the representations
-        self.margin = margin
-        self.simreg_tau, self.simreg_chunk_size, self.simreg_layer = simreg_tau, simreg_chunk_size or None, simreg_layer
+        self.simreg_tau, self.simreg_layer = simreg_tau, simreg_layer
+        self.simreg_chunk_size = simreg_chunk_size or None
         self.dispersion_tau, self.dispersion_variant = dispersion_tau, dispersion_variant
         self.dispersion_form = dispersion_form
         self.dispersion_layers, self.dispersion_positions = dispersion_layers, dispersion_positions
         self.nitp_layer = nitp_layer or max(1, round(0.2 * n_layer))
         if not 1 <= self.nitp_layer <= n_layer:
             raise ValueError(f"nitp_layer must be in 1..{n_layer} (0 = ~20 % depth), got {nitp_layer}")
-        self.nitp_prenorm = nitp_prenorm
-        self.cwt_tau = cwt_tau
+        self.nitp_prenorm, self.cwt_tau = nitp_prenorm, cwt_tau
         self.nitp_head = SwiGLU(n_embd, nitp_hidden or 4 * n_embd) if nitp > 0 else None
 
     @property
@@ -495,7 +491,8 @@ def objective_step(model, objective, x, targets, run_model=None, run_objective=N
     model), then every loss of the objective on its outputs, each reaching the weights it needs by
     name (model.embeddings()), and a mixture of experts' router loss. -> (loss, terms, logits,
     hidden_states); logits is None for a headless objective (no LM head computed)."""
-    logits, hidden_states = (run_model or model)(x, return_hidden_states=True, compute_logits=objective.needs_logits)
+    logits, hidden_states = (run_model or model)(x, return_hidden_states=True,
+                                                 compute_logits=objective.needs_logits)
     loss, terms = (run_objective or objective)(logits, hidden_states, targets, model.embeddings(),
                                                router_loss=model.aux_loss)
     return loss, terms, logits, hidden_states

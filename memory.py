@@ -91,8 +91,8 @@ def cpu_flash_attention_on_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causa
     function instead, so a step measured on meta holds what the same step holds on the CPU."""
     if q.device.type == "meta" and attn_mask is None and is_causal and not kwargs:
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, dropout_p, True)[0]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                                          **kwargs)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                          is_causal=is_causal, **kwargs)
 
 
 @functools.lru_cache(maxsize=64)
@@ -106,13 +106,17 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
         objective.to_empty(device=device)
         with torch.no_grad():
             for p in [*model.parameters(), *objective.parameters()]:
-                p.fill_(0.02)  # ...but finite: sizes do not depend on the values (a router sends each token to top_k experts)
+                # ...but finite: sizes do not depend on the values (a router sends each token to
+                # top_k experts)
+                p.fill_(0.02)
     for p in [*model.parameters(), *objective.parameters()]:
         p.grad = torch.zeros_like(p)  # the gradients are the plan's states, not the step's
     x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
     model.use_attention(cpu_flash_attention_on_meta)
-    if str(config.get("device", "")).startswith("cuda") and config.get("dtype") in ("bfloat16", "float16"):  # the logits as autocast's LM head gives them
-        model.lm_head.register_forward_hook(lambda module, args, logits: logits.to(getattr(torch, config["dtype"])))
+    # the logits as autocast's LM head gives them
+    if str(config.get("device", "")).startswith("cuda") and config.get("dtype") in ("bfloat16", "float16"):
+        model.lm_head.register_forward_hook(
+            lambda module, args, logits: logits.to(getattr(torch, config["dtype"])))
     with PeakTensorBytes() as counter:
         loss, _, logits, hidden = objective_step(model, objective, x, x)
         loss.backward()
@@ -129,8 +133,10 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="
     in the compute dtype, else in fp32.
     A mixture of experts runs there too (static shapes: its capacity buffers are counted).
     Cached: a plan asks for the same step often."""
-    keys = tuple(sorted((k, v) for k, v in config.items() if isinstance(v, (int, float, str, bool, type(None)))))
-    return _step_peak_bytes(keys, tuple(sorted(model_config.__dict__.items())), n_layer, batch_size, seq_len, device)
+    keys = tuple(sorted((k, v) for k, v in config.items()
+                        if isinstance(v, (int, float, str, bool, type(None)))))
+    return _step_peak_bytes(keys, tuple(sorted(model_config.__dict__.items())), n_layer, batch_size, seq_len,
+                            device)
 
 
 def activation_gib(config, model_config, batch_size, seq_len, device="meta"):
@@ -148,16 +154,17 @@ def activation_gib(config, model_config, batch_size, seq_len, device="meta"):
 
 
 def gathered_bytes(config):
-    """Bytes per parameter FSDP gathers: train.py's param_dtype, bf16 (fp16) on a GPU, fp32 with dtype=float32."""
+    """Bytes per parameter FSDP gathers: train.py's param_dtype, bf16 (fp16) on a GPU, fp32 with
+    dtype=float32."""
     return 4 if config["dtype"] == "float32" else 2
 
 
 def memory_by_mode(model, config, processes, micro_steps, measure=True):
     """GiB per GPU: {ddp, fsdp} x {plain, checkpointed}, and the parts they are made of.
     DDP (one process: the same without buckets) holds everything on every GPU. FSDP holds 1/N of
-    the states (hybrid sharding, fsdp_shard_size = k: 1/k), plus the largest unit it gathers whole while that unit runs (fsdp_keep_gathered:
-    every unit, for the whole step), plus, with several micro-steps, the whole fp32 gradient
-    between them (gradient sync is off until the last).
+    the states (hybrid sharding, fsdp_shard_size = k: 1/k), plus the largest unit it gathers whole
+    while that unit runs (fsdp_keep_gathered: every unit, for the whole step), plus, with several
+    micro-steps, the whole fp32 gradient between them (gradient sync is off until the last).
     measure: True (step_peak_bytes' device), False (activations NaN) or a device to measure them on."""
     n, group = model.num_params(), shard_group(config, processes)
     blocks, root = fsdp_units(model, group)  # as FSDP holds them: padded where no dimension divides
@@ -182,7 +189,8 @@ def fsdp_units(model, shards):
     whole count on 1). A tied matrix counts once."""
     blocks = [sum(parallelism.padded_numel(p.shape, shards) for p in block.parameters()) for block in model.h]
     in_blocks = {id(p) for block in model.h for p in block.parameters()}
-    root = sum(parallelism.padded_numel(p.shape, shards) for p in model.parameters() if id(p) not in in_blocks)
+    root = sum(parallelism.padded_numel(p.shape, shards) for p in model.parameters()
+               if id(p) not in in_blocks)
     return blocks, root
 
 
@@ -241,16 +249,18 @@ def memory_problem(config, processes, vocab, available_gib, where, heap=0.0):
     def fsdp_fits(n):
         return next((v for v in variants if fits(parallel="fsdp", processes=n, **v)), None)
     n = 2 * processes
-    while n <= 4096 and ((config["global_batch_size"] or 1) % (config["batch_size"] * n if config["global_batch_size"]
-                                                               else 1) or fsdp_fits(n) is None):
+    global_batch = config["global_batch_size"]
+    while n <= 4096 and ((global_batch and global_batch % (config["batch_size"] * n))
+                         or fsdp_fits(n) is None):
         n *= 2
     if n <= 4096:
         flags = "".join(f" --{key}={value}" for key, value in fsdp_fits(n).items())
         options.append(f"--parallel=fsdp{flags} on {n} processes (torchrun) of {available_gib:.1f} GiB each")
-    would = ("; it would fit with " + ", or with ".join(options)) if options else "; nothing the plan tries fits"
+    would = (("; it would fit with " + ", or with ".join(options)) if options
+             else "; nothing the plan tries fits")
     what = "weights, gradients, AdamW states and activations"
-    return (f"this run needs {need:.1f} GiB per process ({what}; `python plan.py <config>` gives the parts) but "
-            f"{where} has {available_gib:.1f} GiB{would}; to start it anyway: --check_memory=False")
+    return (f"this run needs {need:.1f} GiB per process ({what}; `python plan.py <config>` gives the parts) "
+            f"but {where} has {available_gib:.1f} GiB{would}; to start it anyway: --check_memory=False")
 
 
 def largest_batch_size(config, processes, vocab, available_gib, heap=0.0):

@@ -174,7 +174,8 @@ def best_temperature_perplexity(logits, targets, max_block_elems=2**22):
     rows = max(1, max_block_elems // V)
 
     def means_at(b):
-        total = sum(temperature_nll_sums(logits[i:i + rows], targets[i:i + rows], b) for i in range(0, N, rows))
+        total = sum(temperature_nll_sums(logits[i:i + rows], targets[i:i + rows], b)
+                    for i in range(0, N, rows))
         return (total / N).tolist()
 
     f, b, _ = best_inverse_temperature(means_at)
@@ -256,12 +257,6 @@ def isotropy_sign_range(W):
     return math.exp(lowest), math.exp(highest)
 
 
-def _stoi(itos):
-    """char -> index, for itos given as a list/str or as a dict {index: char}."""
-    items = itos.items() if isinstance(itos, dict) else enumerate(itos)
-    return {ch: i for i, ch in items}
-
-
 def _case_count(top3, i_upper, i_lower, shift):
     """
     12-case count for one letter. The four rows A_HR, a_HR, A_LR, a_LR each
@@ -326,23 +321,15 @@ def translation_metrics(E, itos, shift):
     assert E.shape[0] == 2 * shift, "E must have 2*shift rows"
     top3, twin_frac, _ = _twin_neighbours(E, shift)
 
-    stoi = {ch: i for ch, i in _stoi(itos).items() if 0 <= i < shift}
-    cases_12 = None
-    if "A" in stoi and "a" in stoi:
-        cases_12 = _case_count(top3, stoi["A"], stoi["a"], shift)
-
-    cases_letters, n_letters = 0, 0
-    for up in string.ascii_uppercase:
-        lo = up.lower()
-        if up in stoi and lo in stoi:
-            cases_letters += _case_count(top3, stoi[up], stoi[lo], shift)
-            n_letters += 1
-
+    # char -> index, for itos given as a list/str or as a dict {index: char}; then the HR rows only
+    index = {ch: i for i, ch in (itos.items() if isinstance(itos, dict) else enumerate(itos))}
+    stoi = {ch: i for ch, i in index.items() if 0 <= i < shift}
+    letters = [up for up in string.ascii_uppercase if up in stoi and up.lower() in stoi]
     return {
         "twin_top3_fraction": twin_frac,
-        "cases_12": cases_12,
-        "cases_letters": cases_letters,
-        "cases_letters_total": 12 * n_letters,
+        "cases_12": _case_count(top3, stoi["A"], stoi["a"], shift) if "A" in letters else None,
+        "cases_letters": sum(_case_count(top3, stoi[up], stoi[up.lower()], shift) for up in letters),
+        "cases_letters_total": 12 * len(letters),
     }
 
 
@@ -388,7 +375,8 @@ def embedding_gradient_part_vectors(idx, targets, hidden, grad_logits, grad_embe
 
     # (3) non-target: all entries of grad_logits except the target column and
     # except ignored rows, then the head's usual weight gradient G^T @ hidden
-    keep = valid.view(-1, 1) & (torch.arange(V, device=targets.device).view(1, -1) != safe_t.view(-1, 1))  # (N, V)
+    not_target = torch.arange(V, device=targets.device).view(1, -1) != safe_t.view(-1, 1)
+    keep = valid.view(-1, 1) & not_target                          # (N, V)
     g_nontarget = (grad_logits * keep.to(dtype)).T @ hidden
     return g_input, g_target, g_nontarget
 
@@ -416,8 +404,8 @@ class EmbeddingGradientRecorder:
             C = hidden_states[0].size(-1)
             parts = embedding_gradient_part_vectors(
                 idx.reshape(-1), targets.reshape(-1), hidden_states[-1].detach().reshape(-1, C).float(),
-                logits.grad.reshape(-1, self.vocab_size).float(), hidden_states[0].grad.reshape(-1, C).float(),
-                self.vocab_size)
+                logits.grad.reshape(-1, self.vocab_size).float(),
+                hidden_states[0].grad.reshape(-1, C).float(), self.vocab_size)
             self.parts = self.parts + torch.stack(parts) / scaler.get_scale()
 
     def end_step(self, stepped):

@@ -44,8 +44,8 @@ class GPTConfig:
     ffn_hidden: int = 0       # SwiGLU hidden width; 0 = 8/3 n_embd rounded up to a multiple of 256
     n_expert: int = 1         # > 1: Mixtral mixture-of-experts MLP with this many experts
     top_k: int = 2            # experts per token
-    capacity_factor: float = 0.0  # slots per expert: ceil(capacity_factor * tokens * top_k / n_expert), at most
-    #                               all tokens; 0 = all tokens, nothing dropped (MixtureOfExperts)
+    capacity_factor: float = 0.0  # slots per expert: ceil(capacity_factor * tokens * top_k / n_expert),
+    #                               at most all tokens; 0 = all tokens, nothing dropped (MixtureOfExperts)
     rope_theta: float = 10000.0
     init_std: float = 0.01    # std of every weight matrix (LLaMA recipe); gpt2 uses 0.02
 
@@ -62,10 +62,11 @@ class GPTConfig:
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
         if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
-            raise ValueError(f"RoPE needs an even head size, got n_embd / n_head = {self.n_embd // self.n_head}")
+            raise ValueError(f"RoPE needs an even head size, "
+                             f"got n_embd / n_head = {self.n_embd // self.n_head}")
         if self.n_expert > 1 and not (self.arch == "llama" and 1 <= self.top_k <= self.n_expert):
-            raise ValueError(f"n_expert > 1 needs arch='llama' and 1 <= top_k <= n_expert, got arch={self.arch!r}, "
-                             f"top_k={self.top_k}, n_expert={self.n_expert}")
+            raise ValueError(f"n_expert > 1 needs arch='llama' and 1 <= top_k <= n_expert, "
+                             f"got arch={self.arch!r}, top_k={self.top_k}, n_expert={self.n_expert}")
         if not self.capacity_factor >= 0:
             raise ValueError(f"capacity_factor must be >= 0, got {self.capacity_factor}")
 
@@ -98,7 +99,7 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    attention = staticmethod(F.scaled_dot_product_attention)  # the kernel; GPT.use_attention swaps it per model
+    attention = staticmethod(F.scaled_dot_product_attention)  # the kernel: GPT.use_attention swaps it
 
     def __init__(self, config):
         super().__init__()
@@ -163,7 +164,9 @@ def full_fp32(device_type):
     torch.set_float32_matmul_precision("highest")
     try:
         # (the meta device, on which plan.py measures a step, has no autocast to switch off)
-        with torch.autocast(device_type=device_type, enabled=False) if device_type != "meta" else contextlib.nullcontext():
+        autocast_off = (torch.autocast(device_type=device_type, enabled=False) if device_type != "meta"
+                        else contextlib.nullcontext())
+        with autocast_off:
             yield
     finally:
         torch.set_float32_matmul_precision(saved)
@@ -178,7 +181,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x):
-        return F.rms_norm(at_least_fp32(x), self.weight.shape, at_least_fp32(self.weight), self.eps).type_as(x)
+        return F.rms_norm(at_least_fp32(x), self.weight.shape, at_least_fp32(self.weight),
+                          self.eps).type_as(x)
 
 
 def rope_angles(seq_len, head_dim, theta, device):
@@ -199,7 +203,7 @@ def apply_rope(x, cos, sin):
 
 
 class RotaryAttention(nn.Module):
-    attention = staticmethod(F.scaled_dot_product_attention)  # the kernel; GPT.use_attention swaps it per model
+    attention = staticmethod(F.scaled_dot_product_attention)  # the kernel: GPT.use_attention swaps it
 
     def __init__(self, config):
         super().__init__()
@@ -209,7 +213,8 @@ class RotaryAttention(nn.Module):
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.wqkv(x).split(C, dim=2))
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.wqkv(x).split(C, dim=2))
         y = self.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
         return self.wo(y.transpose(1, 2).contiguous().view(B, T, C))
 
@@ -257,7 +262,7 @@ class MixtureOfExperts(nn.Module):
         super().__init__()
         E, C, H = config.n_expert, config.n_embd, config.ffn_width
         self.router = nn.Linear(C, E, bias=False)
-        # each expert's matrices stacked, (E, out, in) as nn.Linear's; N(0, init_std) as the model's init draws them
+        # each expert's matrices stacked, (E, out, in) as nn.Linear's; N(0, init_std) like the model's init
         self.gate = nn.Parameter(torch.randn(E, H, C) * config.init_std)
         self.up = nn.Parameter(torch.randn(E, H, C) * config.init_std)
         self.down = nn.Parameter(torch.randn(E, C, H) * config.init_std)
@@ -297,7 +302,8 @@ class LlamaBlock(nn.Module):
         self.attn_norm = RMSNorm(config.n_embd)
         self.attn = RotaryAttention(config)
         self.mlp_norm = RMSNorm(config.n_embd)
-        self.mlp = MixtureOfExperts(config) if config.n_expert > 1 else SwiGLU(config.n_embd, config.ffn_width)
+        self.mlp = (MixtureOfExperts(config) if config.n_expert > 1
+                    else SwiGLU(config.n_embd, config.ffn_width))
 
     def forward(self, x, cos, sin):
         x = x + self.attn(self.attn_norm(x), cos, sin)
@@ -315,11 +321,13 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(config.vocab_size, config.n_embd)
         self.wpe = None if llama else nn.Embedding(config.block_size, config.n_embd)  # llama: RoPE instead
         self.drop = nn.Dropout(config.dropout)
-        self.h = nn.ModuleList([LlamaBlock(config) if llama else Block(config) for _ in range(config.n_layer)])
+        self.h = nn.ModuleList([LlamaBlock(config) if llama else Block(config)
+                                for _ in range(config.n_layer)])
         self.ln_f = RMSNorm(config.n_embd) if llama else LayerNorm(config.n_embd, config.bias)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         self.aux_loss = None  # MoE: the router's load-balancing loss of the last forward, mean over layers
-        self.dropped_fraction = None  # MoE: share of routed slots past their expert's capacity, mean over layers
+        # MoE: share of routed slots past their expert's capacity, mean over layers
+        self.dropped_fraction = None
         self.tie_weights()
 
     def tie_weights(self):
@@ -344,7 +352,8 @@ class GPT(nn.Module):
         std = 0.02
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
-                yield name, lambda t: nn.init.normal_(t, mean=0.0, std=std / math.sqrt(2 * self.config.n_layer))
+                yield name, lambda t: nn.init.normal_(t, mean=0.0,
+                                                      std=std / math.sqrt(2 * self.config.n_layer))
             elif p.dim() == 2:
                 yield name, lambda t: nn.init.normal_(t, mean=0.0, std=std)
             elif name.endswith("bias"):
@@ -420,7 +429,8 @@ class GPT(nn.Module):
         assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
         if self.wpe is None:  # llama: positions enter as rotations of q and k in every block
             x = self.drop(self.wte(idx))
-            cos, sin = rope_angles(T, self.config.n_embd // self.config.n_head, self.config.rope_theta, idx.device)
+            cos, sin = rope_angles(T, self.config.n_embd // self.config.n_head, self.config.rope_theta,
+                                   idx.device)
             run = lambda block, x: block(x, cos, sin)  # noqa: E731
         else:
             x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
@@ -442,7 +452,8 @@ class GPT(nn.Module):
         """Sample max_new_tokens tokens after idx (B, T); the context is cropped to block_size."""
         for _ in range(max_new_tokens):
             context = idx[:, -self.config.block_size:]
-            logits = self(context)[:, -1, :]  # the largest at 0 first: a temperature near 0 is greedy, not inf / inf
+            logits = self(context)[:, -1, :]
+            # the largest at 0 first: a temperature near 0 is greedy, not inf / inf
             logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
             if top_k is not None:
                 kth = torch.topk(logits, min(top_k, logits.size(-1))).values[:, [-1]]

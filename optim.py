@@ -36,7 +36,8 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dim() != 2:
-                    raise ValueError(f"SeparatedRowsAdamW takes 2-D parameters (rows), got shape {tuple(p.shape)}")
+                    raise ValueError(f"SeparatedRowsAdamW takes 2-D parameters (rows), "
+                                     f"got shape {tuple(p.shape)}")
 
     @torch.no_grad()
     def step(self):
@@ -154,7 +155,7 @@ class AdaGC:
     the threshold, and shrinks every tensor when one spikes. AdaGC bounds each tensor i against its
     own history instead: with g_i its gradient at step t and gamma_i an EMA of its clipped norms,
         warm-up (t < warmup):  g <- g * min(1, max_norm / ||g||)      (global, ||g|| over all tensors)
-                               gamma_i <- min(gamma_i, ||g_i||)        (the clipped norm; running minimum from +inf)
+                               gamma_i <- min(gamma_i, ||g_i||)        (clipped norm; running min from +inf)
         after:                 g_i <- g_i * min(1, rel * gamma_i / ||g_i||)
                                gamma_i <- beta * gamma_i + (1 - beta) * ||g_i||   (the clipped norm)
     Defaults beta 0.99, rel 1.04 (the SimReg paper), warm-up 100 steps at max_norm 1.0.
@@ -187,7 +188,8 @@ class AdaGC:
         norms[have] = tensor_norms(grads)
         if self.step < self.warmup:
             total = norms.square().sum().sqrt()
-            scale = (self.max_norm / (total + 1e-6)).clamp(max=1.0) if self.max_norm > 0 else total.new_ones(())
+            scale = ((self.max_norm / (total + 1e-6)).clamp(max=1.0) if self.max_norm > 0
+                     else total.new_ones(()))
             scale = scale.expand_as(norms)
             clipped = norms * scale
             ema = torch.minimum(self.ema, clipped)
@@ -230,8 +232,10 @@ def tensor_norms(tensors):
     shard_dims = {tuple(i for i, p in enumerate(t.placements) if not p.is_replicate()) for t in sharded}
     if len(sharded) != len(tensors) or len(shard_dims) != 1 or len(next(iter(shard_dims))) != 1 \
             or any(not t.placements[next(iter(shard_dims))[0]].is_shard() for t in sharded):
-        raise ValueError("tensor_norms takes plain tensors or DTensors sharded over one mesh dimension (FSDP2, HSDP)")
+        raise ValueError("tensor_norms takes plain tensors or DTensors sharded over one mesh dimension "
+                         "(FSDP2, HSDP)")
     (mesh_dim,) = next(iter(shard_dims))
-    squares = torch.stack([torch.linalg.vector_norm(t.to_local(), dtype=torch.float32) for t in sharded]).square()
+    squares = torch.stack([torch.linalg.vector_norm(t.to_local(), dtype=torch.float32)
+                           for t in sharded]).square()
     torch.distributed.all_reduce(squares, group=sharded[0].device_mesh.get_group(mesh_dim))
     return squares.sqrt()

@@ -123,7 +123,8 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     world, mesh_device = dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu"
     if shard_size and shard_size < world:  # (replicate, shard): FSDP2 over a 2-D mesh is hybrid sharding
-        mesh = init_device_mesh(mesh_device, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+        mesh = init_device_mesh(mesh_device, (world // shard_size, shard_size),
+                                mesh_dim_names=("replicate", "shard"))
     else:
         mesh = init_device_mesh(mesh_device, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
@@ -206,7 +207,8 @@ def copy_shards(module, weights):
     tensor (of a memory-mapped checkpoint: only those pages are read), in state-dict order."""
     state = module.state_dict()
     if state.keys() != weights.keys():
-        raise ValueError(f"the starting weights do not fit the model: missing {sorted(state.keys() - weights.keys())}, "
+        raise ValueError(f"the starting weights do not fit the model: "
+                         f"missing {sorted(state.keys() - weights.keys())}, "
                          f"unexpected {sorted(weights.keys() - state.keys())}")
     for name, p in state.items():
         p.to_local().copy_(local_rows(weights[name], p))
@@ -258,14 +260,16 @@ def padded_numel(shape, shards):
 
 
 def padding_note(named_parameters, shards):
-    """One line when FSDP on `shards` ranks pads some parameters (no dimension of theirs divides), else None."""
+    """One line when FSDP on `shards` ranks pads some parameters (no dimension of theirs divides),
+    else None."""
     extra = {name: (padded_numel(p.shape, shards) - p.numel(), list(p.shape)) for name, p in named_parameters}
     padded = sorted(((e, name, shape) for name, (e, shape) in extra.items() if e), key=lambda x: -x[0])
     if not padded:
         return None
     total = sum(p.numel() for _, p in named_parameters)
     extra = sum(e for e, _, _ in padded)
-    names = ", ".join(f"{n} {s}" for _, n, s in padded[:3]) + (" ..." if len(padded) > 3 else "")  # the most padded
+    # the most padded
+    names = ", ".join(f"{n} {s}" for _, n, s in padded[:3]) + (" ..." if len(padded) > 3 else "")
     why = "no dimension divides" if PLACES_SHARDS else "this torch cuts dim 0 only"
     return (f"note: fsdp pads {len(padded)} parameters to a multiple of {shards} ranks ({why}: {names}): "
             f"its all-gathers and reduce-scatters move {100 * extra / total:.1f} % more than the weights")
@@ -277,8 +281,8 @@ def fsdp_unavailable(device):
     those are torch.cpu.Stream's no-ops, and record_event / wait_event came in torch 2.7."""
     on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
     if on_cpu and not hasattr(torch.cpu.Stream, "record_event"):
-        return (f"parallel='fsdp' on the CPU needs torch >= 2.7 (FSDP2 records events on torch.cpu.Stream; this is "
-                f"torch {torch.__version__}); use parallel='ddp' or a CUDA device")
+        return (f"parallel='fsdp' on the CPU needs torch >= 2.7 (FSDP2 records events on torch.cpu.Stream; "
+                f"this is torch {torch.__version__}); use parallel='ddp' or a CUDA device")
     return None
 
 

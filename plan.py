@@ -3,7 +3,8 @@ The plan of a run, before it starts: what train.py would do with a config on a n
 processes, and whether it fits and how long it takes.
 
     python train.py config/baseline_7b.py --dry_run=True       # the plan for the processes as launched
-    python plan.py config/baseline_7b.py --processes 64 --gpu H100 --mfu 0.4 [--link_gbps 400] [--key=value ...]
+    python plan.py config/baseline_7b.py --processes 64 --gpu H100 --mfu 0.4 \
+        [--link_gbps 400] [--key=value ...]
 
 Nothing is allocated for the run: the model and the objective are built on the meta device, so
 a 7B plan takes seconds. The plan holds
@@ -139,8 +140,9 @@ def communication_bytes(model, objective, parallel, processes, micro_steps, para
     share = (group - 1) / group
     shards = group if parallel == "fsdp" else 1  # FSDP's buffers: padded where no dimension divides
     blocks, root = fsdp_units(model, shards)
-    head = sum(parallelism.padded_numel(p.shape, shards) for p in objective.parameters())  # NITP's head's unit
-    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0, "exposed_between": 0.0}
+    head = sum(parallelism.padded_numel(p.shape, shards) for p in objective.parameters())  # NITP's head
+    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0,
+           "exposed_between": 0.0}
     if parallel == "ddp":
         out["all_reduce"] = 2 * share * 4 * (root + sum(blocks) + head)
         embeddings = sum(m.weight.numel() for m in (model.wte, model.wpe) if m is not None)
@@ -148,7 +150,8 @@ def communication_bytes(model, objective, parallel, processes, micro_steps, para
     elif parallel == "fsdp":
         # every block twice per micro-step (forward, backward), each root once; kept gathered: once per step
         gathers = 1 if keep_gathered else micro_steps
-        out["all_gather"] = gathers * share * param_bytes * ((1 if keep_gathered else 2) * sum(blocks) + root + head)
+        out["all_gather"] = (gathers * share * param_bytes
+                             * ((1 if keep_gathered else 2) * sum(blocks) + root + head))
         out["reduce_scatter"] = share * 4 * (root + sum(blocks) + head)  # the last micro-step only
         out["exposed"] = share * (root + blocks[0]) * (gathers * param_bytes + 4)
         replicas = processes // group
@@ -189,12 +192,14 @@ def data_needed(config, tokens_per_run):
         n, T, windows = out["prepared"], config["block_size"], tokens_per_run // config["block_size"]
         if config.get("data_order") == "epoch" and n > T:  # data.EpochWindows: (n - 1) // T windows per epoch
             out["epochs"] = windows / ((n - 1) // T)
-        elif n > T:  # a token is in a window that starts at most T before it: T + 1 of the n - T random starts,
+        elif n > T:
+            # a token is in a window that starts at most T before it: T + 1 of the n - T random starts,
             # so the run's windows all miss it with probability (1 - (T + 1) / (n - T))^windows ~ exp(-passes)
             out["unseen"] = max(0.0, 1 - (T + 1) / (n - T)) ** windows
         if meta.get("train_shards"):
             per_shard = out["prepared"] / len(meta["train_shards"])
-            out["shards"], out["shards_needed"] = len(meta["train_shards"]), math.ceil(tokens_per_run / per_shard)
+            out["shards"] = len(meta["train_shards"])
+            out["shards_needed"] = math.ceil(tokens_per_run / per_shard)
     else:
         out["prepared"], out["passes"] = None, None
         if c4:
@@ -224,9 +229,11 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
     B, T = config["batch_size"], config["block_size"]
     micro_steps = micro_steps_of(config, processes)
     tokens_per_step = micro_steps * B * T * processes
-    flops_per_step = training_flops_per_token(model, objective, B * T, config["cwt_weight"] > 0) * tokens_per_step
+    flops_per_token = training_flops_per_token(model, objective, B * T, config["cwt_weight"] > 0)
+    flops_per_step = flops_per_token * tokens_per_step
     evaluations = config["max_iters"] // config["eval_interval"] + 1  # at step 0 and every eval_interval
-    flops_per_run = flops_per_step * config["max_iters"] + evaluations * evaluation_flops(model, config, processes)
+    flops_per_run = (flops_per_step * config["max_iters"]
+                     + evaluations * evaluation_flops(model, config, processes))
     per_gpu, parts = memory_by_mode(model, config, processes, micro_steps, measure)
     link, link_name = link_of(gpu, processes, link_gbps)
     hours = flops_per_run / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes) / 3600
@@ -255,17 +262,19 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
     # FSDP: the weights kept gathered over the step (fsdp_keep_gathered): its time, and its memory per GPU
     kept = None
     if config["parallel"] == "fsdp" and not config.get("fsdp_keep_gathered"):
-        extra = memory_by_mode(model, {**config, "fsdp_keep_gathered": True}, processes, micro_steps, False)[1]["fsdp"] \
-            - parts["fsdp"]
+        gathered = memory_by_mode(model, {**config, "fsdp_keep_gathered": True}, processes, micro_steps,
+                                  False)[1]["fsdp"]
         mode = "checkpointed" if config["activation_checkpointing"] else "plain"
-        kept = {"seconds": communication(micro_steps, keep=True)["seconds"], "gib": per_gpu["fsdp"][mode] + extra}
+        kept = {"seconds": communication(micro_steps, keep=True)["seconds"],
+                "gib": per_gpu["fsdp"][mode] + (gathered - parts["fsdp"])}
     sequences = config["global_batch_size"]
     fewer_processes = next(({"processes": n, "keys": f"--batch_size={sequences // n}"}
                             for n in range(processes - 1, 0, -1) if sequences and sequences % n == 0
                             and communication(1, n)["seconds"] <= compute_s * processes / n), None)
     return {"params": model.num_params(), "active_params": model.num_params(active=True),
             "objective_params": sum(p.numel() for p in objective.parameters()),
-            "processes": processes, "micro_batch": B, "auto_batch": auto and ("fits" if fits else "nothing fits"), "seq_len": T, "micro_steps": micro_steps,
+            "processes": processes, "micro_batch": B, "seq_len": T, "micro_steps": micro_steps,
+            "auto_batch": auto and ("fits" if fits else "nothing fits"),
             "tokens_per_step": tokens_per_step, "tokens_per_run": tokens_per_step * config["max_iters"],
             "steps": config["max_iters"], "flops_per_step": flops_per_step, "flops_per_run": flops_per_run,
             "gpu": gpu, "mfu": mfu, "hours": hours, "compute_seconds": compute_s,
@@ -285,41 +294,48 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
 def format_plan(p):
     """The plan as the lines train.py --dry_run prints."""
     active = f" ({p['active_params']:,} active per token)" if p["active_params"] != p["params"] else ""
-    lines = [f"params: {p['params']:,}{active}" + (f" + objective {p['objective_params']:,}" if p["objective_params"] else ""),
+    plus_objective = f" + objective {p['objective_params']:,}" if p["objective_params"] else ""
+    of_one_gpu = f"{AUTO_BATCH_MEMORY:.0%} of one {p['gpu']}'s {GPU_MEMORY_GIB[p['gpu']]} GiB"
+    auto = {"fits": f" (batch_size='auto': the most that fits {of_one_gpu})",
+            "nothing fits": f" (batch_size='auto': not even 1 fits {of_one_gpu} on {p['processes']} "
+                            "process(es): see memory)",
+            False: ""}[p["auto_batch"]]
+    lines = [f"params: {p['params']:,}{active}{plus_objective}",
              f"batch: {p['processes']} process(es) x {p['micro_steps']} micro-step(s) x {p['micro_batch']}"
-             + {"fits": f" (batch_size='auto': the most that fits {AUTO_BATCH_MEMORY:.0%} of one {p['gpu']}'s "
-                        f"{GPU_MEMORY_GIB[p['gpu']]} GiB)",
-                "nothing fits": f" (batch_size='auto': not even 1 fits {AUTO_BATCH_MEMORY:.0%} of one {p['gpu']}'s "
-                                f"{GPU_MEMORY_GIB[p['gpu']]} GiB on {p['processes']} process(es): see memory)",
-                False: ""}[p["auto_batch"]] + " x "
-             f"{p['seq_len']} = {p['tokens_per_step']:,} tokens/step; {p['steps']:,} steps = "
+             f"{auto} x {p['seq_len']} = {p['tokens_per_step']:,} tokens/step; {p['steps']:,} steps = "
              f"{p['tokens_per_run']:,} tokens",
-             f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run (evaluations "
-             f"included) = {p['hours']:,.1f} h on {p['processes']} x {p['gpu']} at MFU {p['mfu']:.0%}",
+             f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run "
+             f"(evaluations included) = {p['hours']:,.1f} h on {p['processes']} x {p['gpu']} "
+             f"at MFU {p['mfu']:.0%}",
              *communication_lines(p), *([p["padding"]] if p["padding"] else []),
              "memory per GPU (GiB; activations fp32, an upper bound under bf16):"]
     chosen = p["parallel"] if p["parallel"] != "none" else "ddp"
     for mode in ("ddp", "fsdp"):
         m = p["memory"][mode]
-        mark = lambda ckpt: " <- this config" if mode == chosen and ckpt == p["activation_checkpointing"] else ""  # noqa: E731
-        lines.append(f"  {mode}: {m['plain']:.1f}{mark(False)}, with activation checkpointing {m['checkpointed']:.1f}"
-                     f"{mark(True)}")
+        def mark(ckpt):
+            return " <- this config" if mode == chosen and ckpt == p["activation_checkpointing"] else ""
+        lines.append(f"  {mode}: {m['plain']:.1f}{mark(False)}, "
+                     f"with activation checkpointing {m['checkpointed']:.1f}{mark(True)}")
     d = p["data"]
     if d["prepared"] is None:
-        need = f" (about {d['shards_needed']} C4 shards: {preparation_command(d['data_dir'], d['shards_needed'])})" \
-            if "shards_needed" in d else f" ({preparation_command(d['data_dir'])})"
+        if "shards_needed" in d:
+            need = (f" (about {d['shards_needed']} C4 shards: "
+                    f"{preparation_command(d['data_dir'], d['shards_needed'])})")
+        else:
+            need = f" ({preparation_command(d['data_dir'])})"
         lines.append(f"data: {d['tokens']:,} tokens needed; nothing prepared in {d['data_dir']}{need}")
     else:
-        shards = f" from {d['shards']} shard(s); {d['shards_needed']} needed for one pass" if "shards" in d else ""
+        shards = (f" from {d['shards']} shard(s); {d['shards_needed']} needed for one pass"
+                  if "shards" in d else "")
         held = f"{d['prepared']:,} prepared in {d['data_dir']}{shards}"
         if "epochs" in d:
-            lines.append(f"data: {d['tokens']:,} tokens trained = {d['epochs']:.2f} epochs of the training split "
-                         f"({held}; data_order='epoch': every window once per epoch)")
+            lines.append(f"data: {d['tokens']:,} tokens trained = {d['epochs']:.2f} epochs of the "
+                         f"training split ({held}; data_order='epoch': every window once per epoch)")
         else:
-            unseen = f"; random windows (data_order='random') leave about {d['unseen']:.1%} of it never seen" \
-                if "unseen" in d else ""
-            lines.append(f"data: {d['tokens']:,} tokens trained = {d['passes']:.2f} passes over the training split "
-                         f"({held}){unseen}")
+            unseen = (f"; random windows (data_order='random') leave about {d['unseen']:.1%} of it "
+                      "never seen") if "unseen" in d else ""
+            lines.append(f"data: {d['tokens']:,} tokens trained = {d['passes']:.2f} passes over the "
+                         f"training split ({held}){unseen}")
         if d["passes"] > 1:
             lines.append(f"warning: the run passes over its data {d['passes']:.1f} times")
     return "\n".join(lines)
@@ -337,27 +353,28 @@ def communication_lines(p):
         gbps, name = p["group_link"]
         mode, links = (f"fsdp sharded in groups of {p['shard_group']}",
                        f"within a group at {gbps:,g} Gb/s ({name}), all-reduce between them {links}")
-    lines = [f"communication: {c['total'] / 1e9:,.1f} GB/step sent per process ({mode}: {kinds}) = {c['seconds']:.2f} "
-             f"s {links} against {compute:.2f} s of compute; a step "
+    lines = [f"communication: {c['total'] / 1e9:,.1f} GB/step sent per process ({mode}: {kinds}) = "
+             f"{c['seconds']:.2f} s {links} against {compute:.2f} s of compute; a step "
              f"{p['step_seconds']:.2f} s with overlap: {p['hours_with_communication']:,.1f} h for the run"]
     if c["seconds"] > compute:
         fewer, regathers = p["fewer_micro_steps"], mode == "fsdp" and not p["fsdp_keep_gathered"]
         if fewer:
-            fix = (f"{fewer['keys']} ({fewer['micro_steps']} micro-step(s)) would bring it to {fewer['seconds']:.2f} s "
-                   f"(check its memory with {fewer['keys']}), as would a faster link")
+            fix = (f"{fewer['keys']} ({fewer['micro_steps']} micro-step(s)) would bring it to "
+                   f"{fewer['seconds']:.2f} s (check its memory with {fewer['keys']}), "
+                   "as would a faster link")
         elif p["fewer_processes"]:
             f = p["fewer_processes"]
-            fix = (f"on {f['processes']} processes, one micro-step of {f['keys']} each, compute would hide it (check "
-                   f"their memory), as would a faster link")
+            fix = (f"on {f['processes']} processes, one micro-step of {f['keys']} each, compute would hide "
+                   f"it (check their memory), as would a faster link")
         else:
             fix = "a larger global_batch_size (more compute per step) or a faster link would fix it"
         if p.get("keep_gathered"):
             k = p["keep_gathered"]
-            fix += (f"; or --fsdp_keep_gathered=True: {k['seconds']:.2f} s, the weights gathered once per step, "
-                    f"{k['gib']:.1f} GiB per GPU")
+            fix += (f"; or --fsdp_keep_gathered=True: {k['seconds']:.2f} s, the weights gathered once "
+                    f"per step, {k['gib']:.1f} GiB per GPU")
         why = " (FSDP gathers the weights twice in every micro-step)" if regathers else ""
-        lines.append(f"warning: communication ({c['seconds']:.2f} s/step) exceeds compute ({compute:.2f} s/step)"
-                     f"{why}; {fix}")
+        lines.append(f"warning: communication ({c['seconds']:.2f} s/step) exceeds compute "
+                     f"({compute:.2f} s/step){why}; {fix}")
     return lines
 
 
@@ -377,10 +394,13 @@ def print_plan_and_exit(config, processes):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
-    parser.add_argument("--gpu", default="H100", help=f"one of {', '.join(GPU_PEAK_BF16_FLOPS)} (bf16 datasheet peak)")
-    parser.add_argument("--mfu", type=float, default=0.4, help="the model FLOPs utilisation assumed for the time")
+    parser.add_argument("--gpu", default="H100",
+                        help=f"one of {', '.join(GPU_PEAK_BF16_FLOPS)} (bf16 datasheet peak)")
+    parser.add_argument("--mfu", type=float, default=0.4,
+                        help="the model FLOPs utilisation assumed for the time")
     parser.add_argument("--link_gbps", type=float, default=None,
-                        help="Gb/s each way per GPU of the collectives' link (default: LINK_GBPS's for --gpu)")
+                        help="Gb/s each way per GPU of the collectives' link "
+                             "(default: LINK_GBPS's for --gpu)")
     args, config_args = parser.parse_known_args(argv)
     try:
         config = parse_config(config_args, train_defaults())

@@ -23,10 +23,9 @@ shards.
 
 Why the code looks the way it does:
 
-1. Big downloads fail. Each shard streams into ``<name>.part``; if that file exists, the next
-   attempt asks the server only for the missing bytes (HTTP ``Range``). Connection errors, 5xx
-   answers and transfers cut short are retried with exponential backoff, and a run that gives up
-   keeps the ``.part`` so the next run resumes. Only a complete shard is renamed to its name.
+1. Big downloads fail. Each shard is fetched by ``download.download``: resumed from its
+   ``<name>.part`` with an HTTP ``Range`` request, retried with exponential backoff, and renamed
+   to its name only when complete; a run that gives up keeps the ``.part`` for the next.
 2. The shard is the unit of work. A worker process reads one whole shard: it decompresses it,
    checks every line (gzip intact, JSON with a "text" string), tokenises it into the shard's token
    file and hashes the shard on the way, all in one pass. The main process only downloads (the
@@ -65,28 +64,17 @@ import time
 import zlib
 
 import numpy as np
-import requests
-import urllib3
-from tqdm import tqdm
 
 from data import BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, write_meta
+from download import CHUNK_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT, download
 from utils import atomic_write
 
 DEFAULT_OUT_DIR = os.path.join("data", "c4")
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/allenai/c4/resolve/main"
 N_TRAIN_SHARDS, N_VAL_SHARDS = 1024, 8
 DOCS_PER_BATCH = 256       # documents tokenised and written at a time (~0.5 MB of C4 text)
-CHUNK_SIZE = 1 << 20       # download block
-DEFAULT_RETRIES = 5
-DEFAULT_RETRY_DELAY = 2.0  # seconds before the first retry; doubles every retry
-MAX_RETRY_DELAY = 60.0
-DEFAULT_TIMEOUT = 60.0     # seconds to connect, and at most between two received blocks
 SPLIT_DIRS = {"train": "train", "validation": "val"}
 TEMP_FILE = re.compile(r"\..+\.(bin|json|json\.gz)\.\w+\.tmp")  # utils.atomic_write's temp names
-
-
-class _Retryable(Exception):
-    """A download failure that may well go away if we try again."""
 
 
 def shard_names(split, n):
@@ -104,99 +92,7 @@ def token_file(name):
 
 
 # ---------------------------------------------------------------------------
-# step 1: download, resumably
-# ---------------------------------------------------------------------------
-
-def _parse_content_range(value):
-    """'bytes START-END/TOTAL' -> (START, TOTAL); 'bytes */TOTAL' -> (None, TOTAL)."""
-    m = re.fullmatch(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+)\s*", value or "")
-    if m is None:
-        return None, None
-    return (int(m.group(1)) if m.group(1) is not None else None), int(m.group(2))
-
-
-def _fetch_into(url, part, timeout):
-    """One attempt: bring ``part`` up to the full file. Raises _Retryable or DataError."""
-    have = os.path.getsize(part) if os.path.exists(part) else 0
-    # identity: we want the file's own bytes, never a server-side re-compression of them.
-    headers = {"Accept-Encoding": "identity"}
-    if have:
-        headers["Range"] = f"bytes={have}-"
-    name = os.path.basename(part).removesuffix(".part")
-    try:
-        with requests.get(url, headers=headers, stream=True, timeout=timeout) as resp:
-            status = resp.status_code
-            if status == 416 and have:  # nothing left to send: is the .part already complete?
-                if _parse_content_range(resp.headers.get("Content-Range"))[1] == have:
-                    return
-                os.remove(part)
-                raise _Retryable(f"server refused to resume at byte {have:,}; starting over")
-            if status == 429 or status >= 500:
-                raise _Retryable(f"HTTP {status} {resp.reason}")
-            if status >= 400 or status not in (200, 206):
-                raise DataError(f"download of {url} failed: HTTP {status} {resp.reason}")
-            if status == 206:
-                start, total = _parse_content_range(resp.headers.get("Content-Range"))
-                if start != have or total is None:
-                    os.remove(part)
-                    raise _Retryable("server resumed at the wrong offset; starting over")
-                mode = "ab"
-            else:  # 200: the whole file, whether or not we asked for a range
-                if have:
-                    print(f"{name}: server ignored the resume request, starting over")
-                have, mode = 0, "wb"
-                length = resp.headers.get("Content-Length")
-                total = int(length) if length and length.isdigit() else None
-            with open(part, mode) as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                             unit_divisor=1024, desc=name, leave=False) as bar:
-                # raw.stream: the bytes as sent (no transparent decoding), block by block.
-                for chunk in resp.raw.stream(CHUNK_SIZE, decode_content=False):
-                    f.write(chunk)
-                    have += len(chunk)
-                    bar.update(len(chunk))
-            if total is not None and have != total:
-                raise _Retryable(f"connection closed after {have:,} of {total:,} bytes")
-    except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
-            urllib3.exceptions.HTTPError) as exc:
-        raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-    except requests.RequestException as exc:  # bad URL and the like: retrying will not help
-        raise DataError(f"download of {url} failed: {exc}") from exc
-    except OSError as exc:
-        raise DataError(f"could not write {part}: {exc}") from exc
-
-
-def download(url, dest_path, retries=DEFAULT_RETRIES, retry_delay=DEFAULT_RETRY_DELAY,
-             timeout=DEFAULT_TIMEOUT):
-    """Download ``url`` to ``dest_path`` unless that file exists; returns True if it downloaded.
-
-    Bytes go to ``dest_path + '.part'`` (resumed with a Range request if it exists) and are
-    renamed to ``dest_path`` only when complete. Up to ``retries`` retries, waiting
-    ``retry_delay * 2**k`` seconds (at most MAX_RETRY_DELAY) before retry k+1.
-    """
-    if os.path.isfile(dest_path):
-        return False
-    os.makedirs(os.path.dirname(dest_path) or ".", exist_ok=True)
-    part = dest_path + ".part"
-    for attempt in range(retries + 1):
-        try:
-            _fetch_into(url, part, timeout)
-            break
-        except _Retryable as exc:
-            if attempt == retries:
-                kept = (f"; the partial download {part} is kept, rerun to resume"
-                        if os.path.exists(part) else "")
-                raise DataError(
-                    f"download of {url} failed after {attempt + 1} attempts: {exc}{kept}") from None
-            delay = min(retry_delay * 2 ** attempt, MAX_RETRY_DELAY)
-            print(f"{os.path.basename(dest_path)}: {exc}; retry {attempt + 1}/{retries} "
-                  f"in {delay:.1f}s", file=sys.stderr)
-            time.sleep(delay)
-    os.replace(part, dest_path)
-    return True
-
-
-# ---------------------------------------------------------------------------
-# step 2, in a worker process: read, check and tokenise one whole shard
+# in a worker process: read, check and tokenise one whole shard
 # ---------------------------------------------------------------------------
 
 class _HashingReader:
@@ -305,7 +201,7 @@ def _write_ids(out, ids, counts, token_sha):
 
 
 # ---------------------------------------------------------------------------
-# step 3, in the main process: schedule the shards, keep the index
+# in the main process: schedule the shards, keep the index
 # ---------------------------------------------------------------------------
 
 def check_out_dir(out_dir):
@@ -319,8 +215,10 @@ def check_out_dir(out_dir):
                   errno.EPERM: "permission denied: this user may not write there",
                   errno.ENOSPC: "the disk is full", errno.EROFS: "read-only file system",
                   errno.ENOTDIR: "it, or a folder on its path, is a file",
-                  errno.EEXIST: "it, or a folder on its path, is a file"}.get(exc.errno, exc.strerror or str(exc))
-        raise DataError(f"cannot write the outputs to --out_dir {out_dir}: {reason} ({exc.filename or out_dir})") from None
+                  errno.EEXIST: "it, or a folder on its path, is a file"}.get(
+                      exc.errno, exc.strerror or str(exc))
+        raise DataError(f"cannot write the outputs to --out_dir {out_dir}: {reason} "
+                        f"({exc.filename or out_dir})") from None
 
 
 def remove_stale_temporaries(out_dir):
@@ -345,7 +243,8 @@ def previous_index(out_dir):
     except (OSError, ValueError) as exc:
         print(f"{path} cannot be read ({exc}); every shard is tokenised again")
         return {}
-    if not isinstance(meta, dict) or meta.get("tokenizer") != BPE_ENCODING or not isinstance(meta.get("token_files"), dict):
+    if (not isinstance(meta, dict) or meta.get("tokenizer") != BPE_ENCODING
+            or not isinstance(meta.get("token_files"), dict)):
         return {}  # another tokenizer, or a train.bin/val.bin dataset of the old layout
     return {entry["shard"]: entry for files in meta["token_files"].values() for entry in files}
 
@@ -389,7 +288,8 @@ def write_index(out_dir, meta):
     for old in ("train.bin", "val.bin"):  # the single-file layout this index replaces
         if os.path.exists(os.path.join(out_dir, old)):
             os.remove(os.path.join(out_dir, old))
-            print(f"removed {os.path.join(out_dir, old)}: the old single-file layout, replaced by per-shard files")
+            print(f"removed {os.path.join(out_dir, old)}: the old single-file layout, "
+                  "replaced by per-shard files")
 
 
 def shards_from_text(text_path, paths, train, val):
@@ -406,15 +306,18 @@ def shards_from_text(text_path, paths, train, val):
     split_docs = {"train": [d for i, d in enumerate(docs) if i % 10 != 9], "val": docs[9::10]}
     for split, names in (("train", train), ("val", val)):
         if len(split_docs[split]) < len(names):
-            raise DataError(f"--from_text {text_path} has {len(docs)} paragraphs: too few for {len(names)} {split} shards")
+            raise DataError(f"--from_text {text_path} has {len(docs)} paragraphs: "
+                            f"too few for {len(names)} {split} shards")
         for k, name in enumerate(names):
             if os.path.exists(paths[name]):
                 continue
-            lines = "".join(json.dumps({"text": d, "timestamp": "", "url": f"file://{os.path.abspath(text_path)}"}) + "\n"
+            url = f"file://{os.path.abspath(text_path)}"
+            lines = "".join(json.dumps({"text": d, "timestamp": "", "url": url}) + "\n"
                             for d in split_docs[split][k::len(names)])
 
             def write(tmp, lines=lines, name=name):
-                with open(tmp, "wb") as raw, gzip.GzipFile(name.removesuffix(".gz"), "wb", fileobj=raw, mtime=0) as f:
+                with open(tmp, "wb") as raw, \
+                        gzip.GzipFile(name.removesuffix(".gz"), "wb", fileobj=raw, mtime=0) as f:
                     f.write(lines.encode("utf-8"))
             atomic_write(paths[name], write)
 
@@ -462,7 +365,8 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
 
     # spawn, not fork: forking a process that runs threads (tqdm's monitor, an HTTP client) can
     # deadlock, and spawn behaves the same on Linux, macOS and Windows.
-    pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), multiprocessing.get_context("spawn")) \
+    spawn = multiprocessing.get_context("spawn")
+    pool = concurrent.futures.ProcessPoolExecutor(min(workers, len(todo)), spawn) \
         if workers > 1 and len(todo) > 1 else None
     pending, t0, text_bytes = {}, time.perf_counter(), 0
 
@@ -502,7 +406,7 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
         while pending:
             collect(block=True)
     except BaseException:
-        if pool is not None:  # the shards being tokenised finish and are recorded; the queued ones are dropped
+        if pool is not None:  # the shards in work finish and are recorded, the queued ones are dropped
             pool.shutdown(wait=True, cancel_futures=True)
             for future, name in list(pending.items()):
                 if future.done() and not future.cancelled() and future.exception() is None:
@@ -545,7 +449,8 @@ def main(argv=None):
     parser.add_argument("--out_dir", default=DEFAULT_OUT_DIR,
                         help=f"shards, token files, meta.json go here (default: {DEFAULT_OUT_DIR})")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1,
-                        help="tokenizer processes, one shard each at a time; 1: tokenise in this process (default: all CPUs)")
+                        help="tokenizer processes, one shard each at a time; "
+                             "1: tokenise in this process (default: all CPUs)")
     parser.add_argument("--retries", type=int, default=DEFAULT_RETRIES,
                         help=f"retries per shard after a network error (default: {DEFAULT_RETRIES})")
     parser.add_argument("--retry_delay", type=float, default=DEFAULT_RETRY_DELAY,
@@ -558,13 +463,16 @@ def main(argv=None):
                              "(e.g. tiny Shakespeare, for config/c4_tiny.py on a machine without C4)")
     args = parser.parse_args(argv)
     for wrong, message in (
-            (not 1 <= args.shards <= N_TRAIN_SHARDS, f"--shards must be between 1 and {N_TRAIN_SHARDS}, got {args.shards}"),
+            (not 1 <= args.shards <= N_TRAIN_SHARDS,
+             f"--shards must be between 1 and {N_TRAIN_SHARDS}, got {args.shards}"),
             (not 1 <= args.val_shards <= N_VAL_SHARDS,
              f"--val_shards must be between 1 and {N_VAL_SHARDS}, got {args.val_shards}"),
             (args.workers < 1, f"--workers must be at least 1, got {args.workers}"),
             (args.retries < 0, f"--retries must be at least 0, got {args.retries}"),
-            (not 0 <= args.retry_delay < float("inf"), f"--retry_delay must be a number of seconds >= 0, got {args.retry_delay}"),
-            (not 0 < args.timeout < float("inf"), f"--timeout must be a number of seconds > 0, got {args.timeout}"),
+            (not 0 <= args.retry_delay < float("inf"),
+             f"--retry_delay must be a number of seconds >= 0, got {args.retry_delay}"),
+            (not 0 < args.timeout < float("inf"),
+             f"--timeout must be a number of seconds > 0, got {args.timeout}"),
             (not re.match(r"https?://[^/\s]+", args.base_url),
              f"--base_url must be an http:// or https:// address, got {args.base_url!r}")):
         if wrong:
@@ -579,8 +487,10 @@ def main(argv=None):
         sys.exit(1)
 
     print(f"vocab size:   {meta['vocab_size']:,} ({BPE_ENCODING}, {BPE_TOKENS:,} padded)")
-    print(f"train tokens: {meta['n_train']:,} ({meta['n_train_docs']:,} documents, {len(meta['train_shards'])} file(s))")
-    print(f"val tokens:   {meta['n_val']:,} ({meta['n_val_docs']:,} documents, {len(meta['val_shards'])} file(s))")
+    print(f"train tokens: {meta['n_train']:,} ({meta['n_train_docs']:,} documents, "
+          f"{len(meta['train_shards'])} file(s))")
+    print(f"val tokens:   {meta['n_val']:,} ({meta['n_val_docs']:,} documents, "
+          f"{len(meta['val_shards'])} file(s))")
     print(f"wrote train/, val/, meta.json to {args.out_dir}")
     return 0
 

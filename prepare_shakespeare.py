@@ -33,8 +33,8 @@ import numpy as np
 import requests
 from tqdm import tqdm
 
-from data import BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file, \
-    write_meta, write_tokens
+from data import (BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file,
+                  write_meta, write_tokens)
 from utils import atomic_write, exit_on_bad_arguments, exit_unless_writable, remove_leftovers
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
@@ -208,14 +208,16 @@ def prepare_missing(data_dir, source=""):
     if tokenizer is None or os.path.exists(os.path.join(data_dir, "meta.json")):
         return False
     is_url = not source or source.startswith(("http://", "https://"))
-    print(f"{data_dir} holds no dataset yet: preparing tiny Shakespeare ({tokenizer}) from {source or DEFAULT_URL}")
+    print(f"{data_dir} holds no dataset yet: preparing tiny Shakespeare ({tokenizer}) "
+          f"from {source or DEFAULT_URL}")
     try:
         prepare(input_path=None if is_url else source, out_dir=data_dir, url=source or DEFAULT_URL,
                 tokenizer=tokenizer)
     except DataError as exc:
         if not is_url:
             raise
-        raise DataError(f"{exc} (offline? give a local copy of the text: --data_source=/path/to/input.txt)") from exc
+        raise DataError(f"{exc} (offline? give a local copy of the text: "
+                        "--data_source=/path/to/input.txt)") from exc
     return True
 
 
@@ -283,7 +285,8 @@ def prepare(
         "source": source,
         "sha256": digest,
     }
-    for split, ids in (("train", train_ids), ("val", val_ids)):  # each file's hash: train.py and evaluate.py compare it
+    # each file's hash: train.py and evaluate.py compare it
+    for split, ids in (("train", train_ids), ("val", val_ids)):
         meta[f"{split}_sha256"] = write_tokens(os.path.join(out_dir, f"{split}.bin"), [ids])[1]
     write_meta(meta, out_dir)  # last: its presence means the bins are done
     return meta

@@ -39,7 +39,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint")
     parser.add_argument("--start", default="\n", help="prompt text")
-    parser.add_argument("--lang", choices=("high", "low"), default="high", help="language of the prompt: the high-resource one or its low-resource copy")
+    parser.add_argument("--lang", choices=("high", "low"), default="high",
+                        help="language of the prompt: the high-resource one or its low-resource copy")
     parser.add_argument("--num_samples", type=int, default=1)
     parser.add_argument("--max_new_tokens", type=int, default=300)
     parser.add_argument("--temperature", type=float, default=0.8)
@@ -51,7 +52,8 @@ def main(argv=None):
         (args.num_samples < 1, f"--num_samples must be >= 1, got {args.num_samples}"),
         (args.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {args.max_new_tokens}"),
         (not 0 < args.temperature < float("inf"),
-         f"--temperature must be a finite number > 0 (lower: closer to the most likely token), got {args.temperature}"),
+         f"--temperature must be a finite number > 0 (lower: closer to the most likely token), "
+         f"got {args.temperature}"),
         (args.top_k is not None and args.top_k < 1, f"--top_k must be >= 1, got {args.top_k}"),
         (args.start == "", "--start must not be empty (the default is a newline)"))
 

@@ -43,11 +43,13 @@ def start_wandb(config, out_dir, resuming):
 
     wandb_id = run_id(out_dir, resuming)
     try:
-        run = wandb.init(project=config["wandb_project"], name=config["wandb_run_name"] or os.path.normpath(out_dir),
+        run = wandb.init(project=config["wandb_project"],
+                         name=config["wandb_run_name"] or os.path.normpath(out_dir),
                          id=wandb_id, resume="allow", config=config, allow_val_change=True,
                          dir=None if os.environ.get("WANDB_DIR") else out_dir)
     except wandb.errors.Error as e:
-        sys.exit(f"error: wandb.init failed ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+        first_line = str(e).splitlines()[0] if str(e) else ""
+        sys.exit(f"error: wandb.init failed ({type(e).__name__}: {first_line}); "
                  f"log in with `wandb login`, or record locally with WANDB_MODE=offline")
     save_text(wandb_id + "\n", os.path.join(out_dir, ID_FILE))
     return run
