@@ -161,8 +161,9 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
 def materialize(model, objective, device, weights=None):
     """Allocate the meta-built model and objective on `device` and initialise them as a one-process
     run does: the model's draws, then those an eagerly built objective made in its constructor,
-    then the objective's init; then copy in `weights`. Plain modules are filled whole, FSDP2
-    modules (parameters that are DTensors) one full parameter at a time, keeping this rank's shard."""
+    then the objective's init; then copy in `weights` ({name: whole tensor}, or a function that
+    loads the model itself). Plain modules are filled whole, FSDP2 modules (parameters that are
+    DTensors) one full parameter at a time, keeping this rank's shard."""
     model.to_empty(device=device)
     objective.to_empty(device=device)
     sharded = any(hasattr(p, "to_local") for p in model.parameters())
@@ -172,7 +173,9 @@ def materialize(model, objective, device, weights=None):
     fill(model, model.initializers())
     draw_constructor_defaults(objective)
     fill(objective, objective.initializers())
-    if weights is not None:
+    if callable(weights):  # a reader that fills the sharded model itself (checkpoint.load_shards_into)
+        weights(model)
+    elif weights is not None:
         if sharded:
             copy_shards(model, weights)
         else:
@@ -372,7 +375,7 @@ def any_over_processes(flag, device=None):
     run every step. Collective: every rank calls it at the same point; bool(flag) on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return bool(flag)
-    vote = torch.tensor([int(flag)])
+    vote = torch.tensor([int(bool(flag))])
     dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_host_group())
     return bool(vote.item())
 
