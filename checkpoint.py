@@ -15,6 +15,7 @@ needs as arguments; errors a user can fix are raised as CheckpointError with one
 the file.
 """
 
+import functools
 import json
 import os
 import pickle
@@ -262,26 +263,51 @@ def load_latest(out_dir, device, master=True):
     raise CheckpointError("cannot resume: " + "; ".join(problems))
 
 
-def starting_weights(path, model_config, head_from_embedding, data_dir, device="cpu"):
+def starting_weights(path, model_config, head_from_embedding, data_dir, device="cpu", sharded=False):
     """The weights of another run's checkpoint, to start a new run from (load them before the model
     is parallelized: plain, whole tensors). The model must have the same shape (tie_weights and
     dropout may differ). head_from_embedding: the new untied LM head starts as a copy of the input
     embedding -- CWT's second stage gives a headless model a head that way (headless LM paper,
     Sec. 4.2). Raises CheckpointError for an unreadable file or other tokens than data_dir's,
     ValueError for another shape. On the CPU a single-file checkpoint (a one-process or DDP run's)
-    is memory-mapped: under FSDP each rank reads only its shards' rows (parallelism.copy_shards);
-    an FSDP run's best.pt or ckpt.pt is read back whole from its shards, the whole model in each
-    process's CPU memory (not on its device)."""
-    source = load_with_weights(path, device, mmap=device == "cpu")
+    is memory-mapped: under FSDP each rank reads only its shards' rows (parallelism.copy_shards).
+    An FSDP run's checkpoint, for a run that shards too (sharded): a function that reads each
+    rank's rows from the shards into the sharded model (load_shards_into); for any other run, its
+    whole weights read back from the shards."""
+    source = load(path, device, mmap=device == "cpu")
     check_dataset(source, data_dir, whole=False)
     for key, value in source["model_config"].items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
             raise ValueError(f"cannot start from {path}: model key '{key}' is {getattr(model_config, key)!r} here "
                              f"but {value!r} there")
-    weights = dict(source["model"])
+    if sharded and "model" not in source and "dcp" in source:
+        directory = os.path.join(os.path.dirname(os.path.abspath(path)), source["dcp"])
+        return functools.partial(load_shards_into, directory, head_from_embedding)
+    weights = dict(load_with_weights(path, device, mmap=device == "cpu")["model"])
     if head_from_embedding:
         weights["lm_head.weight"] = weights["wte.weight"].clone()
     return weights
+
+
+def load_shards_into(directory, head_from_embedding, model):
+    """The model weights of an FSDP run's shards (save_sharded) read into an FSDP2 model in place:
+    DCP reads each rank's rows only, however the two runs were sharded, so no process holds the
+    whole model. A tied model reads wte once; head_from_embedding: the LM head's shards are copies
+    of wte's (the same shape, cut the same way). Collective: every rank calls it."""
+    import torch.distributed.checkpoint as dcp
+    problem = damaged_shards(directory)
+    if problem:
+        raise CheckpointError(problem)
+    stored = {key.removeprefix("model.model.") for key in dcp.FileSystemReader(directory).read_metadata()
+              .state_dict_metadata if key.startswith("model.model.")}
+    wanted = {name: tensor for name, tensor in model.state_dict().items()
+              if not (name == "lm_head.weight" and (model.config.tie_weights or head_from_embedding))}
+    if missing := sorted(wanted.keys() - stored):
+        raise CheckpointError(f"the shards in {directory} hold no {', '.join(missing)}")
+    dcp.load({"model": {f"model.{name}": tensor for name, tensor in wanted.items()}}, checkpoint_id=directory)
+    if head_from_embedding:
+        with torch.no_grad():
+            model.lm_head.weight.to_local().copy_(model.wte.weight.to_local())
 
 
 def check_dataset(checkpoint, data_dir, whole=True):

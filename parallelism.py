@@ -162,8 +162,9 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
 def materialize(model, objective, device, weights=None):
     """Allocate the meta-built model and objective on `device` and initialise them as a one-process
     run does: the model's draws, then those an eagerly built objective made in its constructor,
-    then the objective's init; then copy in `weights`. Plain modules are filled whole, FSDP2
-    modules (parameters that are DTensors) one full parameter at a time, keeping this rank's shard."""
+    then the objective's init; then copy in `weights` ({name: whole tensor}, or a function that
+    loads the model itself). Plain modules are filled whole, FSDP2 modules (parameters that are
+    DTensors) one full parameter at a time, keeping this rank's shard."""
     model.to_empty(device=device)
     objective.to_empty(device=device)
     sharded = any(hasattr(p, "to_local") for p in model.parameters())
@@ -173,7 +174,9 @@ def materialize(model, objective, device, weights=None):
     fill(model, model.initializers())
     draw_constructor_defaults(objective)
     fill(objective, objective.initializers())
-    if weights is not None:
+    if callable(weights):  # a reader that fills the sharded model itself (checkpoint.load_shards_into)
+        weights(model)
+    elif weights is not None:
         if sharded:
             copy_shards(model, weights)
         else:

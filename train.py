@@ -224,7 +224,8 @@ except ValueError as e:
 start_weights = None  # memory-mapped on the CPU; parallelize copies them in (under FSDP only each rank's shards)
 if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
     try:
-        start_weights = checkpoint.starting_weights(init_from, model_config, head_from_embedding, data_dir)
+        start_weights = checkpoint.starting_weights(init_from, model_config, head_from_embedding, data_dir,
+                                                     sharded=parallel == "fsdp")
     except checkpoint.CheckpointError as e:
         exit_run(e)
     except ValueError as e:

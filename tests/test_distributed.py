@@ -317,6 +317,43 @@ def test_fsdp_set_up_holds_shards_not_the_whole_model(tmp_path, data_dir):
     assert result.returncode == 0, result.stderr[-3000:]
     peaks = [int(line.split()[-2]) for line in result.stdout.splitlines() if line.startswith("setup peak rss")]
     assert len(peaks) == 2 and max(peaks) < size, (peaks, size)
+    # starting from that model's FSDP checkpoint (its shards): each rank reads its own rows, the
+    # whole model is never in one process (issue 42); reading it back whole peaked above the model
+    source = tmp_path / "source"
+    subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
+         "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={source}", "--parallel=fsdp",
+         "--batch_size=2", "--check_memory=False", "--num_threads=1", "--max_iters=0", "--eval_iters=1",
+         "--final_eval=False", *(f"--{key}={value}" for key, value in shape.items())],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/setup_peak.py",
+         "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'start'}",
+         "--parallel=fsdp", "--batch_size=2", "--check_memory=False", "--num_threads=1",
+         f"--init_from={source / 'ckpt.pt'}", *(f"--{key}={value}" for key, value in shape.items())],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    peaks = [int(line.split()[-2]) for line in result.stdout.splitlines() if line.startswith("setup peak rss")]
+    assert len(peaks) == 2 and max(peaks) < size, (peaks, size)
+
+
+@needs_fsdp_on_cpu
+def test_an_fsdp_run_starts_from_another_fsdp_runs_shards(tmp_path, data_dir):
+    """init_from an FSDP run's checkpoint under FSDP: DCP reads each rank's rows of the shards into the
+    sharded model (checkpoint.load_shards_into); the weights are the source's, bit for bit, tied and
+    with head_from_embedding (the LM head's shards copies of wte's)."""
+    source, start, headed = tmp_path / "source", tmp_path / "start", tmp_path / "headed"
+    fsdp = [*GPT2, "--parallel=fsdp"]
+    finish(launch(source, data_dir, *fsdp, "--max_iters=2", processes=2))
+    finish(launch(start, data_dir, *fsdp, "--max_iters=0", f"--init_from={source / 'ckpt.pt'}", processes=2),
+           launch(headed, data_dir, *fsdp, "--max_iters=0", "--tie_weights=False", "--head_from_embedding=True",
+                  f"--init_from={source / 'ckpt.pt'}", processes=2))
+    whole = {name: value for name, value in final_weights(source).items() if name.startswith("model.")}
+    assert {name: value for name, value in final_weights(start).items() if name in whole}.keys() == whole.keys()
+    assert all(torch.equal(value, whole[name]) for name, value in final_weights(start).items() if name in whole)
+    untied = final_weights(headed)
+    assert torch.equal(untied["model.lm_head.weight"], whole["model.wte.weight"])
+    assert all(torch.equal(untied[name], value) for name, value in whole.items() if name != "model.lm_head.weight")
 
 
 @needs_fsdp_on_cpu
