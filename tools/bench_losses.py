@@ -79,7 +79,8 @@ def table(title, header, rows, intro=None):
 def goal(what, value, limit, unit="", higher_is_better=False):
     """One of the cost goals this repository sets for the losses, judged on the number just measured."""
     met = value >= limit if higher_is_better else value <= limit
-    emit(f"- {what} {'≥' if higher_is_better else '≤'} {limit}{unit}: {value:.2f}{unit}, {'met' if met else 'NOT met'}")
+    emit(f"- {what} {'≥' if higher_is_better else '≤'} {limit}{unit}: {value:.2f}{unit}, "
+         f"{'met' if met else 'NOT met'}")
 
 
 def toy(args, device, dtype):
@@ -87,13 +88,15 @@ def toy(args, device, dtype):
     losses = {k: dict(v) for k, v in LOSSES.items() if "256" not in k}
     losses["CE + SimReg chunk"]["simreg_chunk_size"] = 32
     losses["CWT (headless)"] = {"ce": 0.0, "cwt": 1.0}
-    times = {name: step_time(config, kw, 12, args.steps * 4, args.warmup, device, dtype) for name, kw in losses.items()}
+    times = {name: step_time(config, kw, 12, args.steps * 4, args.warmup, device, dtype)
+             for name, kw in losses.items()}
     base = times["CE"]
     table("toy model (4 x 128, T 64, batch 12, V 130)", ["objective", "ms / step", "ratio to CE", "extra"],
-          [(n, f"{1000 * t:.1f}", f"{t / base:.3f}", f"{100 * (t / base - 1):+.1f} %") for n, t in times.items()],
-          intro="Whole training steps (forward, backward, AdamW) with each loss on. At this size every term is "
-                "relatively dear because the model is so small; CWT's in-batch similarity matrix (768 x 768) is "
-                "bigger than the 130-way head it replaces.")
+          [(n, f"{1000 * t:.1f}", f"{t / base:.3f}", f"{100 * (t / base - 1):+.1f} %")
+           for n, t in times.items()],
+          intro="Whole training steps (forward, backward, AdamW) with each loss on. At this size every term "
+                "is relatively dear because the model is so small; CWT's in-batch similarity matrix (768 x "
+                "768) is bigger than the 130-way head it replaces.")
 
 
 def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
@@ -154,21 +157,24 @@ def paper_350m(args, device, dtype):
         if name == "CE + NITP":
             # SwiGLU head C -> 4C -> C: 3 matrices of 4 C^2, 24 C^2 FLOPs per token forward, x3 with backward
             predicted = 3 * 24 * C * C * T / rate
-            note = f"FLOP prediction {predicted:.2f} s at the CE step's {rate / 1e9:.0f} GFLOP/s: measured / predicted = {extra / predicted:.2f}"
+            note = (f"FLOP prediction {predicted:.2f} s at the CE step's {rate / 1e9:.0f} GFLOP/s: "
+                    f"measured / predicted = {extra / predicted:.2f}")
             share["NITP / its FLOP prediction"] = extra / predicted
         share[name] = 100 * extra / full
-        rows.append((name, f"{steps[name, 2]:.2f}", f"{extra:.3f}", f"{full + extra:.1f}", f"{100 * extra / full:.2f} %", note))
+        rows.append((name, f"{steps[name, 2]:.2f}", f"{extra:.3f}", f"{full + extra:.1f}",
+                     f"{100 * extra / full:.2f} %", note))
     table(f"350M width (d 1024, T 2048, batch 1, V 50304): CE step at 1 and 2 blocks extrapolated to 24 "
           f"(per block {per_block:.2f} s); each term timed alone at 24 blocks",
-          ["objective", "s / step at 2 blocks", "the term alone, s", "s / step at 24 blocks", "extra at 24 blocks", "note"], rows,
-          intro="The 2-block column is whole steps with each loss on; differences there are within the steps' own "
-                "jitter, which is why each term is also timed alone. 24-block step = 1-block step + 23 x per-block "
-                "time; extra = the term alone / that step.")
+          ["objective", "s / step at 2 blocks", "the term alone, s", "s / step at 24 blocks",
+           "extra at 24 blocks", "note"], rows,
+          intro="The 2-block column is whole steps with each loss on; differences there are within the "
+                "steps' own jitter, which is why each term is also timed alone. 24-block step = 1-block "
+                "step + 23 x per-block time; extra = the term alone / that step.")
     emit("\nGoals at 350M width:\n")
     goal("SimReg, share of a full-depth step", share["CE + SimReg"], 1.0, " %")
     goal("SimReg chunk 1024, share", share["CE + SimReg chunk"], 0.6, " %")
-    goal("dispersion over all layers with 256 positions each, share", share["CE + dispersion (all layers, 256 positions)"],
-         1.0, " %")
+    goal("dispersion over all layers with 256 positions each, share",
+         share["CE + dispersion (all layers, 256 positions)"], 1.0, " %")
     goal("NITP, measured / FLOP prediction", share["NITP / its FLOP prediction"], 1.5, "x")
 
 
@@ -205,8 +211,8 @@ def memory_child(chunk_size):
 def simreg_memory(args, device, dtype):
     rows = []
     for chunk in (0, 1024, 256):
-        out = subprocess.run([*SELF, "--memory_child", str(chunk)], capture_output=True, text=True, check=True,
-                             cwd=REPO).stdout
+        out = subprocess.run([*SELF, "--memory_child", str(chunk)], capture_output=True, text=True,
+                             check=True, cwd=REPO).stdout
         rows.append(("full" if chunk == 0 else f"chunk {chunk}", f"{json.loads(out)['peak_delta_mib']:.0f}"))
     table("SimReg peak memory, forward + backward, T 2048, C 1024 (growth of the peak resident set)",
           ["SimReg", "peak MiB"], rows)
@@ -233,21 +239,23 @@ def efficiency_child(setting, steps, warmup):
 def efficiency(args, device, dtype):
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
-    peak = measure_matmul_flops("cpu", torch.float32, repeats=20)  # as tools/runner.py: a best of 3 can read low
+    # as tools/runner.py: a best of 3 can read low
+    peak = measure_matmul_flops("cpu", torch.float32, repeats=20)
     rows = []
     for setting in EFFICIENCY_SETTINGS:
         steps = args.steps * (20 if setting == "lowres" else 4)
         command = [*SELF, "--efficiency_child", setting, "--steps", str(steps), "--warmup", "3"]
         alone = json.loads(subprocess.run(command, capture_output=True, text=True, check=True,
                                           cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(cores))).stdout)
-        children = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        children = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
                     for _ in range(cores)]
         side_by_side = [json.loads(child.communicate()[0]) for child in children]
         rate = sum(r["flops"] / r["seconds"] for r in side_by_side)
         rows += [(setting, f"1 process x {cores} threads", f"{1000 * alone['seconds']:.1f}",
                   f"{alone['flops'] / alone['seconds'] / peak:.2f}"),
-                 (setting, f"{cores} processes x 1 thread", " / ".join(f"{1000 * r['seconds']:.1f}" for r in side_by_side),
-                  f"{rate / peak:.2f}")]
+                 (setting, f"{cores} processes x 1 thread",
+                  " / ".join(f"{1000 * r['seconds']:.1f}" for r in side_by_side), f"{rate / peak:.2f}")]
     table(f"CE training step vs the {peak / 1e9:.0f} GFLOP/s fp32 matmul peak of {cores} cores",
           ["grid", "processes", "ms / step", "model FLOP/s / peak"], rows)
 
@@ -278,7 +286,9 @@ def compile_step(args, device, dtype):
             if i >= max(args.warmup, 3):
                 times[name].append(elapsed)
     base = statistics.median(times["eager"])
-    table(f"toy CE step (4 x 128, T 64, batch 12), eager vs compiled blocks, {torch.get_num_threads()} thread(s)",
+    table(f"toy CE step (4 x 128, T 64, batch 12), eager vs compiled blocks, {torch.get_num_threads()} "
+          "thread(s)",
           ["model", "median ms", "ratio to eager"],
-          [(name, f"{1000 * statistics.median(t):.1f}", f"{statistics.median(t) / base:.2f}") for name, t in times.items()])
+          [(name, f"{1000 * statistics.median(t):.1f}", f"{statistics.median(t) / base:.2f}")
+           for name, t in times.items()])
 

@@ -51,13 +51,15 @@ def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
     for the per-expert loop and the static forward at each capacity factor, in turn (a background
     load slows all alike). 8 experts, top-2, weights N(0, 0.01): a near-uniform router."""
     torch.manual_seed(0)
-    moe = MixtureOfExperts(GPTConfig(arch="llama", n_embd=C, n_head=1, ffn_hidden=H, n_expert=8, top_k=2)).to(device)
+    moe = MixtureOfExperts(GPTConfig(arch="llama", n_embd=C, n_head=1, ffn_hidden=H, n_expert=8,
+                                     top_k=2)).to(device)
     for p in moe.parameters():
         torch.nn.init.normal_(p, 0.0, 0.01)
     x = torch.randn(N, C, device=device)
     ways = {"loop over experts (before)": lambda: expert_loop(moe, x)}
     for factor in factors:
-        ways[f"static, capacity_factor {factor}"] = (lambda f: lambda: setattr(moe, "capacity_factor", f) or moe(x))(factor)
+        ways[f"static, capacity_factor {factor}"] = (
+            lambda f: lambda: setattr(moe, "capacity_factor", f) or moe(x))(factor)
     times, dropped = {name: [] for name in ways}, {name: [] for name in ways}
     for i in range(warmup + steps):
         for name, forward in ways.items():
@@ -76,11 +78,12 @@ def moe(args, device, dtype):
     base = times["loop over experts (before)"][0]
     table("one MoE layer, forward + backward (C 1024, H 2816, 8 experts, top-2, 2048 tokens, float32)",
           ["forward", "median ms", "ratio to the loop", "slots dropped"],
-          [(name, f"{1000 * t:.0f}", f"{t / base:.2f}", f"{100 * d:.1f} %") for name, (t, d) in times.items()])
+          [(name, f"{1000 * t:.0f}", f"{t / base:.2f}", f"{100 * d:.1f} %")
+           for name, (t, d) in times.items()])
 
 
-PAPER_CONFIGS = ["config/c4_tiny.py", "config/baseline_350m.py", "config/baseline_1b3.py", "config/baseline_3b.py",
-                 "config/baseline_7b.py", "config/baseline_moe_8x1b.py"]
+PAPER_CONFIGS = ["config/c4_tiny.py", "config/baseline_350m.py", "config/baseline_1b3.py",
+                 "config/baseline_3b.py", "config/baseline_7b.py", "config/baseline_moe_8x1b.py"]
 
 
 def gpu_memory(args, device, dtype):
@@ -91,18 +94,20 @@ def gpu_memory(args, device, dtype):
         emit(line)
     config = gpu.read_config(os.path.join(REPO, "config/baseline_7b.py"))
     n = plan.make_plan(config, 8, measure=False)["params"]
-    emit(f"\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter: on one GPU the 7B model's "
-         f"states alone are {16 * n / memory.GiB:.0f} GiB. With several micro-steps per step FSDP2 also keeps the "
-         f"gradients unsharded between them (4 bytes per parameter, {4 * n / memory.GiB:.0f} GiB at 7B), counted in the "
-         "table. Activations are per micro-batch, measured in fp32 (bf16 autocast stores most at half size). "
-         "`python train.py CONFIG --dry_run=True` prints the whole plan of a run (plan.py).")
+    emit("\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter: on one GPU the 7B "
+         f"model's states alone are {16 * n / memory.GiB:.0f} GiB. With several micro-steps per step FSDP2 "
+         f"also keeps the gradients unsharded between them (4 bytes per parameter, {4 * n / memory.GiB:.0f} "
+         "GiB at 7B), counted in the table. Activations are per micro-batch, measured in fp32 (bf16 "
+         "autocast stores most at half size). `python train.py CONFIG --dry_run=True` prints the whole plan "
+         "of a run (plan.py).")
 
 
 # (name, train.py arguments, processes): real runs whose peak memory is set against the plan's figure
 PLAN_MEMORY_RUNS = [
     ("c4_tiny", ["config/c4_tiny.py"], 1),
     ("c4_tiny, activation checkpointing", ["config/c4_tiny.py", "--activation_checkpointing=True"], 1),
-    ("350M width, 2 blocks", ["config/baseline_350m.py", "--n_layer=2", "--parallel=none", "--global_batch_size=0"], 1),
+    ("350M width, 2 blocks", ["config/baseline_350m.py", "--n_layer=2", "--parallel=none",
+                              "--global_batch_size=0"], 1),
     ("c4_tiny, DDP on 2 gloo processes", ["config/c4_tiny.py", "--parallel=ddp"], 2),
     ("c4_tiny, FSDP on 2 gloo processes", ["config/c4_tiny.py", "--parallel=fsdp"], 2),
 ]
@@ -111,7 +116,8 @@ PLAN_MEMORY_RUNS = [
 def peak_rss_gib(command):
     """Peak resident memory of a command's largest process (the command or any process it waited
     for, e.g. torchrun's workers), GiB; the command must succeed."""
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True)
     _, status, usage = os.wait4(process.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
         sys.exit(f"error: {' '.join(command)} failed: {process.stderr.read()[-2000:]}")
@@ -133,7 +139,8 @@ def plan_memory(args, device, dtype):
     if not os.path.exists(os.path.join(REPO, data_dir, "meta.json")):
         sys.exit(f"error: plan_memory needs C4-format data in {data_dir}: python prepare_c4.py --from_text "
                  f"input.txt --out_dir {data_dir} (or set PLAN_MEMORY_DATA)")
-    imports = "import numpy, torch, tqdm, checkpoint, evaluate, metrics, parallelism, plan, prepare_shakespeare, tracking"
+    imports = ("import numpy, torch, tqdm, checkpoint, evaluate, metrics, parallelism, plan, "
+               "prepare_shakespeare, tracking")
     base = peak_rss_gib([sys.executable, "-c", imports])
     short = [f"--max_iters={args.steps}", "--eval_interval=2", "--eval_iters=1", "--log_interval=1",
              "--final_eval=False", f"--data_dir={data_dir}", "--overwrite=True"]
@@ -142,7 +149,8 @@ def plan_memory(args, device, dtype):
         launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}"] \
             if processes > 1 else [sys.executable]
         out_dir = os.path.join(REPO, "out", "bench_plan_memory")
-        peaks = sorted(peak_rss_gib([*launcher, "train.py", *train_args, *short, f"--out_dir={out_dir}"]) - base
+        peaks = sorted(peak_rss_gib([*launcher, "train.py", *train_args, *short,
+                                     f"--out_dir={out_dir}"]) - base
                        for _ in range(args.repeats))
         median = statistics.median(peaks)
         config = {**parse_config([*train_args, *short], train_defaults()), "dtype": "float32"}
@@ -158,22 +166,22 @@ def plan_memory(args, device, dtype):
           f"{args.repeats} runs each)",
           ["run", "processes", "plan: states GiB", "plan: tensors GiB", "plan: with heap GiB",
            "measured peak GiB, min / median / max", "plan error (median)", "heap fraction implied"], rows,
-          intro=f"Measured peak: the run's largest process's peak resident set minus {base:.3f} GiB, the peak of a "
-                f"process that only imports what train.py imports. Heap: memory.CPU_HEAP_ALLOWANCE = "
-                f"{memory.CPU_HEAP_ALLOWANCE}, as fractions of the step's transient tensors.")
+          intro=f"Measured peak: the run's largest process's peak resident set minus {base:.3f} GiB, the "
+                "peak of a process that only imports what train.py imports. Heap: memory.CPU_HEAP_ALLOWANCE "
+                f"= {memory.CPU_HEAP_ALLOWANCE}, as fractions of the step's transient tensors.")
 
 
 # plan_comm: the runs whose collectives are counted, on 2 gloo processes in one process group: the 350M
 # width (d = 1024, 16 heads, SwiGLU 2371) cut to 2 blocks with a 4096-token vocabulary, so that the blocks
 # and the roots (embedding and head; NITP's head, the objective's own unit) weigh alike, 64-token sequences
-COMM_MODEL = ["config/baseline_350m.py", "--n_layer=2", "--vocab_size=4096", "--block_size=64", "--batch_size=1",
-              "--nitp_weight=1.0", "--grad_clip_mode=norm"]
+COMM_MODEL = ["config/baseline_350m.py", "--n_layer=2", "--vocab_size=4096", "--block_size=64",
+              "--batch_size=1", "--nitp_weight=1.0", "--grad_clip_mode=norm"]
 # (the FSDP runs differ in micro-steps and in the all-gathers' dtype, and neither product is the other's)
 COMM_RUNS = {
     "DDP, 2 micro-steps": ["--parallel=ddp", "--global_batch_size=4", "--dtype=float32"],
     "DDP, 4 micro-steps": ["--parallel=ddp", "--global_batch_size=8", "--dtype=float32"],
-    "FSDP, 4 micro-steps, activation checkpointing": ["--parallel=fsdp", "--global_batch_size=8", "--dtype=float32",
-                                                      "--activation_checkpointing=True"],
+    "FSDP, 4 micro-steps, activation checkpointing": ["--parallel=fsdp", "--global_batch_size=8",
+                                                      "--dtype=float32", "--activation_checkpointing=True"],
     "FSDP, 2 micro-steps, bf16 all-gathers": ["--parallel=fsdp", "--global_batch_size=4", "--dtype=bfloat16"],
     "FSDP, 4 micro-steps, kept gathered": ["--parallel=fsdp", "--global_batch_size=8", "--dtype=float32",
                                            "--fsdp_keep_gathered=True"],
@@ -234,20 +242,22 @@ def comm_child():
             parallelism.apply_activation_checkpointing(model)
         param_dtype = None if config["dtype"] == "float32" else getattr(torch, config["dtype"])
         keep = config["fsdp_keep_gathered"]
-        train_model, train_objective = parallelism.parallelize(model, objective, config["parallel"], "cpu", param_dtype,
-                                                               keep_gathered=keep)
+        train_model, train_objective = parallelism.parallelize(model, objective, config["parallel"], "cpu",
+                                                               param_dtype, keep_gathered=keep)
         optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
         micro_steps = memory.micro_steps_of(config, world)
         x = torch.randint(0, model.config.vocab_size, (config["batch_size"], config["block_size"]))
         with CollectiveBytes() as counter:
             for micro_step in range(micro_steps):
-                with parallelism.gradient_sync((train_model, train_objective), micro_step == micro_steps - 1, keep):
+                with parallelism.gradient_sync((train_model, train_objective), micro_step == micro_steps - 1,
+                                               keep):
                     loss, *_ = objective_step(model, objective, x, x, train_model, train_objective)
                     (loss / micro_steps).backward()
             apply_gradients(optimizers, torch.amp.GradScaler("cpu", enabled=False),
                             lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), config["grad_clip"]))
         share = (world - 1) / world
-        sent = {kind: buffer * share * (2 if kind == "all_reduce" else 1) for kind, buffer in counter.buffers.items()}
+        sent = {kind: buffer * share * (2 if kind == "all_reduce" else 1)
+                for kind, buffer in counter.buffers.items()}
         if rank == 0:
             print(json.dumps({"run": name, "processes": world, "micro_steps": micro_steps, "sent": sent,
                               "calls": counter.calls, "other": counter.other}), flush=True)
@@ -258,9 +268,10 @@ def plan_comm(args, device, dtype):
     """plan.py's bytes per optimizer step and process (plan.communication_bytes) against the bytes every
     collective of a real step moved (comm_child, 2 gloo processes)."""
     from configurator import parse_config, train_defaults
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "tools.bench",
-               "--comm_child"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
+               "tools.bench", "--comm_child"]
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
     if result.returncode != 0:
         sys.exit(f"error: {' '.join(command)} failed: {result.stderr[-2000:]}")
     rows = []
@@ -276,10 +287,11 @@ def plan_comm(args, device, dtype):
                      f"{counted / 1e6:,.1f}", f"{planned['total'] / 1e6:,.1f}",
                      f"{100 * (planned['total'] - counted) / counted:+.1f} %"))
     table("The plan's communication per optimizer step and process against the collectives of a real step "
-          "(2 gloo processes)", ["run", "calls", "counted MB, by kind", "counted MB", "plan MB", "plan error"], rows,
-          intro="MB sent per process (1e6 bytes), ring convention: all-gather and reduce-scatter (N-1)/N of the "
-                "whole buffer, all-reduce twice that (plan.py). The 350M width at 2 blocks, vocabulary 4096, "
-                "NITP's head, T = 64, batch 1 per process.")
+          "(2 gloo processes)", ["run", "calls", "counted MB, by kind", "counted MB", "plan MB",
+                                 "plan error"], rows,
+          intro="MB sent per process (1e6 bytes), ring convention: all-gather and reduce-scatter (N-1)/N of "
+                "the whole buffer, all-reduce twice that (plan.py). The 350M width at 2 blocks, vocabulary "
+                "4096, NITP's head, T = 64, batch 1 per process.")
 
 
 PREPARE_COPIES = 16          # tiny Shakespeare x 16: 4 train shards of ~4 MB of JSON + 1 val shard
@@ -312,8 +324,8 @@ def prepare_throughput(args, device, dtype):
 
     text_path = os.environ.get("PREPARE_TEXT", os.path.join(REPO, "data", "shakespeare_char", "input.txt"))
     if not os.path.isfile(text_path):
-        sys.exit(f"error: the prepare section needs tiny Shakespeare at {text_path}: python prepare_shakespeare.py "
-                 "(or set PREPARE_TEXT to a plain-text file)")
+        sys.exit(f"error: the prepare section needs tiny Shakespeare at {text_path}: python "
+                 "prepare_shakespeare.py (or set PREPARE_TEXT to a plain-text file)")
     work = tempfile.mkdtemp(prefix="bench_prepare_")
     try:
         with open(text_path, encoding="utf-8") as f:
@@ -327,7 +339,8 @@ def prepare_throughput(args, device, dtype):
         script = os.environ.get("PREPARE_SCRIPT", os.path.join(REPO, "prepare_c4.py"))
         command = [sys.executable, script, "--from_text", big, "--shards", "4", "--out_dir", out_dir]
         env = {**os.environ, "PYTHONPATH": REPO}
-        subprocess.run(command + ["--workers", "1"], check=True, capture_output=True, env=env)  # makes the shards
+        # makes the shards
+        subprocess.run(command + ["--workers", "1"], check=True, capture_output=True, env=env)
         docs, json_bytes = [], 0
         for name in sorted(os.listdir(out_dir)):
             if name.endswith(".json.gz"):
@@ -343,9 +356,13 @@ def prepare_throughput(args, device, dtype):
             for workers in runs:
                 for old in ("train", "val", "meta.json", "train.bin", "val.bin"):
                     path = os.path.join(out_dir, old)
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path) if os.path.exists(path) else None
+                    if os.path.isdir(path):
+                        shutil.rmtree(path)
+                    elif os.path.exists(path):
+                        os.remove(path)
                 t0, c0 = time.perf_counter(), _child_cpu_seconds()
-                subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True, env=env)
+                subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True,
+                               env=env)
                 runs[workers].append((time.perf_counter() - t0, _child_cpu_seconds() - c0))
                 t0, c0 = time.perf_counter(), time.process_time()
                 enc.encode_ordinary_batch(docs, num_threads=1)
@@ -354,7 +371,8 @@ def prepare_throughput(args, device, dtype):
             for doc in docs:
                 enc.encode_ordinary(doc)
             loop_runs.append((time.perf_counter() - t0, time.process_time() - c0))
-            t0, c0 = time.perf_counter(), time.process_time()  # what the main process did twice per shard before
+            # what the main process did twice per shard before
+            t0, c0 = time.perf_counter(), time.process_time()
             for name in sorted(os.listdir(out_dir)):
                 if name.endswith(".json.gz"):
                     with gzip.open(os.path.join(out_dir, name), "rb") as f:
@@ -376,28 +394,31 @@ def prepare_throughput(args, device, dtype):
     for workers, measured in runs.items():
         w, c = (statistics.median(r[i] for r in measured) for i in (0, 1))
         cpu_share[workers] = cpu / c
-        rows.append((f"{os.path.basename(script)} --workers {workers}", workers, f"{w:.1f}", f"{json_bytes / 1e6 / w:.1f}",
+        rows.append((f"{os.path.basename(script)} --workers {workers}", workers, f"{w:.1f}",
+                     f"{json_bytes / 1e6 / w:.1f}",
                      f"{n_tokens / w / 1e6:.2f}", f"{wall / w / workers:.2f}", f"{c:.1f}", f"{cpu / c:.2f}"))
     table(f"prepare_c4.py against tiktoken, {json_bytes / 1e6:.0f} MB of JSON ({n_tokens / 1e6:.1f}M tokens, "
           f"{len(docs):,} documents, 5 shards), {os.cpu_count()} cores",
           ["", "workers", "wall s", "MB/s of JSON", "M tokens/s", "/ (tiktoken x workers)", "CPU s",
            "tiktoken CPU s / CPU s"], rows,
-          intro=f"Whole script runs, medians of {max(args.steps, 1)} alternating runs. Wall: the throughput over "
-                "tiktoken's single-core speed times the workers (needs that many idle cores). CPU: all the "
-                "script's processes (main, workers, their start-up) against tiktoken's CPU time for the same "
-                "tokens.")
+          intro=f"Whole script runs, medians of {max(args.steps, 1)} alternating runs. Wall: the throughput "
+                "over tiktoken's single-core speed times the workers (needs that many idle cores). CPU: all "
+                "the script's processes (main, workers, their start-up) against tiktoken's CPU time for the "
+                "same tokens.")
     per_core = n_tokens / cpu * cpu_share[1]  # tokens per CPU-second of the script's one process
     startup = (statistics.median(r[1] for r in runs[2]) - statistics.median(r[1] for r in runs[1]))
     shard_s = C4_SHARD_TOKENS / per_core
     rounds = math.ceil(350 / 32)
-    emit(f"- before issue 31 the main process decompressed and parsed every shard twice (a checking pass, then "
-         f"the batches it sent to the pool): it keeps at most tiktoken CPU s / (2 x gzip + JSON CPU s) = "
-         f"{cpu / (2 * parse_cpu):.1f} workers busy on this text, whatever the cores (less the pickling of the "
-         f"batches); now each worker reads its own shards and the main process only downloads and writes the index.")
+    emit("- before issue 31 the main process decompressed and parsed every shard twice (a checking pass, "
+         "then the batches it sent to the pool): it keeps at most tiktoken CPU s / (2 x gzip + JSON CPU s) "
+         f"= {cpu / (2 * parse_cpu):.1f} workers busy on this text, whatever the cores (less the pickling of "
+         "the batches); now each worker reads its own shards and the main process only downloads and writes "
+         "the index.")
     emit(f"- predicted for 350 C4 shards (~{C4_SHARD_TOKENS / 1e6:.0f}M tokens each) with 32 workers: "
          f"{shard_s:.0f} s of tokenising per shard and worker, {rounds} rounds of 32 shards = "
-         f"{rounds * shard_s / 60:.0f} min (plus about {startup:.1f} CPU-s to start each worker: the 2-worker run's "
-         f"extra CPU time), if the downloads keep up: 32 shards per {shard_s:.0f} s is "
-         f"{32 * C4_SHARD_GZ_BYTES / shard_s / 1e6:.0f} MB/s of gzipped shards; below that the download "
-         f"(one stream, in the main process) sets the pace: 350 x {C4_SHARD_GZ_BYTES / 1e6:.0f} MB at the link's speed.")
+         f"{rounds * shard_s / 60:.0f} min (plus about {startup:.1f} CPU-s to start each worker: the "
+         f"2-worker run's extra CPU time), if the downloads keep up: 32 shards per {shard_s:.0f} s is "
+         f"{32 * C4_SHARD_GZ_BYTES / shard_s / 1e6:.0f} MB/s of gzipped shards; below that the download (one "
+         f"stream, in the main process) sets the pace: 350 x {C4_SHARD_GZ_BYTES / 1e6:.0f} MB at the link's "
+         "speed.")
 

@@ -32,7 +32,8 @@ so far and its one-line error, and the next one runs):
 On a lent GPU machine (which reaches nothing outside): prepare the data and tiktoken's cache here
 first, in a folder .git/info/exclude ignores so that it travels only when carried,
 
-    TIKTOKEN_CACHE_DIR=<tiktoken's cache> python prepare_c4.py --from_text input.txt --out_dir .gpu_data/c4_tiny
+    TIKTOKEN_CACHE_DIR=<tiktoken's cache> python prepare_c4.py --from_text input.txt \\
+        --out_dir .gpu_data/c4_tiny
     cp -r <tiktoken's cache> .gpu_data/tiktoken
 
 then run, carrying .gpu_data (timeout about 400 s; the check stops itself at --budget seconds):
@@ -55,26 +56,28 @@ import traceback
 import torch
 
 from tools.gpu_correctness import correctness
-from tools.gpu_measurements import (checkpoint_dcp, end_to_end, loss_costs, machine, moe_8x1b, throughput_350m,
-                                    wide_7b)
+from tools.gpu_measurements import (checkpoint_dcp, end_to_end, loss_costs, machine, moe_8x1b,
+                                    throughput_350m, wide_7b)
 from tools.gpu_steps import PLAN_MFU, REPO, Check, GiB, SectionSkipped
 
 # Sizes: the GPU's (the issue's) and --smoke's (the same code in seconds on 2 CPU cores).
 # `shrink` overrides every config's width so that the smoke run's models are tiny.
 SIZES = {
-    "gpu": {"matmul": 8192, "loss_shape": (4, 256, 256, 2048), "small": {"n_embd": 256, "n_head": 4, "block_size": 256,
-                                                                         "ffn_hidden": 512, "vocab_size": 2048},
+    "gpu": {"matmul": 8192, "loss_shape": (4, 256, 256, 2048),
+            "small": {"n_embd": 256, "n_head": 4, "block_size": 256, "ffn_hidden": 512, "vocab_size": 2048},
             "shrink": {}, "warmup": 3, "steps": 10, "loss_steps": 4, "wide_batch": 8, "wide_seq": 2048,
-            "wide_micro": 4, "moe_batch": 8, "ckpt_layers": 4, "e2e_iters": 200, "e2e_compile": True, "e2e_args": [],
-            "compile_backend": "inductor", "budget": {1: 20, 2: 75, 3: 80, 4: 40, 5: 75, 6: 45, 7: 45, 8: 90}},
-    "smoke": {"matmul": 256, "loss_shape": (2, 16, 8, 32), "small": {"n_embd": 32, "n_head": 2, "block_size": 16,
-                                                                     "ffn_hidden": 64, "vocab_size": 64},
+            "wide_micro": 4, "moe_batch": 8, "ckpt_layers": 4, "e2e_iters": 200, "e2e_compile": True,
+            "e2e_args": [], "compile_backend": "inductor",
+            "budget": {1: 20, 2: 75, 3: 80, 4: 40, 5: 75, 6: 45, 7: 45, 8: 90}},
+    "smoke": {"matmul": 256, "loss_shape": (2, 16, 8, 32),
+              "small": {"n_embd": 32, "n_head": 2, "block_size": 16, "ffn_hidden": 64, "vocab_size": 64},
               "shrink": {"n_embd": 32, "n_head": 2, "ffn_hidden": 64, "block_size": 32, "vocab_size": 128},
               "warmup": 1, "steps": 2, "loss_steps": 1, "wide_batch": 2, "wide_seq": 32, "wide_micro": 2,
               "moe_batch": 2, "ckpt_layers": 2, "e2e_iters": 4, "e2e_compile": False,
-              "e2e_args": ["--eval_iters=1", "--final_eval=False", "--batch_size=2", "--n_layer=1", "--n_embd=32",
-                           "--n_head=2", "--block_size=32", "--log_interval=1"],
-              "compile_backend": "aot_eager", "budget": {n: 600 for n in range(1, 9)}},  # correctness, not speed, here
+              "e2e_args": ["--eval_iters=1", "--final_eval=False", "--batch_size=2", "--n_layer=1",
+                           "--n_embd=32", "--n_head=2", "--block_size=32", "--log_interval=1"],
+              "compile_backend": "aot_eager",
+              "budget": {n: 600 for n in range(1, 9)}},  # correctness, not speed, here
 }
 
 
@@ -99,7 +102,8 @@ def run_section(check, number):
     limit = min(check.sizes["budget"][number], left)
     t0 = time.monotonic()
     ok = True
-    if number != 4:  # each section compiles as a fresh train.py process would (section 4 reuses section 3's model)
+    # each section compiles as a fresh train.py process would (section 4 reuses section 3's model)
+    if number != 4:
         torch._dynamo.reset()
 
     def alarm(signum, frame):
@@ -118,7 +122,8 @@ def run_section(check, number):
     except Exception as e:  # noqa: BLE001 -- the next section must run whatever this one hit
         ok = False
         where = traceback.extract_tb(e.__traceback__)[-1]
-        check.line(f"\n**FAILED**: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''} "
+        check.line(f"\n**FAILED**: {type(e).__name__}: "
+                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''} "
                    f"({os.path.basename(where.filename)}:{where.lineno})")
         if not isinstance(e, SectionTimeout):
             traceback.print_exc()
@@ -142,31 +147,37 @@ def header(check, argv):
     check.line(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
     check.line(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
     check.line(f"- command: `python -m tools.gpu_check {' '.join(argv)}`".rstrip() + "")
-    check.line(f"- MFU is against {check.peak / 1e12:.0f} TFLOP/s (the H100/H200 bf16 dense datasheet peak); the plan's "
-               f"times assume MFU {PLAN_MFU}" if check.cuda else "- MFU is against this CPU's measured bf16 matmul")
+    check.line(f"- MFU is against {check.peak / 1e12:.0f} TFLOP/s (the H100/H200 bf16 dense datasheet peak); "
+               f"the plan's times assume MFU {PLAN_MFU}"
+               if check.cuda else "- MFU is against this CPU's measured bf16 matmul")
     check.save()
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
-    parser.add_argument("--smoke", action="store_true", help="tiny sizes on the CPU, nothing written unless --out")
+    parser.add_argument("--smoke", action="store_true",
+                        help="tiny sizes on the CPU, nothing written unless --out")
     parser.add_argument("--out", default=None, help="the report (default results/gpu.md; none with --smoke)")
     parser.add_argument("--sections", default="1,2,3,4,5,6,7,8", help="which sections, e.g. 3,4")
-    parser.add_argument("--data_dir", default="", help="section 8's dataset (prepare_c4.py; the docstring says how)")
-    parser.add_argument("--budget", type=float, default=None, help="seconds for the whole check, each section also "
-                                                                    "time-boxed (default 330; --smoke: 3600)")
+    parser.add_argument("--data_dir", default="",
+                        help="section 8's dataset (prepare_c4.py; the docstring says how)")
+    parser.add_argument("--budget", type=float, default=None,
+                        help="seconds for the whole check, each section also time-boxed "
+                             "(default 330; --smoke: 3600)")
     parser.add_argument("--device", default="cuda", help="the device (--smoke: cpu)")
     args = parser.parse_args(argv)
     try:
         sections = [int(s) for s in args.sections.split(",")]
         assert sections and all(s in SECTIONS for s in sections)
     except (ValueError, AssertionError):
-        parser.error(f"--sections must be numbers from 1 to {len(SECTIONS)} separated by commas, got {args.sections!r}")
+        parser.error(f"--sections must be numbers from 1 to {len(SECTIONS)} separated by commas, got "
+                     f"{args.sections!r}")
     device = "cpu" if args.smoke else args.device
     if device.startswith("cuda") and not torch.cuda.is_available():
         parser.error("no CUDA device here: use --smoke to run the check at tiny sizes on the CPU")
-    out = args.out if args.out is not None else (None if args.smoke else os.path.join(REPO, "results", "gpu.md"))
+    default_out = None if args.smoke else os.path.join(REPO, "results", "gpu.md")
+    out = args.out if args.out is not None else default_out
     if device.startswith("cuda"):
         torch.set_float32_matmul_precision("high")  # as train.py does on CUDA
     budget = args.budget if args.budget is not None else 3600 if args.smoke else 330
@@ -174,7 +185,8 @@ def main(argv=None):
     header(check, argv)
     t0 = time.monotonic()
     failed = [n for n in sections if not run_section(check, n)]
-    check.line(f"\nTotal: {time.monotonic() - t0:.0f} s; sections failed: {', '.join(map(str, failed)) or 'none'}")
+    check.line(f"\nTotal: {time.monotonic() - t0:.0f} s; sections failed: "
+               f"{', '.join(map(str, failed)) or 'none'}")
     check.save()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

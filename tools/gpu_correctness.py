@@ -32,26 +32,30 @@ def loss_cases(B, T, C, V):
     cases = {"cross_entropy": lambda t: losses.cross_entropy(t["logits"], t["y"]),
              "cross_entropy, margin 0.6": lambda t: losses.cross_entropy(t["logits"], t["y"], margin=0.6),
              "simreg": lambda t: losses.simreg(t["h_condensed"], t["y_small"]),
-             "simreg, chunks of T/4": lambda t: losses.simreg(t["h_condensed"], t["y_small"], chunk_size=T // 4),
+             "simreg, chunks of T/4": lambda t: losses.simreg(t["h_condensed"], t["y_small"],
+                                                              chunk_size=T // 4),
              "nitp": lambda t: losses.nitp(t["h"], t["h2"]),
              "cwt": lambda t: losses.cwt(t["h"], t["y"], t["wte"])}
     for variant in losses.DISPERSION_VARIANTS:
         for form in losses.DISPERSION_FORMS:
             cases[f"dispersion {variant}, {form}"] = (
-                lambda t, variant=variant, form=form: losses.dispersion([t["h"], t["h2"]], 1.0, variant, form))
+                lambda t, variant=variant, form=form: losses.dispersion([t["h"], t["h2"]], 1.0, variant,
+                                                                        form))
     return cases
 
 
 def loss_inputs(B, T, C, V, device, dtype):
     generator = torch.Generator().manual_seed(0)
-    t = {"logits": 3 * torch.randn(B, T, V, generator=generator), "h": torch.randn(B, T, C, generator=generator),
-         "h2": torch.randn(B, T, C, generator=generator),
+    t = {"logits": 3 * torch.randn(B, T, V, generator=generator),
+         "h": torch.randn(B, T, C, generator=generator), "h2": torch.randn(B, T, C, generator=generator),
          # condensed states (cosines near 1): SimReg at tau 0.01 is O(1) there, ~1e-34 on random ones
-         "h_condensed": torch.randn(B, 1, C, generator=generator) + 0.1 * torch.randn(B, T, C, generator=generator), "wte": torch.randn(V, C, generator=generator) / math.sqrt(C),
+         "h_condensed": (torch.randn(B, 1, C, generator=generator)
+                         + 0.1 * torch.randn(B, T, C, generator=generator)),
+         "wte": torch.randn(V, C, generator=generator) / math.sqrt(C),
          "y": torch.randint(0, V, (B, T), generator=generator),
          "y_small": torch.randint(0, 8, (B, T), generator=generator)}  # repeated labels: SimReg has positives
-    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)).requires_grad_(v.is_floating_point())
-            for k, v in t.items()}
+    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+            .requires_grad_(v.is_floating_point()) for k, v in t.items()}
 
 
 def correctness(check):
@@ -68,19 +72,21 @@ def correctness(check):
         errors = [relative_error(value, value64)] + [relative_error(device_inputs[k].grad, reference[k].grad)
                                                      for k in reference if reference[k].grad is not None]
         worst = max(errors)
-        rows.append((name, f"{value64.item():.6f}", f"{value.item():.6f}", f"{errors[0]:.1e}", f"{max(errors[1:]):.1e}",
-                     "ok" if worst <= LOSS_TOLERANCE else "**FAILED**"))
-    check.line(f"Each loss on (B, T, C, V) = {(B, T, C, V)}: float32 inputs on {check.device} under bf16 autocast "
-               f"against the same inputs in float64 on the CPU; relative error (L2) of the value and of the worst "
-               f"input gradient, tolerance {LOSS_TOLERANCE:g}. (T <= {losses.AUTHORS_MAX_POSITIONS}: beyond it the "
-               "authors' dispersion draws a random subset of positions, a different one on each device.)\n")
-    check.table(["loss", "float64 (CPU)", f"bf16 autocast ({check.device})", "value error", "gradient error", ""], rows)
+        rows.append((name, f"{value64.item():.6f}", f"{value.item():.6f}", f"{errors[0]:.1e}",
+                     f"{max(errors[1:]):.1e}", "ok" if worst <= LOSS_TOLERANCE else "**FAILED**"))
+    check.line(f"Each loss on (B, T, C, V) = {(B, T, C, V)}: float32 inputs on {check.device} under bf16 "
+               "autocast against the same inputs in float64 on the CPU; relative error (L2) of the value "
+               f"and of the worst input gradient, tolerance {LOSS_TOLERANCE:g}. (T <= "
+               f"{losses.AUTHORS_MAX_POSITIONS}: beyond it the authors' dispersion draws a random subset of "
+               "positions, a different one on each device.)\n")
+    check.table(["loss", "float64 (CPU)", f"bf16 autocast ({check.device})", "value error", "gradient error",
+                 ""], rows)
 
     # the model's forward and backward (LLaMA and GPT-2 blocks, and the MoE) against float64 on the CPU
     rows = []
     for arch, extra in (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4})):
-        config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2, **extra,
-                  "tie_weights": arch == "gpt2", "compile": False}
+        config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2,
+                  **extra, "tie_weights": arch == "gpt2", "compile": False}
         cfg = GPTConfig.from_config(config, config["vocab_size"])
         torch.manual_seed(0)
         reference = build_model(cfg, "cpu").double()
@@ -98,20 +104,22 @@ def correctness(check):
         whole = relative_error(torch.cat([grads[n].grad.flatten().cpu() for n in errors]),
                                torch.cat([p.grad.flatten() for p in reference.parameters()]))
         name = f"{arch}{' MoE' if extra else ''}"
-        rows.append((name, f"{loss64.item():.5f}", f"{loss.item():.5f}", f"{relative_error(loss, loss64):.1e}",
-                     f"{whole:.1e}", f"{errors[worst]:.1e} (`{worst}`)",
+        rows.append((name, f"{loss64.item():.5f}", f"{loss.item():.5f}",
+                     f"{relative_error(loss, loss64):.1e}", f"{whole:.1e}",
+                     f"{errors[worst]:.1e} (`{worst}`)",
                      "ok" if max(whole, relative_error(loss, loss64)) <= 5e-2 else "**FAILED**"))
-    check.line("\nThe model (2 blocks, width " f"{check.sizes['small']['n_embd']}): CE forward and backward under bf16 "
-               "autocast against float64 on the CPU, same weights; tolerance 5e-2 on the loss and on all the "
-               "gradients together (a router's gradient alone can move more: bf16 may flip a near-tie top-2 choice).\n")
-    check.table(["model", "loss float64", "loss bf16", "loss error", "gradient error", "worst single parameter", ""],
-                rows)
+    check.line(f"\nThe model (2 blocks, width {check.sizes['small']['n_embd']}): CE forward and backward "
+               "under bf16 autocast against float64 on the CPU, same weights; tolerance 5e-2 on the loss and "
+               "on all the gradients together (a router's gradient alone can move more: bf16 may flip a "
+               "near-tie top-2 choice).\n")
+    check.table(["model", "loss float64", "loss bf16", "loss error", "gradient error",
+                 "worst single parameter", ""], rows)
 
     # each kind of block compiled whole: graphs compiled on the first steps, none on later ones
     rows = []
     for arch, extra in (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4})):
-        config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2, **extra,
-                  "tie_weights": arch == "gpt2", "compile": True}
+        config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2,
+                  **extra, "tie_weights": arch == "gpt2", "compile": True}
         torch._dynamo.reset()  # as a fresh train.py process: no earlier block's graphs to reuse
         graphs0, breaks0 = dynamo_graphs()
         model, objective, optimizers, scaler = build(check, config)
@@ -122,12 +130,12 @@ def correctness(check):
         later = statistics.median(timed(check, step)[0] for _ in range(3))
         graphs2, breaks2 = dynamo_graphs()
         ok = breaks2 == breaks0 and graphs2 == graphs1 and graphs1 > graphs0
-        rows.append((f"{arch}{' MoE' if extra else ''}", graphs1 - graphs0, breaks2 - breaks0, graphs2 - graphs1,
-                     f"{first:.1f}", f"{1000 * later:.1f}", "ok" if ok else "**FAILED**"))
+        rows.append((f"{arch}{' MoE' if extra else ''}", graphs1 - graphs0, breaks2 - breaks0,
+                     graphs2 - graphs1, f"{first:.1f}", f"{1000 * later:.1f}", "ok" if ok else "**FAILED**"))
         model = objective = optimizers = None
     check.line(f"\nEach kind of block compiled with fullgraph=True ({check.sizes['compile_backend']}; "
-               "parallelism.compile_blocks): graphs compiled in the first step, graph breaks, graphs compiled "
-               "in 3 later steps (a recompile).\n")
+               "parallelism.compile_blocks): graphs compiled in the first step, graph breaks, graphs "
+               "compiled in 3 later steps (a recompile).\n")
     check.table(["block", "graphs", "graph breaks", "recompiles", "first step s", "later step ms", ""], rows)
 
     # fused AdamW (configure_optimizers') against the unfused one on the same gradients
@@ -144,8 +152,9 @@ def correctness(check):
         results[fused] = torch.cat([p.detach().flatten() for p in ps])
     difference = (results[True] - results[False]).abs().max().item()
     moved = (results[False] - torch.cat([p.flatten() for p in params])).abs().max().item()
-    check.line(f"\n- fused AdamW against unfused, 3 steps on the same gradients: max |difference| {difference:.1e} "
-               f"(the steps moved the weights by up to {moved:.1e}): {'ok' if difference <= 1e-6 else '**FAILED**'}")
+    check.line("\n- fused AdamW against unfused, 3 steps on the same gradients: max |difference| "
+               f"{difference:.1e} (the steps moved the weights by up to {moved:.1e}): "
+               f"{'ok' if difference <= 1e-6 else '**FAILED**'}")
 
     # float16 with loss scaling: an overflowing step is skipped and the scale halves (optim.apply_gradients)
     config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "n_layer": 1, "compile": False}
@@ -159,8 +168,8 @@ def correctness(check):
     scaler.scale(loss).backward()
     stepped = apply_gradients(optimizers, scaler)
     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
-    check.line(f"- float16 + loss scaling, an overflowing step: stepped {stepped}, weights unchanged {unchanged}, "
-               f"scale {2.0 ** 16:g} -> {scaler.get_scale():g}: "
+    check.line(f"- float16 + loss scaling, an overflowing step: stepped {stepped}, weights unchanged "
+               f"{unchanged}, scale {2.0 ** 16:g} -> {scaler.get_scale():g}: "
                f"{'ok' if not stepped and unchanged and scaler.get_scale() < 2.0 ** 16 else '**FAILED**'}")
 
     # which kernel scaled_dot_product_attention runs at the 350M shape (LLaMA blocks, causal, bf16)
@@ -178,7 +187,7 @@ def attention_kernels(check):
     with profile(activities=activities) as prof:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         check.synchronize()
-    names = [e.key for e in prof.key_averages() if any(w in e.key.lower() for w in ("flash", "fmha", "attention", "cudnn",
-                                                                                   "efficient", "attn"))]
+    words = ("flash", "fmha", "attention", "cudnn", "efficient", "attn")
+    names = [e.key for e in prof.key_averages() if any(w in e.key.lower() for w in words)]
     return ", ".join(f"`{n[:90]}`" for n in names[:4]) or "no attention kernel found in the profile"
 

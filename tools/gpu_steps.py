@@ -120,7 +120,8 @@ def build(check, config, fsdp=False):
     (activation checkpointing, compile, FSDP on this one process if asked)."""
     torch.manual_seed(config["seed"])
     with torch.device("meta"):
-        model, objective = GPT(GPTConfig.from_config(config, config["vocab_size"])), losses.Objective.from_config(config)
+        model = GPT(GPTConfig.from_config(config, config["vocab_size"]))
+        objective = losses.Objective.from_config(config)
     if config["compile"] is True:  # in train.py's order: compile, checkpointing, FSDP
         compile_blocks(check, model)
     if config["activation_checkpointing"]:
