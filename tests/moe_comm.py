@@ -1,5 +1,5 @@
 """Count the collectives of one FSDP training step of small mixtures of experts (MOE_MODELS), as
-tools/bench.py's comm_child counts them (CollectiveBytes), and print one JSON line per model on
+tools/bench_systems.py's comm_child counts them (CollectiveBytes), and print one JSON line per model on
 rank 0: the bytes each process sent by plan.py's ring convention and each expert weight's local
 shape. Under torchrun, from the repository root:
 
@@ -15,7 +15,7 @@ import torch
 sys.path.insert(0, os.getcwd())  # the repository's modules (the script's own folder is tests/)
 import parallelism  # noqa: E402
 from model import GPTConfig, build_model  # noqa: E402
-from tools.bench import CollectiveBytes  # noqa: E402
+from tools.bench_systems import CollectiveBytes  # noqa: E402
 
 LLAMA = dict(vocab_size=42, block_size=16, n_layer=2, arch="llama", tie_weights=False, top_k=2)
 MOE_MODELS = {  # on 4 ranks

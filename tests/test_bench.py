@@ -5,16 +5,16 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-from tools import bench  # noqa: E402
+from tools import bench_losses, bench_systems  # noqa: E402
 from model import GPTConfig  # noqa: E402
 
 
 def test_step_time_runs_each_objective():
     config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16)
-    objectives = dict(bench.LOSSES, cwt={"ce": 0.0, "cwt": 1.0})
+    objectives = dict(bench_losses.LOSSES, cwt={"ce": 0.0, "cwt": 1.0})
     for name, kwargs in objectives.items():
         kwargs = {**kwargs, "simreg_chunk_size": 8} if "chunk" in name else kwargs
-        assert bench.step_time(config, kwargs, 2, steps=1, warmup=0, device="cpu", dtype="float32") > 0
+        assert bench_losses.step_time(config, kwargs, 2, steps=1, warmup=0, device="cpu", dtype="float32") > 0
 
 
 def test_memory_child_reports_growth():
@@ -24,12 +24,12 @@ def test_memory_child_reports_growth():
 
 
 def test_loss_time_runs_each_term_alone():
-    for name, kwargs in bench.LOSSES.items():
+    for name, kwargs in bench_losses.LOSSES.items():
         if name == "CE":
             continue
         kwargs = {**kwargs, "simreg_chunk_size": 8} if "chunk" in name else kwargs
         kwargs = {**kwargs, "dispersion_positions": 4} if "positions" in name else kwargs
-        assert bench.loss_time(kwargs, n_layer=3, C=16, T=16, V=50, reps=1, device="cpu", dtype="float32") > 0
+        assert bench_losses.loss_time(kwargs, n_layer=3, C=16, T=16, V=50, reps=1, device="cpu", dtype="float32") > 0
 
 
 def test_efficiency_child_reports_a_step_and_its_flops():
@@ -57,7 +57,7 @@ def test_out_writes_the_report_with_how_it_was_made_and_the_goals(tmp_path):
 
 
 def test_moe_section_times_the_loop_and_the_static_forward_on_the_same_function():
-    times = bench.moe_times(C=16, H=32, N=40, steps=1, warmup=0, device="cpu", factors=(1.0, 0.0))
+    times = bench_systems.moe_times(C=16, H=32, N=40, steps=1, warmup=0, device="cpu", factors=(1.0, 0.0))
     assert len(times) == 3 and all(t > 0 and 0 <= d < 1 for t, d in times.values())
     assert times["static, capacity_factor 0.0"][1] == 0.0
     # what it times as "before" is the model's function where nothing is dropped
@@ -66,4 +66,4 @@ def test_moe_section_times_the_loop_and_the_static_forward_on_the_same_function(
     torch.manual_seed(0)
     moe = MixtureOfExperts(GPTConfig(arch="llama", n_embd=16, n_head=1, ffn_hidden=32, n_expert=8, top_k=2))
     x = torch.randn(40, 16)
-    torch.testing.assert_close(bench.expert_loop(moe, x), moe(x))
+    torch.testing.assert_close(bench_systems.expert_loop(moe, x), moe(x))

@@ -11,7 +11,7 @@ import pytest
 
 import parallelism
 import prepare_c4
-from tools import gpu_check
+from tools import gpu_correctness, gpu_measurements
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIKTOKEN = os.environ.get("TIKTOKEN_CACHE_DIR")
@@ -54,10 +54,10 @@ def test_smoke_runs_every_section_on_the_cpu(tmp_path, bpe_data):
     for number in (5, 7):
         assert ("skipped: " + fsdp in sections[number]) if fsdp else "skipped" not in sections[number]
     # figures, not just headings: every loss checked, every kind of block compiled as one graph
-    assert sections[2].count("| ok |") == len(gpu_check.loss_cases(2, 16, 8, 32)) + 3 + 3
+    assert sections[2].count("| ok |") == len(gpu_correctness.loss_cases(2, 16, 8, 32)) + 3 + 3
     assert "| llama MoE | 1 | 0 | 0 |" in sections[2]
     assert "ms per step" in sections[3] and "MFU" in sections[3]
-    for name in gpu_check.LOSS_COSTS:
+    for name in gpu_measurements.LOSS_COSTS:
         assert f"| {name} |" in sections[4]
     if not fsdp:
         assert "bit-identical" in sections[7] and "NOT bit-identical" not in sections[7]

@@ -16,7 +16,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import parallelism  # noqa: E402
 import memory  # noqa: E402
 import plan  # noqa: E402
-from tools import bench  # noqa: E402
+from tools import bench_systems  # noqa: E402
 from configurator import ConfigError, parse_config, train_defaults  # noqa: E402
 from model import GPTConfig  # noqa: E402
 from utils import GPU_PEAK_BF16_FLOPS  # noqa: E402
@@ -391,7 +391,7 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
 
 def test_plan_communication_is_what_a_real_step_moves():
     """The plan's bytes per optimizer step and process against the buffer of every collective of
-    one real step on 2 gloo processes (tools/bench.py's comm_child counts them with a dispatch mode):
+    one real step on 2 gloo processes (tools/bench_systems.py's comm_child counts them with a dispatch mode):
     DDP with 2 and 4 micro-steps, FSDP with 4 (fp32, activation checkpointing), with 2 (bf16
     all-gathers) and with 4 kept gathered (one all-gather per unit per step), the 350M width at 2
     blocks; within 10 % for each kind of collective."""
@@ -400,12 +400,12 @@ def test_plan_communication_is_what_a_real_step_moves():
                             timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert result.returncode == 0, result.stderr[-3000:]
     records = [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
-    assert [r["run"] for r in records] == list(bench.COMM_RUNS)
+    assert [r["run"] for r in records] == list(bench_systems.COMM_RUNS)
     for record in records:
         if "skipped" in record:
             assert record["skipped"] == parallelism.fsdp_unavailable("cpu")
             continue
-        config = config_of(*bench.COMM_MODEL, *bench.COMM_RUNS[record["run"]])
+        config = config_of(*bench_systems.COMM_MODEL, *bench_systems.COMM_RUNS[record["run"]])
         planned = plan.make_plan(config, 2, measure=False)["communication"]
         assert record["other"] == {}, record["other"]
         for kind, sent in record["sent"].items():

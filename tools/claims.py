@@ -101,28 +101,31 @@ CHECK_WORDS = {stats.REPRODUCES: "check passed", stats.NOT_SHOWN: "check not sho
 SJ, SR, DI, NI, CW = "Stop Jostling", "SimReg", "Dispersion", "NITP", "CWT"
 # The Stop Jostling numbers: the authors' baseline and runs (a toy identical to ours, so the
 # paper's effect is on our scale; grids.PAPER says where each comes from).
-_SJ_RUNS = {"margin 2": (9.62, .358, .642), "margin 1": (9.54, .371, .765), "margin 0.6 + SE": (6.17, .487, .762)}
+_SJ_RUNS = {"margin 2": (9.62, .358, .642), "margin 1": (9.54, .371, .765),
+            "margin 0.6 + SE": (6.17, .487, .762)}
 _SJ_BASE = (10.63, .315, .417)
 
 
 def _jostling_claims():
     out = []
     for method, (ppl_best, acc, iw) in _SJ_RUNS.items():
-        out += [claim(SJ, method, "LR PPL_best", _metric("low", "ppl_best"), -1, f"{_SJ_BASE[0]} → {ppl_best}",
-                      ppl_best - _SJ_BASE[0], digits=2),
-                claim(SJ, method, "LR accuracy", _metric("low", "accuracy"), +1, f"{_SJ_BASE[1]} → {acc}", acc - _SJ_BASE[1]),
-                claim(SJ, method, "LR I(W), authors' way", isotropy_authors_of("low"), +1, f"{_SJ_BASE[2]} → {iw}",
-                      iw - _SJ_BASE[2])]
+        out += [claim(SJ, method, "LR PPL_best", _metric("low", "ppl_best"), -1,
+                      f"{_SJ_BASE[0]} → {ppl_best}", ppl_best - _SJ_BASE[0], digits=2),
+                claim(SJ, method, "LR accuracy", _metric("low", "accuracy"), +1, f"{_SJ_BASE[1]} → {acc}",
+                      acc - _SJ_BASE[1]),
+                claim(SJ, method, "LR I(W), authors' way", isotropy_authors_of("low"), +1,
+                      f"{_SJ_BASE[2]} → {iw}", iw - _SJ_BASE[2])]
     out += [claim(SJ, "margin 2", "LR Ratio of Average (%)", _marginalization("mean_ratio_of_average"), +1,
                   "+12 % (margin not stated)", 12.0, kind="relative", digits=1),
             claim(SJ, "margin 2", "LR Average of Ratio (%)", _marginalization("mean_average_of_ratio"), +1,
                   "+45 % (margin not stated)", 45.0, kind="relative", digits=1),
-            claim(SJ, "margin 0.6 + SE", "12 cases (A/a, HR/LR) in top-3", _metric("translations", "cases_12"), +1,
-                  "0 → 10 of 12", 10.0, digits=1),
+            claim(SJ, "margin 0.6 + SE", "12 cases (A/a, HR/LR) in top-3",
+                  _metric("translations", "cases_12"), +1, "0 → 10 of 12", 10.0, digits=1),
             claim(SJ, "margin 0.6 + SE", "LR accuracy, SE's own effect", _metric("low", "accuracy"), +1,
                   "SE is needed for .487", None, baseline="margin 0.6"),
-            claim(SJ, "margin 0.6 + SE, rows not decayed", "LR accuracy, rows not decayed", _metric("low", "accuracy"),
-                  +1, "none: the released SE decays its rows", None, baseline="margin 0.6 + SE")]
+            claim(SJ, "margin 0.6 + SE, rows not decayed", "LR accuracy, rows not decayed",
+                  _metric("low", "accuracy"), +1, "none: the released SE decays its rows", None,
+                  baseline="margin 0.6 + SE")]
     return out
 
 
@@ -144,7 +147,8 @@ def _lm_claims(lang, chained_ok=True):
     out = [claim(SR, "SimReg", name, ppl, -1, "350M: PPL 15.06 → 14.25", kind=kind, digits=digits),
            claim(SR, "SimReg", "steps saved to reach CE's final val loss (%)", None, +1,
                  "≈ 33 % (1.3B), > 37 % (3B, 7B)", kind="speed-up", digits=1),
-           claim(SR, "SimReg chunk 32", name, ppl, -1, "chunk-wise keeps SimReg's gain", kind=kind, digits=digits),
+           claim(SR, "SimReg chunk 32", name, ppl, -1, "chunk-wise keeps SimReg's gain", kind=kind,
+                 digits=digits),
            claim(DI, "dispersion", name, ppl, -1, _DISPERSION_SAYS["dispersion"], kind=kind, digits=digits),
            claim(DI, "dispersion", ("HR " if lang == "high" else "") + "μ(last block), condensation",
                  lambda run: run["metrics"]["geometry"][lang]["mu"][-1], -1,
@@ -153,19 +157,21 @@ def _lm_claims(lang, chained_ok=True):
         method = f"dispersion {variant}"
         out.append(claim(DI, method, name, ppl, -1, _DISPERSION_SAYS[method], kind=kind, digits=digits))
     out += [claim(NI, "NITP", name, ppl, -1, "MMLU-Pro +5.7 % (9B MoE)", kind=kind, digits=digits),
-            claim(CW, "CWT + FT", ("HR " if lang == "high" else "") + "accuracy", _metric(lang, "accuracy"), +1,
-                  "after fine-tuning, LAMBADA acc 19.52 → 22.2 (Table 3)"),
-            claim(CW, "CWT + FT", name, ppl, -1, "validation PPL 3.143 → 3.283, higher (Table 3); LAMBADA PPL "
-                  "170.23 → 153.5", kind=kind, digits=digits, role="description")]
+            claim(CW, "CWT + FT", ("HR " if lang == "high" else "") + "accuracy", _metric(lang, "accuracy"),
+                  +1, "after fine-tuning, LAMBADA acc 19.52 → 22.2 (Table 3)"),
+            claim(CW, "CWT + FT", name, ppl, -1, "validation PPL 3.143 → 3.283, higher (Table 3); LAMBADA "
+                  "PPL 170.23 → 153.5", kind=kind, digits=digits, role="description")]
     return out
 
 
 CLAIMS = {
     "jostling": _jostling_claims(),
-    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", _metric("low", "accuracy"), +1, ".315 → .487", .487 - .315),
-               claim(SJ, "margin 0.6 + SE", "LR PPL_best", _metric("low", "ppl_best"), -1, "10.63 → 6.17", 6.17 - 10.63,
-                     digits=2)] + _lm_claims("high"),
-    "bpe": [claim(SJ, "margin 0.6 + SE", "rare-target MRR", _metric("rare", "mrr"), +1, "char toy: LR MRR .480 → .628"),
+    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", _metric("low", "accuracy"), +1, ".315 → .487",
+                     .487 - .315),
+               claim(SJ, "margin 0.6 + SE", "LR PPL_best", _metric("low", "ppl_best"), -1, "10.63 → 6.17",
+                     6.17 - 10.63, digits=2)] + _lm_claims("high"),
+    "bpe": [claim(SJ, "margin 0.6 + SE", "rare-target MRR", _metric("rare", "mrr"), +1,
+                  "char toy: LR MRR .480 → .628"),
             claim(SJ, "margin 0.6 + SE", "PPL_best (%)", _metric("val", "ppl_best"), -1,
                   "char toy: LR PPL_best 10.63 → 6.17 (rare-target PPL_best not archived)", kind="relative",
                   digits=1),
@@ -185,10 +191,11 @@ CLAIMS = {
 # Holm adjustment: asking these questions leaves the verdicts of the papers' claims as they were.
 FORM_CLAIMS = {"lowres": [
     c for method in ("dispersion", "dispersion l2_repel", "dispersion orthogonalization")
-    for c in (claim(DI, f"{method}, authors' form", "HR PPL", _metric("high", "ppl"), -1, _DISPERSION_SAYS[method],
-                    digits=2),
-              claim(DI, f"{method}, authors' form", "HR PPL, against the paper's form", _metric("high", "ppl"), -1,
-                    "form not stated (↓: the released form does better)", baseline=method, digits=2))]}
+    for c in (claim(DI, f"{method}, authors' form", "HR PPL", _metric("high", "ppl"), -1,
+                    _DISPERSION_SAYS[method], digits=2),
+              claim(DI, f"{method}, authors' form", "HR PPL, against the paper's form",
+                    _metric("high", "ppl"), -1, "form not stated (↓: the released form does better)",
+                    baseline=method, digits=2))]}
 
 
 def paired_values(c, runs, baseline):
@@ -218,19 +225,21 @@ def paired_cell(result, digits, direction=None):
         return f"{signed(result['mean'], digits)} (1 seed)"
     going = direction if direction is not None else (1 if result["mean"] >= 0 else -1)
     k = result["up"] if going > 0 else result["down"]
-    return (f"{signed(result['mean'], digits)} [{signed(result['low'], digits)}, {signed(result['high'], digits)}], "
-            f"{k}/{result['n']} {'up' if going > 0 else 'down'}")
+    return (f"{signed(result['mean'], digits)} [{signed(result['low'], digits)}, "
+            f"{signed(result['high'], digits)}], {k}/{result['n']} {'up' if going > 0 else 'down'}")
 
 
-RULE = ("Verdict rule, the same for every row: for each claim the seeds shared by the method and its baseline give "
-        "paired differences (method − baseline on the same seed; for the speed-up, the method's own per-seed value). "
-        "A two-sided paired t-test gives each claim a p-value, and the p-values of all claims and checks in this "
-        "table are Holm-adjusted together, so the chance of any false verdict in the table stays below 5 %. "
-        "**reproduces**: adjusted p < 0.05 and the mean goes the paper's way; **contradicted**: adjusted p < 0.05 "
-        "and it goes the other way; **not shown**: otherwise. A *check* (the loss lowered what it penalises) is "
-        "judged the same way and says check passed / failed / not shown; a *description* is not judged. The interval is the unadjusted 95 % t interval "
-        "(n − 1 degrees of freedom); k/n counts the seeds that go the paper's way. \"Paper's effect in CI\" compares "
-        "the paper's own difference with our interval, only where the paper ran this same toy experiment.")
+RULE = ("Verdict rule, the same for every row: for each claim the seeds shared by the method and its "
+        "baseline give paired differences (method − baseline on the same seed; for the speed-up, the "
+        "method's own per-seed value). A two-sided paired t-test gives each claim a p-value, and the "
+        "p-values of all claims and checks in this table are Holm-adjusted together, so the chance of any "
+        "false verdict in the table stays below 5 %. **reproduces**: adjusted p < 0.05 and the mean goes "
+        "the paper's way; **contradicted**: adjusted p < 0.05 and it goes the other way; **not shown**: "
+        "otherwise. A *check* (the loss lowered what it penalises) is judged the same way and says check "
+        "passed / failed / not shown; a *description* is not judged. The interval is the unadjusted 95 % t "
+        "interval (n − 1 degrees of freedom); k/n counts the seeds that go the paper's way. \"Paper's "
+        "effect in CI\" compares the paper's own difference with our interval, only where the paper ran "
+        "this same toy experiment.")
 
 
 def evaluate_claims(grid, runs, baseline, family=None):
@@ -255,8 +264,9 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
     evaluated = evaluate_claims(grid, runs, baseline, family)
     if not evaluated:
         return []
-    lines = ([RULE, ""] if with_rule else []) + ["| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p | verdict | "
-             "paper's effect in CI |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ([RULE, ""] if with_rule else []) + [
+        "| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p | verdict | "
+        "paper's effect in CI |", "|---|---|---|---|---|---|---|---|---|"]
     for c, r, p, v in evaluated:
         arrow = "↑" if c["direction"] > 0 else "↓"
         ours = paired_cell(r, c["digits"], c["direction"]) if r else "no runs"
@@ -265,18 +275,20 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
         if c["paper_effect"] is not None and r and r["low"] is not None:
             within = "yes" if r["low"] <= c["paper_effect"] <= r["high"] else \
                 ("ours smaller" if abs(r["mean"]) < abs(c["paper_effect"]) else "ours larger")
-        lines.append(f"| {c['paper']} | {c['method']} | {c['baseline'] or baseline} | {c['quantity']} {arrow} | "
-                     f"{c['paper_says']} | {ours} | {holm_p} | {v} | {within} |")
-    counts = {k: sum(v == k for *_, v in evaluated) for k in (stats.REPRODUCES, stats.NOT_SHOWN, stats.CONTRADICTED)}
+        lines.append(f"| {c['paper']} | {c['method']} | {c['baseline'] or baseline} | {c['quantity']} "
+                     f"{arrow} | {c['paper_says']} | {ours} | {holm_p} | {v} | {within} |")
+    counts = {k: sum(v == k for *_, v in evaluated)
+              for k in (stats.REPRODUCES, stats.NOT_SHOWN, stats.CONTRADICTED)}
     judged = [c for c, *_ in evaluated if c["role"] == "claim"]
     lines += ["", f"{counts[stats.REPRODUCES]} reproduce, {counts[stats.NOT_SHOWN]} not shown, "
               f"{counts[stats.CONTRADICTED]} contradicted, of {len(judged)} claims."]
-    others = [f"{w.split(',')[0]}: {sum(v == w for *_, v in evaluated)}" for w in (*CHECK_WORDS.values(), DESCRIPTION)
+    others = [f"{w.split(',')[0]}: {sum(v == w for *_, v in evaluated)}"
+              for w in (*CHECK_WORDS.values(), DESCRIPTION)
               if any(v == w for *_, v in evaluated)]
     if others:
-        lines[-1] += (f" Beside them: {', '.join(others)}. A check tests only that a loss lowered the quantity it "
-                      "penalises; a description is measured beside a claim the paper makes about something else, "
-                      "and is not tested (it stays out of the Holm adjustment).")
+        lines[-1] += (f" Beside them: {', '.join(others)}. A check tests only that a loss lowered the "
+                      "quantity it penalises; a description is measured beside a claim the paper makes "
+                      "about something else, and is not tested (it stays out of the Holm adjustment).")
     return lines
 
 
@@ -285,8 +297,8 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
 # and against the released l2_repel on the same seeds, Holm-adjusted as a family of its own.
 NORM_METHOD = "dispersion l2_repel norm term alone, authors' form"
 NORM_CLAIMS = {"lowres": [
-    claim(DI, NORM_METHOD, "HR PPL", _metric("high", "ppl"), -1, "none: an ablation (↓: the norm term alone helps)",
-          digits=2),
+    claim(DI, NORM_METHOD, "HR PPL", _metric("high", "ppl"), -1,
+          "none: an ablation (↓: the norm term alone helps)", digits=2),
     claim(DI, NORM_METHOD, "HR PPL, against the released l2_repel", _metric("high", "ppl"), -1,
           "none (within ±0.04: the norm term is the released l2_repel's effect)",
           baseline="dispersion l2_repel, authors' form", digits=2)]}

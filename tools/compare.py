@@ -18,17 +18,19 @@ finishes, its small files (metrics.json, marginalization.json, run.json and a th
 are copied to results/runs/<grid>/<method>/seed<S>, which is committed: the tables are built from
 there, and a run found there (or finished in <root>) is skipped, so an interrupted grid resumes
 where it stopped, in this checkout or a fresh one. Ctrl-C (or `kill`) stops a call cleanly.
-tools/runner.py runs the grid, tools/report.py writes results/<grid>.md and its figures.
+tools/runner.py runs the grid, tools/report.py writes results/<grid>.md and tools/figures.py its figures.
 """
 
 import argparse
 import os
 import signal
 
-from configurator import TRAIN_RULES, ConfigError, check_values, exit_config_error, parse_config, train_defaults
+from configurator import (TRAIN_RULES, ConfigError, check_values, exit_config_error, parse_config,
+                          train_defaults)
 from tools import figures
+from tools.figures import make_figures
 from tools.grids import GRIDS, runs_of, stages
-from tools.report import build_table, make_figures
+from tools.report import build_table
 from tools.runner import UnlikeRuns, check_like, run_grid, sync_archive
 from utils import exit_on_bad_arguments, exit_unless_writable, save_text
 
@@ -41,7 +43,8 @@ def check_overrides(grid, overrides):
     for _, seed, config, args, _ in runs_of(grid, "."):
         for config_file in stages(config):
             try:
-                check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults), TRAIN_RULES)
+                check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults),
+                             TRAIN_RULES)
             except ConfigError as e:
                 exit_config_error(e)
 
@@ -50,8 +53,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", choices=sorted(GRIDS))
     parser.add_argument("--root", default="out/compare", help="where the runs go (checkpoints included)")
-    parser.add_argument("--archive", default="results/runs", help="where the finished runs' small files are kept")
-    parser.add_argument("--results", help="where <grid>.md is written (default: results, or the --archive given)")
+    parser.add_argument("--archive", default="results/runs",
+                        help="where the finished runs' small files are kept")
+    parser.add_argument("--results",
+                        help="where <grid>.md is written (default: results, or the --archive given)")
     parser.add_argument("--methods", nargs="+", help="train only these methods (and the baseline)")
     parser.add_argument("--seeds", nargs="+", type=int, help="train only these seeds")
     parser.add_argument("--workers", type=int, default=2, help="runs at a time")
@@ -81,7 +86,8 @@ def main(argv=None):
     path = os.path.join(args.results, f"{args.grid}.md")
     drawn = make_figures(args.grid, args.archive, args.results)
     if drawn:
-        table += "\n## Figures\n\n" + "\n\n".join(f"{title}:\n\n![{title}]({path})" for title, path in drawn) + "\n"
+        table += "\n## Figures\n\n" + "\n\n".join(f"{title}:\n\n![{title}]({path})"
+                                                  for title, path in drawn) + "\n"
     elif figures._pyplot() is None:
         table += kept_figures(path)
     os.makedirs(args.results, exist_ok=True)
@@ -91,7 +97,8 @@ def main(argv=None):
 
 
 FIGURES = "\n## Figures\n"
-NOT_REDRAWN = "Not redrawn by the last call (matplotlib, an optional extra, is not installed): the figures of the call before."
+NOT_REDRAWN = ("Not redrawn by the last call (matplotlib, an optional extra, is not installed): the figures "
+               "of the call before.")
 
 
 def kept_figures(path):
@@ -117,7 +124,8 @@ def selection(grid, methods, seeds):
     chosen = {next(iter(GRIDS[grid])), *methods} if methods else set(known)
     only = {(m, s) for m, s in runs if m in chosen and (seeds is None or s in seeds)}
     unused = [s for s in seeds or () if all(s != seed for _, seed in only)]
-    exit_on_bad_arguments((unused, f"--seeds: {', '.join(map(str, unused))} not among the chosen methods' seeds"))
+    exit_on_bad_arguments((unused,
+                           f"--seeds: {', '.join(map(str, unused))} not among the chosen methods' seeds"))
     return only
 
 

@@ -69,9 +69,9 @@ def read_checkpoint(path):
         raise ExportError(f"{path}: its 'model_config' is not a model.GPTConfig ({e})") from None
     train_config = ckpt["config"]
     if train_config.get("ce_weight", 1.0) == 0:
-        raise ExportError(f"{path} is a headless run (key 'ce_weight' is 0): its LM head was never trained, so it "
-                          f"is no language model for Hugging Face; fine-tune a head first (config/*_cwt_ft.py) and "
-                          f"export that run")
+        raise ExportError(f"{path} is a headless run (key 'ce_weight' is 0): its LM head was never trained, "
+                          "so it is no language model for Hugging Face; fine-tune a head first "
+                          "(config/*_cwt_ft.py) and export that run")
     return ckpt["model"], config, train_config, ckpt
 
 
@@ -103,7 +103,8 @@ def gpt2_weights(sd, config):
         for name in ("ln_1", "ln_2"):
             out[hf + name + ".weight"] = sd[ours + name + ".weight"]
             out[hf + name + ".bias"] = bias(ours + name + ".bias", C)
-        for name, width in (("attn.c_attn", 3 * C), ("attn.c_proj", C), ("mlp.c_fc", 4 * C), ("mlp.c_proj", C)):
+        for name, width in (("attn.c_attn", 3 * C), ("attn.c_proj", C), ("mlp.c_fc", 4 * C),
+                            ("mlp.c_proj", C)):
             out[hf + name + ".weight"] = sd[ours + name + ".weight"].t()
             out[hf + name + ".bias"] = bias(ours + name + ".bias", width)
     if not config.tie_weights:
@@ -146,19 +147,22 @@ def hf_config(config, special):
     if config.arch == "gpt2":
         return transformers.GPT2Config(
             vocab_size=config.vocab_size, n_positions=config.block_size, n_embd=config.n_embd,
-            n_layer=config.n_layer, n_head=config.n_head, n_inner=4 * config.n_embd, activation_function="gelu",
+            n_layer=config.n_layer, n_head=config.n_head, n_inner=4 * config.n_embd,
+            activation_function="gelu",
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=1e-5,
             tie_word_embeddings=config.tie_weights, architectures=["GPT2LMHeadModel"], **special)
     common = dict(vocab_size=config.vocab_size, hidden_size=config.n_embd, intermediate_size=config.ffn_width,
                   num_hidden_layers=config.n_layer, num_attention_heads=config.n_head,
-                  num_key_value_heads=config.n_head, head_dim=config.n_embd // config.n_head, hidden_act="silu",
+                  num_key_value_heads=config.n_head, head_dim=config.n_embd // config.n_head,
+                  hidden_act="silu",
                   max_position_embeddings=config.block_size, rms_norm_eps=1e-5, rope_theta=config.rope_theta,
                   attention_dropout=0.0, tie_word_embeddings=config.tie_weights, **special)
     if config.n_expert > 1:
         return transformers.MixtralConfig(num_local_experts=config.n_expert, num_experts_per_tok=config.top_k,
                                           sliding_window=None, router_jitter_noise=0.0,
                                           architectures=["MixtralForCausalLM"], **common)
-    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, architectures=["LlamaForCausalLM"], **common)
+    return transformers.LlamaConfig(attention_bias=False, mlp_bias=False, architectures=["LlamaForCausalLM"],
+                                    **common)
 
 
 # tokenizer ---------------------------------------------------------------------------------------
@@ -206,12 +210,14 @@ def check_logits(model, directory, seed=0):
     from transformers import AutoModelForCausalLM
 
     hf, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
-    problems = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+    problems = {k: v for k, v in info.items()
+                if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
         raise ExportError(f"transformers did not load every exported weight: {problems}")
     hf.eval()
     generator = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, model.config.vocab_size, (2, min(model.config.block_size, 32)), generator=generator)
+    idx = torch.randint(0, model.config.vocab_size, (2, min(model.config.block_size, 32)),
+                        generator=generator)
     ours, theirs = model.float()(idx), hf(idx).logits
     diff = (ours - theirs).abs().max().item()
     if not diff <= CHECK_TOLERANCE * max(1.0, ours.abs().max().item()):
@@ -250,7 +256,8 @@ def prepare_out_dir(out_dir, overwrite):
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ExportError(f"{out_dir} exists and is not a directory")
     if os.path.isdir(out_dir) and os.listdir(out_dir) and not overwrite:
-        raise ExportError(f"{out_dir} is not empty; pass --overwrite to replace it, or give another directory")
+        raise ExportError(f"{out_dir} is not empty; pass --overwrite to replace it, or give another "
+                          "directory")
     found = training_run_under(out_dir) if os.path.isdir(out_dir) else None
     if found:
         raise ExportError(f"{out_dir} holds a training run ({found}); --overwrite never deletes one; "
@@ -281,11 +288,13 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
     try:
         model.load_state_dict(sd)
     except RuntimeError as e:
-        raise ExportError(f"{path}: its weights do not fit its model_config ({str(e).splitlines()[0]})") from None
+        raise ExportError(f"{path}: its weights do not fit its model_config "
+                          f"({str(e).splitlines()[0]})") from None
     model.eval()
     sd = model.state_dict()  # our own key set, whatever extra keys the file had
     weights = gpt2_weights(sd, config) if config.arch == "gpt2" else llama_weights(sd, config)
-    weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}  # own storage: safetensors refuses shared
+    # own storage: safetensors refuses shared
+    weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.export-{os.getpid()}.tmp")
@@ -330,17 +339,20 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="best.pt (or the ckpt.pt of a run that was not sharded)")
     parser.add_argument("out_dir", help="the Hugging Face model directory to write")
-    parser.add_argument("--data_dir", default=None, help="the dataset (meta.json) whose tokenizer to export, if the "
-                        "checkpoint does not hold its meta and its data_dir is not found from here")
+    parser.add_argument("--data_dir", default=None, help="the dataset (meta.json) whose tokenizer to "
+                        "export, if the checkpoint does not hold its meta and its data_dir is not found "
+                        "from here")
     parser.add_argument("--no_tokenizer", action="store_true", help="export the model alone")
     parser.add_argument("--overwrite", action="store_true", help="replace a non-empty out_dir")
-    parser.add_argument("--no_check", action="store_true", help="skip loading the export back to compare logits")
+    parser.add_argument("--no_check", action="store_true",
+                        help="skip loading the export back to compare logits")
     args = parser.parse_args(argv)
     exit_unless_writable(args.out_dir, "out_dir", directory=True)
     try:
         require_hf()
         import transformers
-        transformers.logging.set_verbosity_error()  # the check's load-back would print warnings meant for users
+        # the check's load-back would print warnings meant for users
+        transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         result = export(args.checkpoint, args.out_dir, args.data_dir, args.overwrite, not args.no_tokenizer,
                         not args.no_check)
@@ -352,7 +364,8 @@ def main(argv=None):
     else:
         print(result["tokenizer"])
     if result["max_abs_logit_diff"] is not None:
-        print(f"checked: transformers loads it; max |logit difference| to our model {result['max_abs_logit_diff']:.2e}")
+        print("checked: transformers loads it; max |logit difference| to our model "
+              f"{result['max_abs_logit_diff']:.2e}")
 
 
 if __name__ == "__main__":

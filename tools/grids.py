@@ -46,12 +46,14 @@ GRIDS = {
         # is the same in both forms (tests/test_losses.py), so it has no second row
         "dispersion, authors' form": ("config/lowres_dispersion_authors.py", 5),
         "dispersion l2_repel, authors' form": ("config/lowres_dispersion_l2_repel_authors.py", 5),
-        "dispersion orthogonalization, authors' form": ("config/lowres_dispersion_orthogonalization_authors.py", 5),
+        "dispersion orthogonalization, authors' form":
+            ("config/lowres_dispersion_orthogonalization_authors.py", 5),
         "NITP": ("config/lowres_nitp.py", 5),
         "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/lowres_simreg_dispersion.py", 5),
         # issue 40: the released l2_repel with its norm term alone (results/preregistration.md, T6)
-        "dispersion l2_repel norm term alone, authors' form": ("config/lowres_dispersion_l2_norm_authors.py", 5),
+        "dispersion l2_repel norm term alone, authors' form":
+            ("config/lowres_dispersion_l2_norm_authors.py", 5),
     },
     "bpe": {  # the same methods on the GPT-2 BPE toy (config/bpe_baseline.py)
         "CE": ("config/bpe_baseline.py", 5),
@@ -66,7 +68,8 @@ GRIDS = {
         "CWT + FT": (("config/bpe_cwt.py", "config/bpe_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/bpe_simreg_dispersion.py", 5),
     },
-    # issue 40: the BPE toy's SimReg rows at 4x the steps, the schedule scaled (results/preregistration.md, T7)
+    # issue 40: the BPE toy's SimReg rows at 4x the steps, the schedule scaled (results/preregistration.md,
+    # T7)
     "bpe_1600": {
         "CE": ("config/bpe_baseline_1600.py", 5),
         "SimReg": ("config/bpe_simreg_1600.py", 5),
@@ -86,10 +89,10 @@ GRIDS = {
 }
 
 # Runs of a grid that are not methods of its tables: name -> (config file(s), seeds, extra train.py
-# arguments, or a function of the seed that gives them). The jostling grid's factorial of margin 0.6: `seed` sets the initialisation and
-# `data_seed` the order of the training windows, and each run takes one from a seed that makes the
-# LR transition and the other from one that does not (or from the other crossing seed), so that
-# tools/transition.py can tell which of the two decides it.
+# arguments, or a function of the seed that gives them). The jostling grid's factorial of margin 0.6:
+# `seed` sets the initialisation and `data_seed` the order of the training windows, and each run takes
+# one from a seed that makes the LR transition and the other from one that does not (or from the other
+# crossing seed), so that tools/transition.py can tell which of the two decides it.
 CROSSING_SEEDS, NON_CROSSING_SEEDS = (1342, 1346), (1337, 1338, 1339)
 EXTRA_RUNS = {
     "jostling": {
@@ -110,19 +113,25 @@ EXTRA_RUNS = {
             lambda seed: (f"--init_embeddings_from_seed={EMBEDDING_SWAPS[seed]}",)),
         "margin 0.6, embeddings swapped, data order of the embeddings' seed": (
             "config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS),
-            lambda seed: (f"--init_embeddings_from_seed={EMBEDDING_SWAPS[seed]}", f"--data_seed={EMBEDDING_SWAPS[seed]}")),
+            lambda seed: (f"--init_embeddings_from_seed={EMBEDDING_SWAPS[seed]}",
+                          f"--data_seed={EMBEDDING_SWAPS[seed]}")),
     },
 }
 
 # The authors' numbers, HR / LR: margins 2 and 1 from Stop Jostling's Table 7; the baseline and
 # margin 0.6 + SE from the authors' published code, one seed each (the paper's text gives LR PPL_best
-# 10.63 -> 6.11 for its best run: close to, not the same as, that row). (ppl, ppl_best, t_best, acc, r@5, mrr, I(W))
+# 10.63 -> 6.11 for its best run: close to, not the same as, that row).
+# (ppl, ppl_best, t_best, acc, r@5, mrr, I(W))
 PAPER = {
     "jostling": {
-        "baseline": [(5.04, 10.65), (5.01, 10.63), (1.08, 0.95), (.519, .315), (.830, .688), (.654, .480), (.842, .417)],
-        "margin 2": [(5.82, 11.56), (5.07, 9.62), (0.71, 0.67), (.529, .358), (.834, .717), (.661, .516), (.850, .642)],
-        "margin 1": [(9.33, 17.30), (5.13, 9.54), (0.48, 0.46), (.530, .371), (.834, .720), (.663, .526), (.888, .765)],
-        "margin 0.6 + SE": [(14.94, 19.94), (5.15, 6.17), (0.34, 0.32), (.527, .487), (.836, .809), (.661, .628), (.893, .762)],
+        "baseline": [(5.04, 10.65), (5.01, 10.63), (1.08, 0.95), (.519, .315), (.830, .688), (.654, .480),
+                     (.842, .417)],
+        "margin 2": [(5.82, 11.56), (5.07, 9.62), (0.71, 0.67), (.529, .358), (.834, .717), (.661, .516),
+                     (.850, .642)],
+        "margin 1": [(9.33, 17.30), (5.13, 9.54), (0.48, 0.46), (.530, .371), (.834, .720), (.663, .526),
+                     (.888, .765)],
+        "margin 0.6 + SE": [(14.94, 19.94), (5.15, 6.17), (0.34, 0.32), (.527, .487), (.836, .809),
+                            (.661, .628), (.893, .762)],
     },
 }
 METRICS = ["ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy"]
@@ -152,4 +161,5 @@ def runs_of(grid, root):
     for seed in sorted({seed for _, seeds, _ in runs.values() for seed in seeds}):
         for method, (config, seeds, args) in runs.items():
             if seed in seeds:
-                yield method, seed, config, args(seed) if callable(args) else args, run_dir(root, grid, method, seed)
+                yield (method, seed, config, args(seed) if callable(args) else args,
+                       run_dir(root, grid, method, seed))

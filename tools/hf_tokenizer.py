@@ -78,7 +78,8 @@ def merges_from_ranks(ranks):
                 break
             parts[i:i + 2] = [parts[i] + parts[i + 1]]
         if len(parts) != 2:
-            raise ValueError(f"tiktoken token {token!r} (rank {rank}) is not a merge of two lower-ranked tokens")
+            raise ValueError(f"tiktoken token {token!r} (rank {rank}) is not a merge of two lower-ranked "
+                             "tokens")
         merges.append(tuple(parts))
     return merges
 
@@ -105,8 +106,8 @@ def bpe_tokenizer(max_length):
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     core.decoder = decoders.ByteLevel()
     core.add_special_tokens([AddedToken(EOT, special=True, normalized=False)])
-    return PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=max_length, bos_token=EOT, eos_token=EOT,
-                                   unk_token=EOT, clean_up_tokenization_spaces=False)
+    return PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=max_length, bos_token=EOT,
+                                   eos_token=EOT, unk_token=EOT, clean_up_tokenization_spaces=False)
 
 
 def build(meta, max_length):

@@ -28,8 +28,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # train.py's keys that do not change what a run computes: where it writes and reads, threads,
 # logging, and the chain's link to its previous stage
-NOT_TRAINING = ("out_dir", "data_dir", "data_source", "init_from", "overwrite", "resume_changes", "num_threads",
-                "dry_run", "check_memory", "log_interval", "wandb_log", "wandb_project", "wandb_run_name")
+NOT_TRAINING = ("out_dir", "data_dir", "data_source", "init_from", "overwrite", "resume_changes",
+                "num_threads", "dry_run", "check_memory", "log_interval", "wandb_log", "wandb_project",
+                "wandb_run_name")
 UNKNOWN = "unknown"
 
 
@@ -67,7 +68,8 @@ def cpu_name():
 def commit():
     """The repository's HEAD, '+dirty' when tracked files differ from it; 'unknown' outside git."""
     def git(*args):
-        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True,
+                              check=True).stdout.strip()
     try:
         head = git("rev-parse", "HEAD")
         return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
@@ -100,7 +102,8 @@ def of_run(directory, cpu_of_grid=UNKNOWN):
         run = json.load(f)
     if "identity" in run:
         return run["identity"]
-    return {"training": training_keys(run["commands"]), "commit": UNKNOWN, "cpu": cpu_of_grid, "inferred": True}
+    return {"training": training_keys(run["commands"]), "commit": UNKNOWN, "cpu": cpu_of_grid,
+            "inferred": True}
 
 
 def first_difference(trained, planned):
@@ -128,7 +131,7 @@ def machines_line(pairs, identities):
         unknown += UNKNOWN in cpus
         mixed += UNKNOWN not in cpus and cpus[0] != cpus[1]
     cpus = sorted({(i or {}).get("cpu", UNKNOWN) for i in identities.values()} - {UNKNOWN})
-    return (f"Machines: of the {len(pairs)} pairs (a method and its baseline on one seed) these tables compare, "
-            f"{mixed} pair runs made on different CPUs and {unknown} include a run whose CPU is not recorded "
-            f"(archived before run.json recorded it; tools/identity.py gives the rule). CPUs recorded: "
-            f"{', '.join(cpus) or 'none'}.")
+    return (f"Machines: of the {len(pairs)} pairs (a method and its baseline on one seed) these tables "
+            f"compare, {mixed} pair runs made on different CPUs and {unknown} include a run whose CPU is not "
+            "recorded (archived before run.json recorded it; tools/identity.py gives the rule). CPUs "
+            f"recorded: {', '.join(cpus) or 'none'}.")

@@ -90,7 +90,8 @@ def task_yaml(name, jsonl_path):
 def write_task(data_dir, out, name="shakespeare_lastword", limit=500, context_chars=256, min_words=4):
     """Write <out>/<name>.jsonl and <out>/<name>.yaml; returns the items."""
     if not re.fullmatch(r"[A-Za-z0-9_]+", name):
-        raise ValueError(f"--name must be letters, digits and underscores (a task name and file name), got {name!r}")
+        raise ValueError("--name must be letters, digits and underscores (a task name and file name), got "
+                         f"{name!r}")
     if limit < 1 or context_chars < 1:
         raise ValueError(f"--limit and --context_chars must be >= 1, got {limit} and {context_chars}")
     items = make_items(validation_text(data_dir), limit, context_chars, min_words)
@@ -108,7 +109,8 @@ def main(argv=None):
     parser.add_argument("--data_dir", required=True, help="a prepared dataset (meta.json, val.bin)")
     parser.add_argument("--out", required=True, help="directory for the task files (lm_eval --include_path)")
     parser.add_argument("--name", default="shakespeare_lastword", help="task name (lm_eval --tasks)")
-    parser.add_argument("--limit", type=int, default=500, help="at most this many items, spread over the split")
+    parser.add_argument("--limit", type=int, default=500,
+                        help="at most this many items, spread over the split")
     parser.add_argument("--context_chars", type=int, default=256, help="characters of context at most")
     parser.add_argument("--min_words", type=int, default=4, help="lines with fewer words are not used")
     args = parser.parse_args(argv)
@@ -121,7 +123,8 @@ def main(argv=None):
         items = write_task(args.data_dir, args.out, args.name, args.limit, args.context_chars, args.min_words)
     except (DataError, ValueError, OSError) as e:
         sys.exit(f"error: {e}")
-    print(f"wrote {len(items)} items: {os.path.join(args.out, args.name)}.jsonl and .yaml (task '{args.name}')")
+    print(f"wrote {len(items)} items: {os.path.join(args.out, args.name)}.jsonl and .yaml (task "
+          f"'{args.name}')")
 
 
 if __name__ == "__main__":

@@ -28,17 +28,18 @@ def table_lines(paths, gpus, measure=True):
     """The Markdown table for each config file (tools/bench.py puts it in results/bench.md)."""
     lines = [f"GiB per GPU on {gpus} GPU(s), the config's own parallelism; activations of one micro-batch, "
              "fp32 upper bound", "",
-             "| config | params | parallel | micro-batch x T x micro-steps | weights + grads + AdamW (+ FSDP's "
-             "gathered unit and unsharded grads) | activations | with activation checkpointing | total |",
+             "| config | params | parallel | micro-batch x T x micro-steps | weights + grads + AdamW (+ "
+             "FSDP's gathered unit and unsharded grads) | activations | with activation checkpointing | "
+             "total |",
              "|---|---|---|---|---|---|---|---|"]
     for path in paths:
         p = make_plan(read_config(path), gpus, measure=measure)
         mode = "fsdp" if p["parallel"] == "fsdp" else "ddp"
         parts = p["memory_parts"]
         total = p["memory"][mode]["checkpointed" if p["activation_checkpointing"] else "plain"]
-        lines.append(f"| {os.path.basename(path)} | {p['params'] / 1e9:.2f}B | {p['parallel']} | {p['micro_batch']} x "
-                     f"{p['seq_len']} x {p['micro_steps']} | {parts[mode]:.1f} | {parts['act']:.1f} | "
-                     f"{parts['act_ckpt']:.1f} | {total:.1f} |")
+        lines.append(f"| {os.path.basename(path)} | {p['params'] / 1e9:.2f}B | {p['parallel']} | "
+                     f"{p['micro_batch']} x {p['seq_len']} x {p['micro_steps']} | {parts[mode]:.1f} | "
+                     f"{parts['act']:.1f} | {parts['act_ckpt']:.1f} | {total:.1f} |")
     return lines
 
 

@@ -27,7 +27,8 @@ def panels(records):
     """{panel title: [log key, ...]}: which keys are drawn together, in drawing order."""
     keys = list(dict.fromkeys(key for record in records for key in record))
     terms = [key for key in keys if key not in NOT_TERMS + TWINS and not key.startswith("val")]
-    loss = [key for key in keys if key == "loss"] + [key for key in keys if key.startswith("val") and key[4:] not in terms]
+    loss = [key for key in keys if key == "loss"] + [key for key in keys
+                                                     if key.startswith("val") and key[4:] not in terms]
     grouped = {"loss": loss, **{term: [term] + [k for k in keys if k == f"val_{term}"] for term in terms},
                "LR rows and their HR twins": [key for key in keys if key in TWINS],
                "learning rate": [key for key in keys if key == "lr"]}

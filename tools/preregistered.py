@@ -17,7 +17,8 @@ THRESHOLDS = (0.43, 0.40, 0.38)   # primary, then the two secondary ones
 PREDICTOR_STEP, PREDICTOR_CUTOFF = 1000, 0.1224   # twin_cos at step 1000 above the cut-off: called
 EXPECTED_RATE = 0.10              # the earlier claim T1 checks: about one seed in ten
 FRESH, NEXT = "margin 0.6", "margin 0.6, data order of the next seed"
-SWAPPED = ("margin 0.6, embeddings swapped", "margin 0.6, embeddings swapped, data order of the embeddings' seed")
+SWAPPED = ("margin 0.6, embeddings swapped",
+           "margin 0.6, embeddings swapped, data order of the embeddings' seed")
 
 
 def crosses(metrics, threshold):
@@ -38,12 +39,12 @@ def rate_test(archive, fresh, threshold):
     low, high = stats.clopper_pearson(k_new, n_new)
     p = fisher_exact(k_old, n_old, k_new, n_new)
     complete = n_new == len(FRESH_SEEDS)
-    line = (f"T1, margin 0.6 on fresh seeds{partial_note(n_new, len(FRESH_SEEDS))}: {rate_cell(k_new, n_new)}; "
-            f"pooled with the archive's {k_old} of {n_old}: {rate_cell(k_old + k_new, n_old + n_new)}. "
-            f"Archive against fresh: Fisher's exact p = {p:.3g}")
+    line = (f"T1, margin 0.6 on fresh seeds{partial_note(n_new, len(FRESH_SEEDS))}: "
+            f"{rate_cell(k_new, n_new)}; pooled with the archive's {k_old} of {n_old}: "
+            f"{rate_cell(k_old + k_new, n_old + n_new)}. Archive against fresh: Fisher's exact p = {p:.3g}")
     if complete:
-        line += (": **the fresh seeds cross at another rate**, the pooled rate mixes two rates" if p < 0.05 else
-                 ": no difference shown, the pooled rate is the estimate")
+        line += (": **the fresh seeds cross at another rate**, the pooled rate mixes two rates" if p < 0.05
+                 else ": no difference shown, the pooled rate is the estimate")
         line += (f". The earlier claim (about {EXPECTED_RATE}) is **" +
                  ("confirmed" if low <= EXPECTED_RATE <= high else "not confirmed") +
                  f"**: {EXPECTED_RATE} is {'inside' if low <= EXPECTED_RATE <= high else 'outside'} "
@@ -66,10 +67,12 @@ def concordance_test(own, other, threshold):
     only_own, only_next = sum(x and not y for x, y in zip(a, b)), sum(y and not x for x, y in zip(a, b))
     neither = n - both - only_own - only_next
     p_own, p_next = sum(a) / n, sum(b) / n
-    expected = [n * p_own * p_next, n * p_own * (1 - p_next), n * (1 - p_own) * p_next, n * (1 - p_own) * (1 - p_next)]
-    line = (f"T2, the same initialisation under two data orders{partial_note(n, len(FRESH_SEEDS), 'pairs')}: both cross "
-            f"{both}, only own order {only_own}, only the next seed's {only_next}, neither {neither} "
-            f"(independence predicts {expected[0]:.2f}, {expected[1]:.2f}, {expected[2]:.2f}, {expected[3]:.2f})")
+    expected = [n * p_own * p_next, n * p_own * (1 - p_next), n * (1 - p_own) * p_next,
+                n * (1 - p_own) * (1 - p_next)]
+    line = (f"T2, the same initialisation under two data orders{partial_note(n, len(FRESH_SEEDS), 'pairs')}: "
+            f"both cross {both}, only own order {only_own}, only the next seed's {only_next}, neither "
+            f"{neither} (independence predicts {expected[0]:.2f}, {expected[1]:.2f}, {expected[2]:.2f}, "
+            f"{expected[3]:.2f})")
     if not sum(a) or not sum(b):
         return [line + ". **Not testable**: no seed crosses under one of the two orders."]
     p = fisher_exact(both, sum(a), sum(b) - both, n - sum(a))
@@ -104,11 +107,13 @@ def predictor_test(own, next_order, ce, curves):
     hits, n_yes, alarms, n_no, unread = predictor_counts(own, curves.get(FRESH, {}), threshold)
     n = n_yes + n_no
     cell = lambda k, m: rate_cell(k, m) if m else "none"  # noqa: E731
-    line = (f"T3, twin_cos at step {PREDICTOR_STEP} > {PREDICTOR_CUTOFF} on the own-order runs"
-            f"{partial_note(n, len(FRESH_SEEDS))}: hits {cell(hits, n_yes)}, false alarms {cell(alarms, n_no)}"
+    line = (f"T3, twin_cos at step {PREDICTOR_STEP} > {PREDICTOR_CUTOFF} on the own-order "
+            f"runs{partial_note(n, len(FRESH_SEEDS))}: hits {cell(hits, n_yes)}, false alarms "
+            f"{cell(alarms, n_no)}"
             + (f" ({unread} run(s) without a reading)" if unread else ""))
     if not n_yes or not n_no:
-        line += ". **Not testable**: " + ("no own-order run crosses." if not n_yes else "every own-order run crosses.")
+        line += ". **Not testable**: " + ("no own-order run crosses." if not n_yes
+                                          else "every own-order run crosses.")
     else:
         p = fisher_exact(hits, n_yes, alarms, n_no)
         line += f"; Fisher's exact p = {p:.3g}"
@@ -122,8 +127,9 @@ def predictor_test(own, next_order, ce, curves):
                    **{("next", s): c for s, c in curves.get(NEXT, {}).items()}}
     h2, y2, a2, n2, _ = predictor_counts(both, both_curves, threshold)
     _, _, a3, n3, _ = predictor_counts(ce, curves.get("baseline", {}), threshold)
-    return [line, "", f"Secondary: over all fresh margin-0.6 runs (pairs share an initialisation), hits {cell(h2, y2)}, "
-                  f"false alarms {cell(a2, n2)}; false alarms among the fresh CE runs {cell(a3, n3)}."]
+    return [line, "", "Secondary: over all fresh margin-0.6 runs (pairs share an initialisation), hits "
+                  f"{cell(h2, y2)}, false alarms {cell(a2, n2)}; false alarms among the fresh CE runs "
+                  f"{cell(a3, n3)}."]
 
 
 def rates_test(ce, margin, threshold, label):
@@ -151,7 +157,8 @@ def swap_test(swap, threshold):
     runs = []  # (blocks, embeddings, data order, LR accuracy, crossed)
     for method, data_of in ((SWAPPED[0], lambda s: s), (SWAPPED[1], lambda s: EMBEDDING_SWAPS[s])):
         for seed, metrics in sorted(swap.get(method, {}).items()):
-            runs.append((seed, EMBEDDING_SWAPS[seed], data_of(seed), metrics["low"]["accuracy"], crosses(metrics, threshold)))
+            runs.append((seed, EMBEDDING_SWAPS[seed], data_of(seed), metrics["low"]["accuracy"],
+                         crosses(metrics, threshold)))
     if not runs:
         return ["T5: no swapped run yet."]
     emb_arm = [r for r in runs if r[1] in CROSSING_SEEDS]
@@ -159,13 +166,17 @@ def swap_test(swap, threshold):
     k1, k2 = sum(r[4] for r in emb_arm), sum(r[4] for r in block_arm)
     listing = ", ".join(f"blocks {b} / embeddings {e} / data {d}: {acc:.3f}" for b, e, d, acc, _ in runs)
     line = (f"T5, embeddings or blocks{partial_note(len(runs), 2 * len(EMBEDDING_SWAPS))}: embeddings from a "
-            f"crossing initialisation {k1} of {len(emb_arm)} cross, blocks from one {k2} of {len(block_arm)} ({listing})")
+            f"crossing initialisation {k1} of {len(emb_arm)} cross, blocks from one {k2} of {len(block_arm)} "
+            f"({listing})")
     if emb_arm and block_arm:
-        line += f"; Fisher's exact p = {fisher_exact(k1, len(emb_arm), k2, len(block_arm)):.3g} (2 initialisations per arm)"
+        line += (f"; Fisher's exact p = {fisher_exact(k1, len(emb_arm), k2, len(block_arm)):.3g} "
+                 "(2 initialisations per arm)")
     if len(runs) == 2 * len(EMBEDDING_SWAPS):
         n = len(emb_arm)
-        outcome = ("follows the embeddings" if (k1, k2) == (n, 0) else "follows the blocks" if (k1, k2) == (0, n) else
-                   "needs both" if k1 + k2 == 0 else "either part suffices" if k1 + k2 == 2 * n else "neither cleanly")
+        outcome = ("follows the embeddings" if (k1, k2) == (n, 0) else
+                   "follows the blocks" if (k1, k2) == (0, n) else
+                   "needs both" if k1 + k2 == 0 else
+                   "either part suffices" if k1 + k2 == 2 * n else "neither cleanly")
         line += f": **{outcome}**."
     else:
         line += "."
@@ -176,11 +187,13 @@ def findings(archive, fresh, swap, curves):
     """Markdown lines: archive, fresh, swap are {method: {seed: metrics}} of the grids jostling,
     jostling_prereg and jostling_swap; curves {method: {seed: (steps, twin_cos)}} of jostling_prereg."""
     lines = ["## Issue 40: the pre-registered tests", "",
-             "Registered in `results/preregistration.md` before any of these runs started; each line follows its "
-             "rule there. The fresh seeds are 1367–1390; own order means `data_seed` = `seed`.", ""]
+             "Registered in `results/preregistration.md` before any of these runs started; each line "
+             "follows its rule there. The fresh seeds are 1367–1390; own order means `data_seed` = "
+             "`seed`.", ""]
     own, next_order, ce = fresh.get(FRESH, {}), fresh.get(NEXT, {}), fresh.get("baseline", {})
     for threshold in THRESHOLDS:
-        lines += [f"### LR accuracy ≥ {threshold} ({'primary' if threshold == THRESHOLDS[0] else 'secondary'})", ""]
+        lines += [f"### LR accuracy ≥ {threshold} "
+                  f"({'primary' if threshold == THRESHOLDS[0] else 'secondary'})", ""]
         lines += rate_test(archive.get("margin 0.6", {}), own, threshold) + [""]
         lines += concordance_test(own, next_order, threshold) + [""]
         if threshold == THRESHOLDS[0]:
@@ -217,14 +230,16 @@ def norm_term_outcome(evaluated, registered_seeds=5):
     (_, vs_ce, _, verdict_ce), (_, vs_released, p_released, _) = evaluated
     if vs_ce is None or vs_released is None or min(vs_ce["n"], vs_released["n"]) < registered_seeds:
         return None
-    if verdict_ce == stats.REPRODUCES and -NORM_MARGIN <= vs_released["low"] and vs_released["high"] <= NORM_MARGIN:
+    if (verdict_ce == stats.REPRODUCES and -NORM_MARGIN <= vs_released["low"]
+            and vs_released["high"] <= NORM_MARGIN):
         return "its effect is the norm term"
     if p_released is not None and p_released < 0.05 and vs_released["mean"] > 0:
         return "not the norm term alone"
     return "not decided"
 
 
-CONVERGED_BEFORE, CONVERGED_FALL = 1400, 0.01  # T7: best checkpoint before this step, or mean fall per 50 steps
+# T7: best checkpoint before this step, or mean fall per 50 steps
+CONVERGED_BEFORE, CONVERGED_FALL = 1400, 0.01
 
 
 def convergence_lines(runs, registered_seeds=5):
@@ -234,17 +249,20 @@ def convergence_lines(runs, registered_seeds=5):
     if not runs:
         return []
     best = {seed: run["metrics"]["checkpoint"]["iter"] for seed, run in sorted(runs.items())}
-    curves = {seed: {r["iter"]: r["val"] for r in read_log(os.path.join(run["dir"], "log.jsonl")) if "val" in r}
+    curves = {seed: {r["iter"]: r["val"] for r in read_log(os.path.join(run["dir"], "log.jsonl"))
+                     if "val" in r}
               for seed, run in runs.items()}
     start, end = CONVERGED_BEFORE, max(max(c) for c in curves.values())
     have = [c for c in curves.values() if start in c and end in c]
     fall = sum(c[start] - c[end] for c in have) / len(have) / ((end - start) / 50) if have else None
     line = ("Convergence (results/preregistration.md, T7): CE's best checkpoint per seed at step "
             + ", ".join(f"{best[s]} ({s})" for s in best)
-            + (f"; its mean val loss falls {fall:.4f} nats per 50 steps from step {start} to {end}" if fall is not None else ""))
+            + (f"; its mean val loss falls {fall:.4f} nats per 50 steps from step {start} to {end}"
+               if fall is not None else ""))
     if len(runs) < registered_seeds:
         return [line + f" (partial: {len(runs)} of {registered_seeds} seeds)."]
-    converged = all(step < CONVERGED_BEFORE for step in best.values()) or (fall is not None and fall < CONVERGED_FALL)
+    converged = (all(step < CONVERGED_BEFORE for step in best.values())
+                 or (fall is not None and fall < CONVERGED_FALL))
     return [line + (": **converged by the registered rule**." if converged else
                     ": **not converged by the registered rule**: 1600 steps are not enough either.")]
 
@@ -257,6 +275,7 @@ def twin_figure(g, results_dir):
     panels = {method: {str(seed): (steps, values, crosses(g.results[method][seed], THRESHOLDS[0]))
                        for seed, (steps, values) in per_seed.items()}
               for method, per_seed in twin_curves(g).items()}
-    path = figures.marked_curves(panels, os.path.join(results_dir, "figures", f"{g.name}_twin_cosine.png"), "twin_cos")
+    path = figures.marked_curves(panels, os.path.join(results_dir, "figures", f"{g.name}_twin_cosine.png"),
+                                 "twin_cos")
     return [("Mean cosine of each LR row with its HR twin at every evaluation (runs that reach LR accuracy "
              f"{THRESHOLDS[0]} in red)", path)] if path else []

@@ -1,24 +1,24 @@
 """
-results/<grid>.md and its figures from a grid's archived runs (results/runs/<grid>/<method>/seed<S>:
+results/<grid>.md from a grid's archived runs (results/runs/<grid>/<method>/seed<S>:
 metrics.json, marginalization.json, run.json, log.jsonl; wall.json per grid). The table opens with
 the papers' claims, each judged by the rule in claims.py / stats.py, then gives mean ± std over
 seeds of every metric, the paper's number beside ours where it has one, and each method's paired
 difference to the baseline on the same seeds with its 95 % t interval: a seed moves every method
 together, so the paired figure is what separates an effect from noise. It ends with the grid's
-efficiency = (grid FLOPs / peak) / wall time over all its compare.py calls.
+efficiency = (grid FLOPs / peak) / wall time over all its compare.py calls. Its figures:
+figures.make_figures.
 """
 
 import json
 import os
 import statistics
 
-import numpy as np
 import torch
 
 import evaluate
 import metrics
-from tools import claims, figures, identity, preregistered, stats, transition
-from tools.grids import GRIDS, METRICS, PAPER, PAPER_SE_LR_ACCURACY, SEEDS, run_dir, runs_of
+from tools import claims, identity, preregistered, stats, transition
+from tools.grids import GRIDS, METRICS, PAPER, run_dir, runs_of
 from tools.runner import grid_calls
 from utils import read_log, save_json
 
@@ -36,7 +36,11 @@ def fmt(values, digits=3):
     return f"{m:.{digits}f} ± {s:.{digits}f}"
 
 
-# the Stop Jostling run the strip plots mark (the authors' single notebook run), and the LR accuracy
+def table_lines(header, rows):
+    """A Markdown table: its header, the rule under it and a line per row of cells."""
+    return (["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+            + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
+
 
 def load_runs(grid, root):
     """The archived runs of a grid: ({method: {seed: metrics}}, {method: {seed: {"dir", "metrics"}}})."""
@@ -55,7 +59,8 @@ def paired_columns(results):
     runs = [r for per_seed in results.values() for r in per_seed.values()]
     if any("low" in r for r in runs):
         return [("LR acc", "low", "accuracy"), ("LR MRR", "low", "mrr"), ("LR PPL_best", "low", "ppl_best"),
-                ("HR acc", "high", "accuracy"), ("HR PPL_best", "high", "ppl_best"), ("LR I(W)", "low", "isotropy")]
+                ("HR acc", "high", "accuracy"), ("HR PPL_best", "high", "ppl_best"),
+                ("LR I(W)", "low", "isotropy")]
     columns = [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
                ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
     if runs and all("rare" in r for r in runs):
@@ -82,11 +87,12 @@ def build_table(grid, root):
     """results/<grid>.md from the archived runs under root (metrics.json, marginalization.json,
     run.json, log.jsonl) and root/<grid>/wall.json, one section after the other."""
     g = Grid(grid, root)
+    seeds = ", ".join(map(str, sorted({s for per_seed in g.results.values() for s in per_seed})))
     lines = [f"# Grid `{grid}`", "",
-             f"Produced by `python -m tools.compare {grid}` from the runs' `metrics.json` (mean ± std over seeds "
-             f"{', '.join(map(str, sorted({s for per_seed in g.results.values() for s in per_seed})))}, as many as "
-             "each method lists). Evaluation on the whole val split, "
-             "never thresholded; the checkpoint with the best " + ("mixed " if g.low_resource else "") + "val loss." +
+             f"Produced by `python -m tools.compare {grid}` from the runs' `metrics.json` (mean ± std over "
+             f"seeds {seeds}, as many as each method lists). Evaluation on the whole val split, never "
+             "thresholded; the checkpoint with the best " + ("mixed " if g.low_resource else "")
+             + "val loss." +
              (" `paper` rows: the authors' numbers (Stop Jostling Table 7; baseline and margin 0.6 + SE from "
               "their published single-seed runs)." if grid in PAPER else ""), ""] + machine_lines(g)
     if grid == "jostling":  # what the grid found beyond the paper's claims: the transition
@@ -100,23 +106,27 @@ def build_table(grid, root):
     form_lines = claims.claims_table(grid, g.runs, g.baseline, claims.FORM_CLAIMS, with_rule=False)
     if form_lines:
         lines += ["## Dispersion as its authors' released code computes it", "",
-                  "The rows marked *authors' form* train with `dispersion_form = \"authors\"`: the constants of "
-                  "the released code where it differs from the paper's Algorithm 1 (`docs/fidelity.md`). Each is "
-                  "judged against CE, as its paper-form row is above, and against its paper-form row on the same "
-                  "seeds. The paper does not say which form produced its numbers; against the paper's form, "
-                  "\"reproduces\" reads \"the released form gives the lower HR PPL\" and \"contradicted\" the "
-                  "higher. The verdict rule is the one above; these rows are Holm-adjusted together, apart from "
-                  "the papers' claims, so they leave those verdicts as they were.", ""] + form_lines + [""]
+                  "The rows marked *authors' form* train with `dispersion_form = \"authors\"`: the "
+                  "constants of the released code where it differs from the paper's Algorithm 1 "
+                  "(`docs/fidelity.md`). Each is judged against CE, as its paper-form row is above, and "
+                  "against its paper-form row on the same seeds. The paper does not say which form produced "
+                  "its numbers; against the paper's form, \"reproduces\" reads \"the released form gives "
+                  "the lower HR PPL\" and \"contradicted\" the higher. The verdict rule is the one above; "
+                  "these rows are Holm-adjusted together, apart from the papers' claims, so they leave "
+                  "those verdicts as they were.", ""] + form_lines + [""]
     norm_lines = claims.claims_table(grid, g.runs, g.baseline, claims.NORM_CLAIMS, with_rule=False)
     if norm_lines and claims.NORM_METHOD in g.results:
         lines += ["## l2_repel's norm term alone (issue 40)", "",
-                  "The released l2_repel is its norm term 0.1 · mean(z²) plus a log-sum-exp repulsion whose "
-                  "off-diagonal terms vanish once the states are far apart. This row trains with the norm term alone. "
-                  "The rule is the one above, Holm-adjusted over these two rows only, and was registered in "
-                  "`results/preregistration.md` (T6). The row's effect counts as the norm term's when the first row "
-                  "reproduces and the second row's interval lies within ±0.04.", ""] + norm_lines + [""]
-        outcome = preregistered.norm_term_outcome(claims.evaluate_claims(grid, g.runs, g.baseline, claims.NORM_CLAIMS))
-        lines += [f"Outcome: **{outcome}**." if outcome else "Outcome: none until both rows have their 5 seeds.", ""]
+                  "The released l2_repel is its norm term 0.1 · mean(z²) plus a log-sum-exp repulsion "
+                  "whose off-diagonal terms vanish once the states are far apart. This row trains with the "
+                  "norm term alone. The rule is the one above, Holm-adjusted over these two rows only, and "
+                  "was registered in `results/preregistration.md` (T6). The row's effect counts as the norm "
+                  "term's when the first row reproduces and the second row's interval lies within ±0.04.",
+                  ""] + norm_lines + [""]
+        evaluated = claims.evaluate_claims(grid, g.runs, g.baseline, claims.NORM_CLAIMS)
+        outcome = preregistered.norm_term_outcome(evaluated)
+        lines += [f"Outcome: **{outcome}**." if outcome
+                  else "Outcome: none until both rows have their 5 seeds.", ""]
     if grid == "bpe_1600":  # issue 40: whether CE has converged at 1600 steps (T7)
         lines += preregistered.convergence_lines(g.runs.get(g.baseline, {})) + [""]
     lines += metric_tables(g) + rare_target_table(g) + paired_table(g) + speed_up_table(g)
@@ -135,7 +145,8 @@ def machine_lines(g):
                   for run in per_seed.values()}
     compared = {(c["method"], c["baseline"] or g.baseline) for family in (claims.CLAIMS, claims.FORM_CLAIMS)
                 for c in family.get(g.name, [])} | {(m, g.baseline) for m in list(g.methods)[1:]}
-    pairs = [(g.runs[a][s]["dir"], g.runs[b][s]["dir"]) for a, b in sorted(compared) if a in g.runs and b in g.runs
+    pairs = [(g.runs[a][s]["dir"], g.runs[b][s]["dir"])
+             for a, b in sorted(compared) if a in g.runs and b in g.runs
              for s in sorted(set(g.runs[a]) & set(g.runs[b]))]
     return [identity.machines_line(pairs, identities), ""] if pairs else []
 
@@ -148,34 +159,38 @@ def metric_tables(g):
     with_authors = g.name in PAPER
     header = [*METRICS, "isotropy, authors' way", "authors' way over all signs"] if with_authors else METRICS
     if with_authors:
-        lines += ["`isotropy` is our I(W), well defined (both signs of each eigenvector); `isotropy, authors' way` is "
-                  "I(W) computed as the paper computed its I(W) column (one sign per eigenvector, no negatives), so "
-                  "the paper's value sits in that column only. The paper took the signs its eigensolver returned, "
-                  "which change with the solver; ours are set by a stated rule, each eigenvector's largest-magnitude "
-                  "component positive, so any solver gives the same value (`metrics.isotropy_authors`). The last "
-                  "column is the spread the choice of signs allows: the mean over seeds of each run's lowest and "
-                  "highest value over all 2^C sign choices (`metrics.isotropy_sign_range`).", ""]
+        lines += ["`isotropy` is our I(W), well defined (both signs of each eigenvector); `isotropy, "
+                  "authors' way` is I(W) computed as the paper computed its I(W) column (one sign per "
+                  "eigenvector, no negatives), so the paper's value sits in that column only. The paper "
+                  "took the signs its eigensolver returned, which change with the solver; ours are set by a "
+                  "stated rule, each eigenvector's largest-magnitude component positive, so any solver "
+                  "gives the same value (`metrics.isotropy_authors`). The last column is the spread the "
+                  "choice of signs allows: the mean over seeds of each run's lowest and highest value over "
+                  "all 2^C sign choices (`metrics.isotropy_sign_range`).", ""]
     for lang in g.langs:
-        lines += [f"## {LANGUAGE_NAMES[lang]} validation" if g.low_resource else "## Validation", "",
-                  "| method | seeds | " + " | ".join(header) + " |", "|---" * (len(header) + 2) + "|"]
+        rows = []
         for method in g.methods:
             method_runs = g.results.get(method, {})
             if method_runs:
-                cells = [fmt([r[lang][k] for r in method_runs.values()], 2 if k in ("ppl", "ppl_best", "t_best") else 3)
+                cells = [fmt([r[lang][k] for r in method_runs.values()],
+                             2 if k in ("ppl", "ppl_best", "t_best") else 3)
                          for k in METRICS]
                 if with_authors:
-                    cells.append(fmt([claims.isotropy_authors_of(lang)(run) for run in g.runs[method].values()]))
+                    cells.append(fmt([claims.isotropy_authors_of(lang)(run)
+                                      for run in g.runs[method].values()]))
                     ranges = [claims.isotropy_authors_of(lang, metrics.isotropy_sign_range)(run)
                               for run in g.runs[method].values()]
-                    cells.append(f"[{mean_std([r[0] for r in ranges])[0]:.3f}, {mean_std([r[1] for r in ranges])[0]:.3f}]")
-                lines.append(f"| {method} | {len(method_runs)} | " + " | ".join(cells) + " |")
+                    cells.append(f"[{mean_std([r[0] for r in ranges])[0]:.3f}, "
+                                 f"{mean_std([r[1] for r in ranges])[0]:.3f}]")
+                rows.append((method, len(method_runs), *cells))
             paper = PAPER.get(g.name, {}).get(method)
             if paper:
                 values = [f"*{v[0 if lang == 'high' else 1]}*" for v in paper]
                 if with_authors:
                     values = values[:-1] + ["—", values[-1], "—"]
-                lines.append(f"| *paper: {method}* | 1 | " + " | ".join(values) + " |")
-        lines.append("")
+                rows.append((f"*paper: {method}*", 1, *values))
+        lines += [f"## {LANGUAGE_NAMES[lang]} validation" if g.low_resource else "## Validation", ""]
+        lines += table_lines(["method", "seeds", *header], rows) + [""]
     return lines
 
 
@@ -184,25 +199,27 @@ def rare_target_table(g):
     if not any(lang == "rare" for _, lang, _ in paired_columns(g.results)):
         return []
     lines = ["## Rare targets", "",
-             f"The val positions whose target token occurs at most {evaluate.RARE_MAX_COUNT} times in the training split "
-             "(the long tail; Stop Jostling's low-resource tokens on a natural vocabulary).", "",
-             "| method | seeds | fraction of val | PPL | accuracy | MRR |", "|---|---|---|---|---|---|"]
+             f"The val positions whose target token occurs at most {evaluate.RARE_MAX_COUNT} times in the "
+             "training split (the long tail; Stop Jostling's low-resource tokens on a natural "
+             "vocabulary).", ""]
+    rows = []
     for method in g.methods:
         runs = [r["rare"] for r in g.results.get(method, {}).values()]
         if runs:
-            lines.append(f"| {method} | {len(runs)} | {fmt([r['fraction'] for r in runs])} | "
-                         f"{fmt([r['ppl'] for r in runs], 0)} | {fmt([r['accuracy'] for r in runs])} | "
-                         f"{fmt([r['mrr'] for r in runs])} |")
-    return lines + [""]
+            rows.append((method, len(runs), fmt([r["fraction"] for r in runs]),
+                         fmt([r["ppl"] for r in runs], 0),
+                         fmt([r["accuracy"] for r in runs]), fmt([r["mrr"] for r in runs])))
+    return lines + table_lines(["method", "seeds", "fraction of val", "PPL", "accuracy", "MRR"], rows) + [""]
 
 
 def paired_table(g):
     """Each method minus the baseline on the same seeds: mean, 95 % t interval, k/n."""
     base, columns = g.results.get(g.baseline, {}), paired_columns(g.results)
     lines = [f"## Paired difference to {g.baseline} (same seeds, method − {g.baseline})", "",
-             "Each cell: the mean of the per-seed differences, its 95 % t interval (n − 1 degrees of freedom, not "
-             "adjusted for multiple comparisons) and how many of the n seeds go the way of the mean.", "",
-             "| method | seeds | " + " | ".join(c[0] for c in columns) + " |", "|---" * (len(columns) + 2) + "|"]
+             "Each cell: the mean of the per-seed differences, its 95 % t interval (n − 1 degrees of "
+             "freedom, not adjusted for multiple comparisons) and how many of the n seeds go the way of the "
+             "mean.", ""]
+    rows = []
     for method in list(g.methods)[1:]:
         runs_m, shared = g.results.get(method, {}), g.shared_with_baseline(method)
         if not shared:
@@ -212,9 +229,10 @@ def paired_table(g):
             digits = 3  # rates; perplexities with as many decimals as their size needs
             if key in ("ppl", "ppl_best"):
                 digits = 2 if mean_std([base[s][lang][key] for s in shared])[0] < 100 else 0
-            return claims.paired_cell(stats.paired([runs_m[s][lang][key] - base[s][lang][key] for s in shared]), digits)
-        lines.append(f"| {method} | {len(shared)} | " + " | ".join(diff(lang, key) for _, lang, key in columns) + " |")
-    return lines
+            return claims.paired_cell(stats.paired([runs_m[s][lang][key] - base[s][lang][key]
+                                                    for s in shared]), digits)
+        rows.append((method, len(shared), *(diff(lang, key) for _, lang, key in columns)))
+    return lines + table_lines(["method", "seeds", *(title for title, _, _ in columns)], rows)
 
 
 def speed_up_table(g):
@@ -222,37 +240,39 @@ def speed_up_table(g):
     if "SimReg" not in g.methods:
         return []
     lines = ["", f"## Steps to reach {g.baseline}'s final val loss (same seed)", "",
-             f"Speed-up = 1 − (steps a method needs to first reach the {'mixed ' if g.low_resource else ''}val loss of "
-             f"{g.baseline}'s last evaluation on the same seed) / ({g.baseline}'s total steps); the crossing is linearly "
-             f"interpolated between evaluations (every eval_interval steps), and a run that never reaches it counts "
-             f"as 0. {g.baseline}'s own row is the noise floor: its curve can dip below its final value before the end. "
-             "Chained methods (CWT + FT) are left out: their log holds the fine-tune only.", "",
-             "| method | seeds that reach it | speed-up in %, mean [95 % CI], k/n |", "|---|---|---|"]
+             "Speed-up = 1 − (steps a method needs to first reach the "
+             f"{'mixed ' if g.low_resource else ''}val loss of {g.baseline}'s last evaluation on the same "
+             f"seed) / ({g.baseline}'s total steps); the crossing is linearly interpolated between "
+             "evaluations (every eval_interval steps), and a run that never reaches it counts as 0. "
+             f"{g.baseline}'s own row is the noise floor: its curve can dip below its final value before the "
+             "end. Chained methods (CWT + FT) are left out: their log holds the fine-tune only.", ""]
+    rows = []
     for method in g.methods:
         shared = g.shared_with_baseline(method)
         if not shared or isinstance(g.methods[method][0], tuple):
             continue
-        curves = [(claims.val_curve(run_dir(g.root, g.name, method, s)), claims.val_curve(run_dir(g.root, g.name, g.baseline, s)))
+        curves = [(claims.val_curve(run_dir(g.root, g.name, method, s)),
+                   claims.val_curve(run_dir(g.root, g.name, g.baseline, s)))
                   for s in shared]
         reached = sum(claims.steps_to_reach(mine, base[-1][1]) is not None for mine, base in curves)
         speed = [100 * claims.speed_up_of_curves(mine, base) for mine, base in curves]
-        lines.append(f"| {method} | {reached} of {len(shared)} | {claims.paired_cell(stats.paired(speed), 1)} |")
-    return lines
+        rows.append((method, f"{reached} of {len(shared)}", claims.paired_cell(stats.paired(speed), 1)))
+    return lines + table_lines(["method", "seeds that reach it", "speed-up in %, mean [95 % CI], k/n"], rows)
 
 
 def embedding_geometry_table(g):
     """The char grids: isotropy of all rows and how often a letter's twin in the other language is near it."""
-    lines = ["", "## Embedding geometry", "",
-             "| method | I(W) all rows | twin in top-3 (of 130 rows) | 12 cases (A/a, HR/LR) | all letters (of 312) |",
-             "|---|---|---|---|---|"]
+    rows = []
     for method in g.methods:
         runs = list(g.results.get(method, {}).values())
         if runs:
             t = [r["translations"] for r in runs]
-            lines.append(f"| {method} | {fmt([r['isotropy_all'] for r in runs])} | "
-                         f"{fmt([x['twin_top3_fraction'] for x in t])} | {fmt([x['cases_12'] for x in t], 1)} | "
-                         f"{fmt([x['cases_letters'] for x in t], 1)} |")
-    return lines
+            rows.append((method, fmt([r["isotropy_all"] for r in runs]),
+                         fmt([x["twin_top3_fraction"] for x in t]),
+                         fmt([x["cases_12"] for x in t], 1), fmt([x["cases_letters"] for x in t], 1)))
+    header = ["method", "I(W) all rows", "twin in top-3 (of 130 rows)", "12 cases (A/a, HR/LR)",
+              "all letters (of 312)"]
+    return ["", "## Embedding geometry", ""] + table_lines(header, rows)
 
 
 def hidden_geometry_table(g):
@@ -262,18 +282,20 @@ def hidden_geometry_table(g):
     lines = ["", "## Hidden-state geometry" + (" (HR val)" if g.low_resource else " (val)"), "",
              "mu(l): mean pairwise cosine of a sequence's states after block l; rho / tau: Spearman and "
              "Kendall correlation of mu(l) with depth (positive = condensing with depth); SimReg value of "
-             "the final states at tau 0.01.", "",
-             "| method | mu(last block) | Spearman rho | Kendall tau | final-state cosine | SimReg(final) |",
-             "|---|---|---|---|---|---|"]
+             "the final states at tau 0.01.", ""]
+    rows = []
     for method in g.methods:
         runs = [r["geometry"][g.langs[0]] for r in g.results.get(method, {}).values() if "geometry" in r]
         if runs:
             simreg_values = [x["simreg_final"] for x in runs]
             corr = {k: [x[k] for x in runs if x[k] is not None] for k in ("spearman_rho", "kendall_tau")}
             rho, tau = (fmt(corr[k], 2) if corr[k] else "n/a" for k in ("spearman_rho", "kendall_tau"))
-            lines.append(f"| {method} | {fmt([x['mu'][-1] for x in runs])} | {rho} | {tau} | {fmt([x['final_cosine'] for x in runs])} | "
-                         f"{mean_std(simreg_values)[0]:.1e} ± {mean_std(simreg_values)[1]:.1e} |")
-    return lines
+            rows.append((method, fmt([x["mu"][-1] for x in runs]), rho, tau,
+                         fmt([x["final_cosine"] for x in runs]),
+                         f"{mean_std(simreg_values)[0]:.1e} ± {mean_std(simreg_values)[1]:.1e}"))
+    header = ["method", "mu(last block)", "Spearman rho", "Kendall tau", "final-state cosine",
+              "SimReg(final)"]
+    return lines + table_lines(header, rows)
 
 
 def marginalization_table(g):
@@ -289,40 +311,36 @@ def marginalization_table(g):
         return []
     lines = ["", "## Marginalization of low-resource tokens (gradient-norm ratios, whole run)", "",
              "Per LR token: Ratio of Average = (avg g_input + avg g_target) / avg g_non-target; Average of "
-             "Ratio = avg over steps of (g_input + g_target) / g_non-target (Stop Jostling Sec. 4.2). Means over "
-             "the 65 LR tokens, then mean ± std over seeds. Paper: baseline has the 14 rarest tokens below 1 "
-             "in Ratio of Average and all 65 below 1 in Average of Ratio; thresholding raises them by 12 % "
-             "and 45 %.", "",
-             "| method | seeds | mean Ratio of Average | mean Average of Ratio | tokens with RoA < 1 | tokens with AoR < 1 |",
-             "|---|---|---|---|---|---|"]
-    for method, by_seed in per_seed.items():
-        reports = list(by_seed.values())
-        lines.append(f"| {method} | {len(reports)} | {fmt([r['mean_ratio_of_average'] for r in reports])} | "
-                     f"{fmt([r['mean_average_of_ratio'] for r in reports])} | "
-                     f"{fmt([r['n_ratio_of_average_below_1'] for r in reports], 1)} | "
-                     f"{fmt([r['n_average_of_ratio_below_1'] for r in reports], 1)} |")
+             "Ratio = avg over steps of (g_input + g_target) / g_non-target (Stop Jostling Sec. 4.2). Means "
+             "over the 65 LR tokens, then mean ± std over seeds. Paper: baseline has the 14 rarest tokens "
+             "below 1 in Ratio of Average and all 65 below 1 in Average of Ratio; thresholding raises them "
+             "by 12 % and 45 %.", ""]
+    header = ["method", "seeds", "mean Ratio of Average", "mean Average of Ratio", "tokens with RoA < 1",
+              "tokens with AoR < 1"]
+    keys = {"mean_ratio_of_average": 3, "mean_average_of_ratio": 3, "n_ratio_of_average_below_1": 1,
+            "n_average_of_ratio_below_1": 1}  # -> digits
+    lines += table_lines(header, [(method, len(by_seed), *(fmt([r[k] for r in by_seed.values()], digits)
+                                                            for k, digits in keys.items()))
+                                  for method, by_seed in per_seed.items()])
     names = list(per_seed)
     if len(names) >= 2:
         a, b = per_seed[names[0]], per_seed[names[1]]
         shared = sorted(set(a) & set(b))
         cells = [claims.paired_cell(stats.paired([100 * (b[s][key] / a[s][key] - 1) for s in shared]), 1)
                  for key in ("mean_ratio_of_average", "mean_average_of_ratio")]
-        lines += ["", f"{names[1]} vs {names[0]}, paired on seeds {', '.join(map(str, shared))} (relative change per "
-                  f"seed, %): Ratio of Average {cells[0]}; Average of Ratio {cells[1]} (paper: +12 % and +45 %)."]
+        lines += ["", f"{names[1]} vs {names[0]}, paired on seeds {', '.join(map(str, shared))} (relative "
+                  f"change per seed, %): Ratio of Average {cells[0]}; Average of Ratio {cells[1]} (paper: "
+                  "+12 % and +45 %)."]
     return lines
 
 
 def speed_table(g):
     """Training throughput from each run's log and wall times from run.json; also returns the
     seconds time_breakdown needs, summed while reading them."""
-    lines = ["", "## Speed", "", "| method | runs | median tokens/s per run | median ms/iter | median MFU | mean wall time per run |",
-             "|---|---|---|---|---|---|"]
-    seconds = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0}
+    seconds, rows = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0}, []
     for method in g.methods:
         speeds, walls = [], []
-        for m, seed, *_, out in runs_of(g.name, g.root):
-            if m != method or not os.path.exists(os.path.join(out, "metrics.json")):
-                continue
+        for out in (run["dir"] for run in g.runs.get(method, {}).values()):
             run_speeds = [r for r in read_log(os.path.join(out, "log.jsonl")) if "tokens_per_s" in r]
             speeds += run_speeds
             if os.path.exists(os.path.join(out, "run.json")):
@@ -331,16 +349,21 @@ def speed_table(g):
                 walls.append(run["wall_s"])
                 if "reused_from" not in run:  # a run copied from another grid took none of this grid's time
                     seconds["runs"] += run["wall_s"]
-                if run_speeds and len(run.get("commands", [])) == 1:  # a chained run's log holds its last stage
+                # a chained run's log holds its last stage
+                if run_speeds and len(run.get("commands", [])) == 1:
                     iterations = run_speeds[-1]["iter"] + 1
-                    seconds["steps"] += iterations * statistics.median(r["ms_per_iter"] for r in run_speeds) / 1000
+                    seconds["steps"] += iterations * statistics.median(r["ms_per_iter"]
+                                                                       for r in run_speeds) / 1000
                     seconds["single_stage_runs"] += run["wall_s"]
         if speeds:
-            med = {k: torch.tensor([r[k] for r in speeds]).median().item() for k in ("tokens_per_s", "ms_per_iter", "mfu")}
+            med = {k: torch.tensor([r[k] for r in speeds]).median().item()
+                   for k in ("tokens_per_s", "ms_per_iter", "mfu")}
             wall = f"{sum(walls) / len(walls) / 60:.1f} min" if walls else "n/a"
-            lines.append(f"| {method} | {len(g.results.get(method, {}))} | {med['tokens_per_s']:.0f} | "
-                         f"{med['ms_per_iter']:.1f} | {med['mfu']:.2f} | {wall} |")
-    return lines, seconds
+            rows.append((method, len(g.results.get(method, {})), f"{med['tokens_per_s']:.0f}",
+                         f"{med['ms_per_iter']:.1f}", f"{med['mfu']:.2f}", wall))
+    header = ["method", "runs", "median tokens/s per run", "median ms/iter", "median MFU",
+              "mean wall time per run"]
+    return ["", "## Speed", ""] + table_lines(header, rows), seconds
 
 
 def peak_range(calls):
@@ -360,28 +383,31 @@ def speed_summary(grid, root, seconds):
     measured on all cores before starting; then where the time went (time_breakdown of the
     `seconds` build_table summed while it read the runs' logs)."""
     calls = grid_calls(os.path.join(root, grid, "wall.json"))
-    lines = ["", "MFU per run = model FLOPs (6N + attention) / that run's own measured fp32 2048² matmul peak "
-             "on its thread(s), measured while other runs may share the machine."]
+    lines = ["", "MFU per run = model FLOPs (6N + attention) / that run's own measured fp32 2048² matmul "
+             "peak on its thread(s), measured while other runs may share the machine."]
     if not calls:
         return lines
     wall = sum(c["wall_s"] for c in calls)
     runs = sum(c["runs"] for c in calls)
     last = calls[-1]
-    lines += ["", f"Wall time: {runs} runs in {wall / 3600:.2f} h over {len(calls)} `tools.compare {grid}` call(s), "
-              f"{last['workers']} runs at a time with {last['threads_per_run']} thread(s) each, on {last['cpu']} "
-              f"({last['cores']} cores), torch {last['torch']}."]
+    lines += ["", f"Wall time: {runs} runs in {wall / 3600:.2f} h over {len(calls)} `tools.compare {grid}` "
+              f"call(s), {last['workers']} runs at a time with {last['threads_per_run']} thread(s) each, on "
+              f"{last['cpu']} ({last['cores']} cores), torch {last['torch']}."]
     counted = [c for c in calls if c.get("flops") is not None and c.get("peak_flops")]
     if counted:
         flops = sum(c["flops"] for c in counted)
         at_peak = sum(c["flops"] / c["peak_flops"] for c in counted)
         counted_wall = sum(c["wall_s"] for c in counted)
         scope = "" if len(counted) == len(calls) else \
-            f" (the {len(counted)} call(s) whose runs counted their FLOPs: {sum(c['runs'] for c in counted)} runs, {counted_wall / 3600:.2f} h)"
-        lines += ["", f"**Efficiency = (grid FLOPs / peak) / wall time = {at_peak / counted_wall:.2f}**{scope}: "
-                  f"{flops / 1e15:.3f} PFLOP executed (training, evaluation and fine-tuning), which at the "
-                  f"{peak_range(counted)} would take {at_peak / 60:.1f} min."]
+            (f" (the {len(counted)} call(s) whose runs counted their FLOPs: "
+             f"{sum(c['runs'] for c in counted)} runs, {counted_wall / 3600:.2f} h)")
+        lines += ["", "**Efficiency = (grid FLOPs / peak) / wall time = "
+                  f"{at_peak / counted_wall:.2f}**{scope}: {flops / 1e15:.3f} PFLOP executed (training, "
+                  f"evaluation and fine-tuning), which at the {peak_range(counted)} would take "
+                  f"{at_peak / 60:.1f} min."]
     else:
-        lines += ["", "Efficiency: not available (these runs were made before train.py counted the FLOPs it executes)."]
+        lines += ["", "Efficiency: not available (these runs were made before train.py counted the FLOPs it "
+                      "executes)."]
     return lines + time_breakdown(seconds, wall, last["workers"])
 
 
@@ -394,115 +420,8 @@ def time_breakdown(seconds, grid_wall, workers):
     step_s, run_s, all_runs_s = seconds["steps"], seconds["single_stage_runs"], seconds["runs"]
     if not run_s:
         return []
-    return ["", f"Where the time went: training steps (iterations × median ms/iter) are {100 * step_s / run_s:.0f} % "
-            f"of the single-stage runs' wall time, the rest being evaluation, checkpoints and process start; "
-            f"the runs' wall times fill {100 * all_runs_s / (workers * grid_wall):.0f} % of {workers} × the grid's "
-            f"wall time, the rest being the grid's tail (fewer runs left than run at a time) and the gaps between runs."]
-
-
-
-
-def make_figures(grid, root, out_dir):
-    """PNGs of the archived runs under root into out_dir/figures (figures.py; needs matplotlib):
-    the forest plot of paired differences, per-seed strip plots, val-loss differences to the
-    baseline, condensation of every method, and (char grids) the embedding of the baseline and
-    margin 0.6 + SE. Returns [(title, path relative to out_dir)] of those written."""
-    if figures._pyplot() is None:
-        return []
-    g = Grid(grid, root)
-    results, runs, low_resource = g.results, g.runs, g.low_resource
-    if not results:
-        return []
-    methods = [m for m in g.methods if m in results]
-    baseline = methods[0]
-    colours = figures.method_colours(list(g.methods))
-    written, base = [], os.path.join(out_dir, "figures")
-
-    def add(title, path):
-        if path:
-            written.append((title, os.path.relpath(path, out_dir)))
-
-    forest = {}
-    for title, lang, key in paired_columns(results):
-        # perplexities in the hundreds (BPE) vary by orders of magnitude across methods: relative changes
-        relative = "ppl" in key and np.mean([r[lang][key] for r in results[baseline].values()]) > 100
-        rows = []
-        for method in methods[1:]:
-            shared = sorted(set(results[method]) & set(results[baseline]))
-            if shared:
-                mine, theirs = ([results[m][s][lang][key] for s in shared] for m in (method, baseline))
-                r = stats.paired([100 * (a / b - 1) if relative else a - b for a, b in zip(mine, theirs)])
-                rows.append((method, r["mean"], r["low"], r["high"], r["n"]))
-        forest[f"{title} (%)" if relative else title] = rows
-    add(f"Paired differences to {baseline} (same seeds), mean and 95 % t interval", figures.forest_plot(
-        forest, os.path.join(base, f"{grid}_forest.png"), baseline, colours))
-
-    def per_seed(get):
-        return {m: [get(r) for r in results[m].values()] for m in methods}
-    if low_resource:
-        strips = {"LR accuracy": per_seed(lambda r: r["low"]["accuracy"]),
-                  "twin in top-3 (fraction of 130 rows)": per_seed(lambda r: r["translations"]["twin_top3_fraction"])}
-        references = {"LR accuracy": ("paper, margin 0.6 + SE (1 run)", PAPER_SE_LR_ACCURACY)}
-    else:
-        strips = {"PPL": per_seed(lambda r: r["val"]["ppl"]), "accuracy": per_seed(lambda r: r["val"]["accuracy"])}
-        if all("rare" in r for m in methods for r in results[m].values()):
-            strips["rare-target MRR"] = per_seed(lambda r: r["rare"]["mrr"])
-        references = None
-    add("Every seed's value per method", figures.strip_plot(strips, os.path.join(base, f"{grid}_seeds.png"),
-                                                            references, colours))
-
-    differences = {}
-    for method in methods[1:]:
-        if isinstance(g.methods[method][0], tuple):
-            continue  # a chained run's log holds its last stage (the fine-tune): not on the same axis
-        steps, rows = None, []
-        for seed in sorted(set(results[method]) & set(results[baseline])):
-            mine, theirs = (dict(claims.val_curve(runs[m][seed]["dir"])) for m in (method, baseline))
-            common = sorted(set(mine) & set(theirs))
-            steps = common if steps is None else [s for s in steps if s in common]
-            rows.append((mine, theirs))
-        if steps:
-            differences[method] = (steps, [[mine[s] - theirs[s] for s in steps] for mine, theirs in rows])
-    add(f"Val loss minus {baseline}'s on the same seed (mean, ±2 standard errors); chained methods left out",
-        figures.val_loss_differences(differences, os.path.join(base, f"{grid}_val_loss.png"), baseline,
-                                     "mixed HR/LR val loss" if low_resource else "val loss", colours))
-
-    if low_resource:  # the LR val loss of every seed of the Stop Jostling trio: does any seed depart?
-        trio = [m for m in methods if m in (baseline, "margin 0.6", "margin 0.6 + SE")]
-        curves = {}
-        for method in trio:
-            for seed, run in runs[method].items():
-                evals = [r for r in read_log(os.path.join(run["dir"], "log.jsonl")) if "val_low" in r]
-                curves.setdefault(method, {})[seed] = ([r["iter"] for r in evals], [r["val_low"] for r in evals])
-        add("LR val loss (20 batches, never thresholded) of every seed", figures.seed_curves(
-            curves, os.path.join(base, f"{grid}_lr_val_per_seed.png"), "LR val loss (nats)", colours))
-
-    histograms, split = {}, "val"
-    for method in methods:
-        geometries = [r["geometry"] for r in results[method].values() if r.get("geometry")]
-        if geometries:
-            split = "HR val" if "high" in geometries[0] else "val"  # the char grids: the HR language
-            histograms[method] = np.mean([np.asarray(g.get("high", g.get("val"))["cosine_histograms"])
-                                          for g in geometries], axis=0)
-    if histograms:
-        add(f"Condensation: pairwise-cosine histogram per depth ({split}, mean over seeds)",
-            figures.condensation_heatmaps(histograms, os.path.join(base, f"{grid}_condensation.png")))
-
-    embeddings, itos = {}, None
-    for method in [baseline, "margin 0.6 + SE"] if low_resource else []:
-        path = os.path.join(runs.get(method, {}).get(SEEDS[0], {}).get("dir", ""), "embedding.npz")  # first seed
-        if os.path.exists(path):
-            with np.load(path) as data:
-                embeddings[f"{method} (seed {SEEDS[0]})"], itos = data["wte"], [str(c) for c in data["itos"]]
-    if embeddings and all(len(E) == 2 * len(itos) for E in embeddings.values()):
-        add("Embedding cosine similarity, letters sorted, HR then LR (Stop Jostling Fig. 5)",
-            figures.embedding_similarity(embeddings, itos, os.path.join(base, f"{grid}_embedding_similarity.png")))
-        add("Embedding PCA, each letter joined to its twin (Stop Jostling Fig. 6)",
-            figures.embedding_pca(embeddings, itos, os.path.join(base, f"{grid}_embedding_pca.png")))
-    if grid == "jostling":
-        for title, path in transition.twin_figure(g, out_dir):
-            add(title, path)
-    if grid in ("jostling_prereg", "jostling_swap"):  # issue 40's runs (results/preregistration.md, T3 and T5)
-        for title, path in preregistered.twin_figure(g, out_dir):
-            add(title, path)
-    return written
+    return ["", "Where the time went: training steps (iterations × median ms/iter) are "
+            f"{100 * step_s / run_s:.0f} % of the single-stage runs' wall time, the rest being evaluation, "
+            "checkpoints and process start; the runs' wall times fill "
+            f"{100 * all_runs_s / (workers * grid_wall):.0f} % of {workers} × the grid's wall time, the "
+            "rest being the grid's tail (fewer runs left than run at a time) and the gaps between runs."]

@@ -69,7 +69,8 @@ def run_stages(configs, seed, out_dir, threads, overrides, env, commands):
         # earlier stages of a chain go to out_dir/stage<k>; the last one is the run itself
         stage_dir = out_dir if stage == len(configs) - 1 else os.path.join(out_dir, f"stage{stage}")
         os.makedirs(stage_dir, exist_ok=True)
-        cmd = planned_commands(config_file, seed, overrides)[0] + [f"--out_dir={stage_dir}", f"--num_threads={threads}"]
+        cmd = planned_commands(config_file, seed, overrides)[0] + [f"--out_dir={stage_dir}",
+                                                                   f"--num_threads={threads}"]
         if previous is not None:
             cmd.append(f"--init_from={os.path.join(previous, 'best.pt')}")
         commands.append(cmd)
@@ -257,7 +258,8 @@ def archive_run(out_dir, dest):
         if os.path.exists(os.path.join(out_dir, name)):
             source = os.path.join(out_dir, name)
             atomic_write(os.path.join(dest, name), lambda tmp: shutil.copyfile(source, tmp))
-    kept = [r for r in read_log(os.path.join(out_dir, "log.jsonl")) if "val" in r or (r["iter"] + 1) % 50 == 0]
+    kept = [r for r in read_log(os.path.join(out_dir, "log.jsonl"))
+            if "val" in r or (r["iter"] + 1) % 50 == 0]
     save_text("".join(json.dumps(r) + "\n" for r in kept), os.path.join(dest, "log.jsonl"))
     archive_embedding(out_dir, dest)
 
@@ -283,7 +285,8 @@ def sync_archive(grid, root, archive):
     """Archive every run finished in root but not yet archived; returns the set of archived runs."""
     done = set()
     for (method, seed, *_, out), (*_, dest) in zip(runs_of(grid, root), runs_of(grid, archive)):
-        if not os.path.exists(os.path.join(dest, "metrics.json")) and os.path.exists(os.path.join(out, "metrics.json")):
+        if (not os.path.exists(os.path.join(dest, "metrics.json"))
+                and os.path.exists(os.path.join(out, "metrics.json"))):
             archive_run(out, dest)
         if os.path.exists(os.path.join(dest, "metrics.json")):
             done.add((method, seed))
@@ -309,12 +312,13 @@ def check_like(grid, folder, overrides, only=None):
             found = identity.of_run(directory, cpu_of_grid)
             difference = None if found is None or found["training"] is None else \
                 identity.first_difference(found["training"], planned)
-        else:  # a run stopped part-way goes on from its checkpoint (ckpt.json: its config), whose keys must match
+        else:  # a run stopped part-way goes on from its checkpoint (ckpt.json: its config), whose keys
+            # must match
             difference = stopped_difference(directory, planned)
         if difference:
-            raise UnlikeRuns(f"{directory} ({method}, seed {seed}) was trained with {difference}: the table would "
-                             "pair unlike runs; give --archive and --root other folders for a comparison with other "
-                             "keys (--methods and --seeds make it smaller)")
+            raise UnlikeRuns(f"{directory} ({method}, seed {seed}) was trained with {difference}: the table "
+                             "would pair unlike runs; give --archive and --root other folders for a "
+                             "comparison with other keys (--methods and --seeds make it smaller)")
 
 
 def stopped_difference(out_dir, planned):
@@ -334,14 +338,16 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
     """Train the grid's runs not yet finished (only: the (method, seed) pairs to train, all by
     default), archiving each as it finishes; returns the call's wall time."""
     done = sync_archive(grid, root, archive)
-    todo = [r for r in runs_of(grid, root) if (r[0], r[1]) not in done and (only is None or (r[0], r[1]) in only)]
+    todo = [r for r in runs_of(grid, root)
+            if (r[0], r[1]) not in done and (only is None or (r[0], r[1]) in only)]
     reused = reuse_identical(grid, todo, root, archive, overrides)
     if reused:
         print(f"reused {len(reused)} identical finished run(s) of other grids: {reused}")
         done = sync_archive(grid, root, archive)
         todo = [r for r in todo if (r[0], r[1]) not in done]
     total = sum(1 for r in runs_of(grid, root) if only is None or (r[0], r[1]) in only)
-    print(f"grid '{grid}': {total} runs, {total - len(todo)} already done, {len(todo)} to run, {workers} at a time")
+    print(f"grid '{grid}': {total} runs, {total - len(todo)} already done, {len(todo)} to run, {workers} at "
+          "a time")
     if not todo:
         return 0.0
     threads = max(1, (os.cpu_count() or 1) // workers)
@@ -349,12 +355,13 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
     print(f"machine peak: {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_dtype']} 2048^2 matmul on "
           f"{os.cpu_count()} cores, {identity.cpu_name()})")
     t0, finished, flops = time.time(), 0, 0
-    record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": identity.cpu_name(), "cores": os.cpu_count(),
-              "torch": torch.__version__, **peak}
+    record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": identity.cpu_name(),
+              "cores": os.cpu_count(), "torch": torch.__version__, **peak}
     pool = ThreadPoolExecutor(workers)
     try:
         with tqdm(total=len(todo), desc=grid, unit="run") as bar:
-            futures = {pool.submit(launch, config, seed, out, threads, [*args, *overrides]): (method, seed, out)
+            futures = {pool.submit(launch, config, seed, out, threads, [*args, *overrides]):
+                       (method, seed, out)
                        for method, seed, config, args, out in todo}
             for future in as_completed(futures):
                 future.result()
@@ -367,8 +374,8 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
     except BaseException:  # Ctrl-C, SIGTERM or a failed run: stop everything, keep what finished
         pool.shutdown(wait=False, cancel_futures=True)
         stopped = stop_runs()
-        print(f"stopped: {finished} run(s) finished in this call; {stopped} running one(s) go on from their last "
-              f"checkpoint in the next call", file=sys.stderr)
+        print(f"stopped: {finished} run(s) finished in this call; {stopped} running one(s) go on from their "
+              "last checkpoint in the next call", file=sys.stderr)
         raise
     finally:  # every call's wall time counts, an interrupted one too (the steps since a run's
         # last checkpoint are lost; those runs' FLOPs count when they finish)

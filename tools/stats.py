@@ -53,7 +53,8 @@ def incomplete_beta(a, b, x):
     log_front = a * math.log(x) + b * math.log1p(-x) - (math.lgamma(a) + math.lgamma(b) - math.lgamma(a + b))
     if x < (a + 1.0) / (a + b + 2.0):
         return math.exp(log_front) * _beta_continued_fraction(a, b, x) / a
-    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b   # I_x(a,b) = 1 - I_{1-x}(b,a)
+    # I_x(a,b) = 1 - I_{1-x}(b,a)
+    return 1.0 - math.exp(log_front) * _beta_continued_fraction(b, a, 1.0 - x) / b
 
 
 def t_cdf(t, df):
@@ -93,7 +94,8 @@ def paired(differences, confidence=0.95):
     mean = sum(d) / n
     up, down = sum(x > 0 for x in d), sum(x < 0 for x in d)
     if n == 1:
-        return {"n": 1, "mean": mean, "sd": None, "low": None, "high": None, "p": None, "up": up, "down": down}
+        return {"n": 1, "mean": mean, "sd": None, "low": None, "high": None, "p": None, "up": up,
+                "down": down}
     sd = math.sqrt(sum((x - mean) ** 2 for x in d) / (n - 1))
     se = sd / math.sqrt(n)
     half = t_quantile(0.5 + confidence / 2.0, n - 1) * se
@@ -101,7 +103,8 @@ def paired(differences, confidence=0.95):
         p = 1.0 if mean == 0.0 else 0.0
     else:
         p = 2.0 * (1.0 - t_cdf(abs(mean) / se, n - 1))
-    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "p": p, "up": up, "down": down}
+    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half, "p": p, "up": up,
+            "down": down}
 
 
 def beta_quantile(q, a, b):

@@ -120,13 +120,15 @@ def findings(g):
     """(Markdown lines for the top of results/jostling.md, the archive's transition.json) of the
     grid g (tools.report.Grid)."""
     lines = ["## The Stop Jostling transition: how often, what decides it, what it looks like", "",
-             f"A run makes the transition when its LR accuracy (best checkpoint) reaches {TRANSITION_LR_ACCURACY}. "
-             "Rates: k of n seeds, with the exact (Clopper-Pearson) 95 % interval; two rates are compared with "
-             "Fisher's exact test (two-sided). Produced by `python -m tools.compare jostling` (tools/transition.py).",
+             "A run makes the transition when its LR accuracy (best checkpoint) reaches "
+             f"{TRANSITION_LR_ACCURACY}. Rates: k of n seeds, with the exact (Clopper-Pearson) 95 % "
+             "interval; two rates are compared with Fisher's exact test (two-sided). Produced by `python -m "
+             "tools.compare jostling` (tools/transition.py).",
              ""]
     record = {"threshold": TRANSITION_LR_ACCURACY, "runs": []}
     rates = {}
-    lines += ["| method | seeds | makes it: k of n, rate [95 % CI] | seeds that make it |", "|---|---|---|---|"]
+    lines += ["| method | seeds | makes it: k of n, rate [95 % CI] | seeds that make it |",
+              "|---|---|---|---|"]
     for method in RATE_METHODS:
         per_seed = g.results.get(method, {})
         made = sorted(seed for seed, m in per_seed.items() if crossed(m))
@@ -134,7 +136,8 @@ def findings(g):
             rates[method] = (len(made), len(per_seed))
             lines.append(f"| {method} | {len(per_seed)} | {rate_cell(len(made), len(per_seed))} | "
                          f"{', '.join(map(str, made)) or '—'} |")
-        record["runs"] += [{"method": method, "seed": seed, "data_seed": seed, "lr_accuracy": m["low"]["accuracy"],
+        record["runs"] += [{"method": method, "seed": seed, "data_seed": seed,
+                            "lr_accuracy": m["low"]["accuracy"],
                             "crossed": crossed(m)} for seed, m in sorted(per_seed.items())]
     if len(rates) == 2:
         (k1, n1), (k2, n2) = rates[RATE_METHODS[1]], rates[RATE_METHODS[0]]
@@ -143,8 +146,8 @@ def findings(g):
             "thresholding lowers the rate" if p < 0.05 else "no difference shown"
         lines += ["", f"Margin 0.6 against CE: {k1 / n1 - k2 / n2:+.2f} in rate, Fisher's exact p = {p:.3g} "
                       f"({n1} and {n2} seeds): **{word}** (rule: p < 0.05 decides, the sign says which way). "
-                      f"Were the rates {POWER_RATE} and 0, {seeds_for_power()} seeds per method would give Fisher's "
-                      f"p < 0.05 with 80 % probability (exact, over the binomial outcomes)."]
+                      f"Were the rates {POWER_RATE} and 0, {seeds_for_power()} seeds per method would give "
+                      "Fisher's p < 0.05 with 80 % probability (exact, over the binomial outcomes)."]
         lines += threshold_lines(g)
 
     runs = factorial_runs(g)
@@ -157,15 +160,19 @@ def findings(g):
     names = {"C": f"a crossing seed ({', '.join(map(str, CROSSING_SEEDS))})",
              "N": f"a non-crossing seed ({', '.join(map(str, NON_CROSSING_SEEDS))})"}
     lines += ["", "### Initialisation or data order?", "",
-              "Margin 0.6 with `seed` (the initialisation) and `data_seed` (the order of the training windows) "
-              "taken from different seeds. Rule: the runs initialised from a crossing seed with a non-crossing "
-              "seed's data order against the reverse, by Fisher's exact test; p < 0.05 names the factor that decides.",
-              "", "| initialisation from | data order from | makes it: k of n, rate [95 % CI] | runs (init/data: LR accuracy) |",
+              "Margin 0.6 with `seed` (the initialisation) and `data_seed` (the order of the training "
+              "windows) taken from different seeds. Rule: the runs initialised from a crossing seed with a "
+              "non-crossing seed's data order against the reverse, by Fisher's exact test; p < 0.05 names "
+              "the factor that decides.",
+              "",
+              "| initialisation from | data order from | makes it: k of n, rate [95 % CI] | runs (init/data: "
+              "LR accuracy) |",
               "|---|---|---|---|"]
     for (a, b), (k, n) in cells.items():
         members = [f"{i}/{d}: {acc:.3f}" for i, d, acc, _ in runs
                    if (i in CROSSING_SEEDS) == (a == "C") and (d in CROSSING_SEEDS) == (b == "C")]
-        lines.append(f"| {names[a]} | {names[b]} | {rate_cell(k, n) if n else '—'} | {', '.join(members) or '—'} |")
+        lines.append(f"| {names[a]} | {names[b]} | {rate_cell(k, n) if n else '—'} | "
+                     f"{', '.join(members) or '—'} |")
     lines += ["", f"Outcome: **{verdict}**" + (f" (Fisher's exact p = {p:.3g})." if p is not None else ".")]
     lines += per_initialisation_lines(runs)
     record["runs"] += [{"method": "factorial", "seed": i, "data_seed": d, "lr_accuracy": acc, "crossed": c}
@@ -179,25 +186,28 @@ def findings(g):
                 thresholded[(method, seed)] = curve, crossed(g.results[method][seed])
     if curves:
         lines += ["", "### What the transition looks like", "",
-                  "At every evaluation each run logs `twin_cos`, the mean cosine between each LR row of the tied "
-                  "embedding and its HR twin, and `twin_top3`, the fraction of rows whose twin is among their 3 "
-                  f"nearest. {sum(len(c) for c in curves.values())} runs have these curves (runs archived before "
-                  "they were logged have none)."]
+                  "At every evaluation each run logs `twin_cos`, the mean cosine between each LR row of the "
+                  "tied embedding and its HR twin, and `twin_top3`, the fraction of rows whose twin is "
+                  f"among their 3 nearest. {sum(len(c) for c in curves.values())} runs have these curves "
+                  "(runs archived before they were logged have none)."]
         crossing = [c for c, is_crossing in thresholded.values() if is_crossing]
         rest = [c for c, is_crossing in thresholded.values() if not is_crossing]
         if crossing and rest:
             parts = sorted((parting_step(curve, rest), f"{seed}" if "," not in method else
                             f"{seed}/{method.rsplit(' ', 1)[1]}")
                            for (method, seed), (curve, is_crossing) in thresholded.items() if is_crossing)
-            lines += ["", f"Margin 0.6 runs with curves: {len(crossing)} make the transition, {len(rest)} do not. "
-                          "Step from which each crossing run's twin_cos stays above every non-crossing run's: "
-                          + ", ".join(f"{name}: {step if step is not None else 'never'}" for step, name in parts) + "."]
+            lines += ["", f"Margin 0.6 runs with curves: {len(crossing)} make the transition, {len(rest)} do "
+                          "not. Step from which each crossing run's twin_cos stays above every non-crossing "
+                          "run's: "
+                          + ", ".join(f"{name}: {step if step is not None else 'never'}"
+                                      for step, name in parts) + "."]
             inits = sorted({seed for (method, seed), (_, is_crossing) in thresholded.items() if is_crossing})
-            lines += ["", "Does an early reading predict it? Each run is called from the others alone (leave one "
-                          "out: above the midpoint of the others' crossing and non-crossing means of twin_cos at "
-                          f"that step). The crossing runs come from {len(inits)} initialisation(s) "
-                          f"({', '.join(map(str, inits))}), and runs that share one are not independent calls: "
-                          "the rates below hold for these runs, not yet for new seeds.", "",
+            lines += ["", "Does an early reading predict it? Each run is called from the others alone "
+                          "(leave one out: above the midpoint of the others' crossing and non-crossing "
+                          f"means of twin_cos at that step). The crossing runs come from {len(inits)} "
+                          f"initialisation(s) ({', '.join(map(str, inits))}), and runs that share one are "
+                          "not independent calls: the rates below hold for these runs, not yet for new "
+                          "seeds.", "",
                           "| step | hits | false alarms |", "|---|---|---|"]
             for step in EARLY_STEPS:
                 readings = [(values[steps.index(step)], is_crossing)
@@ -227,10 +237,13 @@ def threshold_lines(g):
     if not all(accuracies.values()):
         return []
     lines = ["", f"The threshold {TRANSITION_LR_ACCURACY} is a choice; the same counts at others:", "",
-             "| LR accuracy threshold | " + " | ".join(RATE_METHODS) + " | Fisher's exact p |", "|---|---|---|---|"]
+             "| LR accuracy threshold | " + " | ".join(RATE_METHODS) + " | Fisher's exact p |",
+             "|---|---|---|---|"]
     for threshold in THRESHOLDS:
-        (k2, n2), (k1, n1) = ((sum(a >= threshold for a in accuracies[m]), len(accuracies[m])) for m in RATE_METHODS)
-        lines.append(f"| {threshold:.2f} | {k2} of {n2} | {k1} of {n1} | {fisher_exact(k1, n1, k2, n2):.3g} |")
+        (k2, n2), (k1, n1) = ((sum(a >= threshold for a in accuracies[m]), len(accuracies[m]))
+                              for m in RATE_METHODS)
+        lines.append(f"| {threshold:.2f} | {k2} of {n2} | {k1} of {n1} | "
+                     f"{fisher_exact(k1, n1, k2, n2):.3g} |")
     return lines
 
 
@@ -243,14 +256,16 @@ def per_initialisation_lines(runs):
             by_init.setdefault(init, []).append(is_crossing)
     if not by_init:
         return []
-    groups = [[init for init in sorted(by_init) if (init in CROSSING_SEEDS) == crossing] for crossing in (True, False)]
+    groups = [[init for init in sorted(by_init) if (init in CROSSING_SEEDS) == crossing]
+              for crossing in (True, False)]
     k1, k2 = (sum(all(by_init[i]) for i in group) for group in groups)
     n1, n2 = map(len, groups)
     cells = ", ".join(f"{i}: {sum(by_init[i])} of {len(by_init[i])}" for i in sorted(by_init))
-    return ["", f"Per initialisation (runs with another seed's data order that make it: {cells}): "
-                f"{k1} of {n1} crossing initialisations make it in every run, against {k2} of {n2} non-crossing ones, "
-                f"Fisher's exact p = {fisher_exact(k1, n1, k2, n2):.3g}. The {n1} crossing initialisations were "
-                "picked because they crossed, so this count, not the run count, is the factorial's sample size."]
+    return ["", f"Per initialisation (runs with another seed's data order that make it: {cells}): {k1} of "
+                f"{n1} crossing initialisations make it in every run, against {k2} of {n2} non-crossing "
+                f"ones, Fisher's exact p = {fisher_exact(k1, n1, k2, n2):.3g}. The {n1} crossing "
+                "initialisations were picked because they crossed, so this count, not the run count, is the "
+                "factorial's sample size."]
 
 
 def twin_figure(g, results_dir):
@@ -259,25 +274,28 @@ def twin_figure(g, results_dir):
     or matplotlib."""
     panels = {}
     for method, per_seed in twin_curves(g).items():
-        title = method if method in RATE_METHODS else "factorial (init/data)" if ", data order of " in method else None
+        title = (method if method in RATE_METHODS else
+                 "factorial (init/data)" if ", data order of " in method else None)
         if title is not None:
             for seed, curve in per_seed.items():
                 label = f"{seed}/{method.rsplit(' ', 1)[1]}" if ", data order of " in method else str(seed)
                 panels.setdefault(title, {})[label] = (*curve, crossed(g.results[method][seed]))
-    path = figures.marked_curves(panels, os.path.join(results_dir, "figures", "jostling_twin_cosine.png"), "twin_cos")
-    return [("Mean cosine of each LR row with its HR twin at every evaluation (runs that make the transition in "
-             "red)", path)] if path else []
+    path = figures.marked_curves(panels, os.path.join(results_dir, "figures", "jostling_twin_cosine.png"),
+                                 "twin_cos")
+    return [("Mean cosine of each LR row with its HR twin at every evaluation (runs that make the "
+             "transition in red)", path)] if path else []
 
 
 def per_seed_table(g):
     """Stop Jostling's headline run may be a transition some seeds make, not a shift of the mean:
     every seed's LR accuracy and twin-in-top-3, and how many seeds pass the threshold."""
     lines = ["", "## Per seed: LR accuracy and the Stop Jostling transition", "",
-             f"A seed \"makes the transition\" when its LR accuracy reaches {TRANSITION_LR_ACCURACY} (about halfway "
-             f"from the ≈ .37 of thresholded runs to the authors' {PAPER_SE_LR_ACCURACY}). Values sorted, best "
-             "checkpoint (best mixed val loss). The rate's interval is the exact (Clopper-Pearson) 95 % interval of "
-             f"k in n seeds. When: the first evaluation at which the seed's LR val loss is {DEPARTURE_NATS} nats below "
-             "that of every seed of the method that does not make it.", "",
+             f"A seed \"makes the transition\" when its LR accuracy reaches {TRANSITION_LR_ACCURACY} (about "
+             f"halfway from the ≈ .37 of thresholded runs to the authors' {PAPER_SE_LR_ACCURACY}). Values "
+             "sorted, best checkpoint (best mixed val loss). The rate's interval is the exact "
+             "(Clopper-Pearson) 95 % interval of k in n seeds. When: the first evaluation at which the "
+             f"seed's LR val loss is {DEPARTURE_NATS} nats below that of every seed of the method that does "
+             "not make it.", "",
              "| method | seeds | LR accuracy per seed | seeds at or above the threshold | rate [95 % CI] | "
              "seeds that make it (when) | twin in top-3 per seed |",
              "|---|---|---|---|---|---|---|"]
@@ -286,13 +304,16 @@ def per_seed_table(g):
         if method_runs:
             acc = sorted(r["low"]["accuracy"] for r in method_runs.values())
             twins = sorted(r["translations"]["twin_top3_fraction"] for r in method_runs.values())
-            made = sorted(seed for seed, r in method_runs.items() if r["low"]["accuracy"] >= TRANSITION_LR_ACCURACY)
+            made = sorted(seed for seed, r in method_runs.items()
+                          if r["low"]["accuracy"] >= TRANSITION_LR_ACCURACY)
             low, high = stats.clopper_pearson(len(made), len(acc))
             when = departures(g, method, made)
-            lines.append(f"| {method} | {len(acc)} | {' '.join(f'{a:.3f}' for a in acc)} | "
-                         f"{len(made)} of {len(acc)} | {len(made) / len(acc):.2f} [{low:.2f}, {high:.2f}] | "
-                         f"{', '.join(f'{s} (step {when[s]})' if when[s] is not None else f'{s} (never {DEPARTURE_NATS} nats below)' for s in made) or '—'} | "
-                         f"{' '.join(f'{t:.3f}' for t in twins)} |")
+            departed = ", ".join(f"{s} (step {when[s]})" if when[s] is not None
+                                 else f"{s} (never {DEPARTURE_NATS} nats below)" for s in made)
+            lines.append(f"| {method} | {len(acc)} | {' '.join(f'{a:.3f}' for a in acc)} | {len(made)} of "
+                         f"{len(acc)} | {len(made) / len(acc):.2f} [{low:.2f}, {high:.2f}] | "
+                         f"{departed or '—'} "
+                         f"| {' '.join(f'{t:.3f}' for t in twins)} |")
     return lines
 
 
@@ -305,7 +326,8 @@ def departures(g, method, made):
     every seed makes it)} for the seeds in made."""
     curves = {}
     for seed, run in g.runs[method].items():
-        curves[seed] = {r["iter"]: r["val_low"] for r in read_log(os.path.join(run["dir"], "log.jsonl")) if "val_low" in r}
+        curves[seed] = {r["iter"]: r["val_low"]
+                        for r in read_log(os.path.join(run["dir"], "log.jsonl")) if "val_low" in r}
     others = [curves[s] for s in curves if s not in made]
     when = {}
     for seed in made:

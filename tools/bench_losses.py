@@ -1,0 +1,294 @@
+"""
+tools/bench.py's sections on what a training step costs: each loss's share of the step (toy, 350m,
+cwt), SimReg's peak memory (memory), the CE step against the machine's matmul peak (efficiency)
+and compiled blocks against eager (compile); with the report every section writes into (emit,
+table, goal). `python -m tools.bench --section X` runs them; the module docstring there says what
+each measures.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+import torch
+
+import parallelism
+from losses import Objective, cross_entropy, objective_step, simreg
+from model import GPT, GPTConfig, build_model
+from optim import configure_optimizers
+from utils import autocast_context, keep_freed_memory, measure_matmul_flops, seconds
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
+
+
+def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device, dtype):
+    """Median seconds of one training step with the given objective."""
+    torch.manual_seed(0)
+    model = build_model(model_config, device)
+    objective = Objective(model_config.n_layer, model_config.n_embd, **objective_kwargs).to(device)
+    objective.init_weights()
+    optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
+    T, V = model_config.block_size, model_config.vocab_size
+    x = torch.randint(0, V, (batch_size, T), device=device)
+    y = torch.randint(0, V, (batch_size, T), device=device)
+    autocast = autocast_context(device, dtype)
+
+    def step():
+        with autocast:
+            loss, *_ = objective_step(model, objective, x, y)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    times = [seconds(step, device) for _ in range(warmup + steps)]
+    return statistics.median(times[warmup:])
+
+
+LOSSES = {  # name -> Objective kwargs on top of CE
+    "CE": {},
+    "CE + SimReg": {"simreg": 1.0},
+    "CE + SimReg chunk": {"simreg": 1.0, "simreg_chunk_size": None},  # chunk size set per section
+    "CE + dispersion (all layers)": {"dispersion": 0.1},
+    "CE + dispersion (all layers, 256 positions)": {"dispersion": 0.1, "dispersion_positions": 256},
+    "CE + NITP": {"nitp": 1.0},
+}
+
+
+REPORT = []  # the Markdown of every section run, for --out
+
+
+def emit(text=""):
+    """Print a line of the report and keep it for --out."""
+    print(text, flush=True)
+    REPORT.append(text)
+
+
+def table(title, header, rows, intro=None):
+    emit(f"\n### {title}\n")
+    if intro:
+        emit(intro + "\n")
+    emit("| " + " | ".join(header) + " |")
+    emit("|" + "---|" * len(header))
+    for row in rows:
+        emit("| " + " | ".join(str(c) for c in row) + " |")
+
+
+def goal(what, value, limit, unit="", higher_is_better=False):
+    """One of the cost goals this repository sets for the losses, judged on the number just measured."""
+    met = value >= limit if higher_is_better else value <= limit
+    emit(f"- {what} {'≥' if higher_is_better else '≤'} {limit}{unit}: {value:.2f}{unit}, "
+         f"{'met' if met else 'NOT met'}")
+
+
+def toy(args, device, dtype):
+    config = GPTConfig(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    losses = {k: dict(v) for k, v in LOSSES.items() if "256" not in k}
+    losses["CE + SimReg chunk"]["simreg_chunk_size"] = 32
+    losses["CWT (headless)"] = {"ce": 0.0, "cwt": 1.0}
+    times = {name: step_time(config, kw, 12, args.steps * 4, args.warmup, device, dtype)
+             for name, kw in losses.items()}
+    base = times["CE"]
+    table("toy model (4 x 128, T 64, batch 12, V 130)", ["objective", "ms / step", "ratio to CE", "extra"],
+          [(n, f"{1000 * t:.1f}", f"{t / base:.3f}", f"{100 * (t / base - 1):+.1f} %")
+           for n, t in times.items()],
+          intro="Whole training steps (forward, backward, AdamW) with each loss on. At this size every term "
+                "is relatively dear because the model is so small; CWT's in-batch similarity matrix (768 x "
+                "768) is bigger than the 130-way head it replaces.")
+
+
+def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
+    """Median seconds of one loss term alone, forward + backward (+ AdamW on its own parameters,
+    e.g. NITP's head), on hidden states of the real shape: the extra work that term adds to a
+    training step. Timing the term by itself is far less noisy than subtracting two ~40 s steps."""
+    torch.manual_seed(0)
+    objective = Objective(n_layer, C, ce=0.0, **objective_kwargs).to(device)
+    objective.init_weights()
+    params = list(objective.parameters())
+    optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1) if params else None
+    hidden = [torch.randn(1, T, C, device=device, requires_grad=True) for _ in range(n_layer + 2)]
+    targets = torch.randint(0, V, (1, T), device=device)
+    wte = torch.randn(V, C, device=device, requires_grad=True)
+    autocast = autocast_context(device, dtype)
+
+    def step():
+        with autocast:
+            loss, _ = objective(None, hidden, targets, {"input": wte, "output": wte})
+        loss.backward()
+        if optimizer:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+    times = []
+    for _ in range(1 + reps):
+        times.append(seconds(step, device))
+        for h in hidden:
+            h.grad = None
+    return statistics.median(times[1:])
+
+
+def paper_350m(args, device, dtype):
+    """The full-depth step is extrapolated from 1- and 2-block steps, t(24) = t(1) + 23 (t(2) - t(1));
+    each loss's extra is timed on its own at the full depth (dispersion: all 24 block outputs) and
+    set against t(24). A 2-block step with the loss on is timed too, as a cross-check."""
+    C, T, V, L = 1024, 2048, 50304, 24
+    losses = {k: dict(v) for k, v in LOSSES.items() if k != "CE"}
+    losses["CE + SimReg chunk"]["simreg_chunk_size"] = 1024
+    steps = {}
+    for n_layer in (1, 2):
+        config = GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=16, n_embd=C)
+        steps["CE", n_layer] = step_time(config, {}, 1, args.steps, args.warmup, device, dtype)
+        print(f"  CE step, {n_layer} block(s): {steps['CE', n_layer]:.2f} s", file=sys.stderr)
+    config = GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=16, n_embd=C)
+    for name, kw in losses.items():
+        steps[name, 2] = step_time(config, kw, 1, args.steps, args.warmup, device, dtype)
+        print(f"  {name} step, 2 blocks: {steps[name, 2]:.2f} s", file=sys.stderr)
+    per_block = steps["CE", 2] - steps["CE", 1]
+    full = steps["CE", 1] + (L - 1) * per_block
+    # CE step FLOPs at 2 blocks (6 N per token + attention), for NITP's FLOP prediction at the CE step's rate
+    ce_flops = 6 * (2 * 12 * C * C + V * C) * T + 2 * 12 * C * T * T
+    rate = ce_flops / steps["CE", 2]
+    rows, share = [("CE", f"{steps['CE', 2]:.2f}", "", f"{full:.1f}", "", "")], {}
+    for name, kw in losses.items():
+        extra = loss_time({k: v for k, v in kw.items()}, L, C, T, V, args.steps * 4, device, dtype)
+        print(f"  {name}: the term alone {extra:.3f} s", file=sys.stderr)
+        note = ""
+        if name == "CE + NITP":
+            # SwiGLU head C -> 4C -> C: 3 matrices of 4 C^2, 24 C^2 FLOPs per token forward, x3 with backward
+            predicted = 3 * 24 * C * C * T / rate
+            note = (f"FLOP prediction {predicted:.2f} s at the CE step's {rate / 1e9:.0f} GFLOP/s: "
+                    f"measured / predicted = {extra / predicted:.2f}")
+            share["NITP / its FLOP prediction"] = extra / predicted
+        share[name] = 100 * extra / full
+        rows.append((name, f"{steps[name, 2]:.2f}", f"{extra:.3f}", f"{full + extra:.1f}",
+                     f"{100 * extra / full:.2f} %", note))
+    table(f"350M width (d 1024, T 2048, batch 1, V 50304): CE step at 1 and 2 blocks extrapolated to 24 "
+          f"(per block {per_block:.2f} s); each term timed alone at 24 blocks",
+          ["objective", "s / step at 2 blocks", "the term alone, s", "s / step at 24 blocks",
+           "extra at 24 blocks", "note"], rows,
+          intro="The 2-block column is whole steps with each loss on; differences there are within the "
+                "steps' own jitter, which is why each term is also timed alone. 24-block step = 1-block "
+                "step + 23 x per-block time; extra = the term alone / that step.")
+    emit("\nGoals at 350M width:\n")
+    goal("SimReg, share of a full-depth step", share["CE + SimReg"], 1.0, " %")
+    goal("SimReg chunk 1024, share", share["CE + SimReg chunk"], 0.6, " %")
+    goal("dispersion over all layers with 256 positions each, share",
+         share["CE + dispersion (all layers, 256 positions)"], 1.0, " %")
+    goal("NITP, measured / FLOP prediction", share["NITP / its FLOP prediction"], 1.5, "x")
+
+
+def cwt_vs_ce(args, device, dtype):
+    config = GPTConfig(vocab_size=50304, block_size=64, n_layer=4, n_head=4, n_embd=128)
+    ce = step_time(config, {}, 12, args.steps * 2, args.warmup, device, dtype)
+    cwt = step_time(config, {"ce": 0.0, "cwt": 1.0}, 12, args.steps * 2, args.warmup, device, dtype)
+    table("CWT vs CE at V = 50304 (4 x 128, T 64, batch 12)", ["objective", "ms / step", "speed-up vs CE"],
+          [("CE", f"{1000 * ce:.1f}", "1.00x"), ("CWT (headless)", f"{1000 * cwt:.1f}", f"{ce / cwt:.2f}x")])
+    emit()
+    goal("CWT step, speed-up over CE at V = 50304", ce / cwt, 2.0, "x", higher_is_better=True)
+
+
+def _status_kib(field):
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def memory_child(chunk_size):
+    """Run in a fresh process: SimReg forward + backward at T 2048, C 1024; print how far the
+    resident set grew above where it stood before (Linux: writing 5 to /proc/self/clear_refs
+    resets the peak, VmHWM, so torch's own import peak does not hide the loss's)."""
+    h = torch.randn(1, 2048, 1024, requires_grad=True)
+    labels = torch.randint(0, 50304, (1, 2048))
+    simreg(h[:, :8], labels[:, :8]).backward()  # load the kernels first
+    h.grad = None
+    before = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    simreg(h, labels, chunk_size=chunk_size or None).backward()
+    print(json.dumps({"peak_delta_mib": (_status_kib("VmHWM") - before) / 1024}))
+
+
+def simreg_memory(args, device, dtype):
+    rows = []
+    for chunk in (0, 1024, 256):
+        out = subprocess.run([*SELF, "--memory_child", str(chunk)], capture_output=True, text=True,
+                             check=True, cwd=REPO).stdout
+        rows.append(("full" if chunk == 0 else f"chunk {chunk}", f"{json.loads(out)['peak_delta_mib']:.0f}"))
+    table("SimReg peak memory, forward + backward, T 2048, C 1024 (growth of the peak resident set)",
+          ["SimReg", "peak MiB"], rows)
+
+
+EFFICIENCY_SETTINGS = {  # name -> (model config, batch size): the CE runs of the comparison grids
+    "lowres": (dict(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128), 12),
+    "bpe": (dict(vocab_size=50304, block_size=128, n_layer=4, n_head=4, n_embd=128), 8),
+}
+
+
+def efficiency_child(setting, steps, warmup):
+    """In a fresh process (its thread count set by OMP_NUM_THREADS): the median CE step of a grid
+    setting and its model FLOPs, as JSON."""
+    keep_freed_memory()
+    config, batch_size = EFFICIENCY_SETTINGS[setting]
+    config = GPTConfig(**config)
+    seconds = step_time(config, {}, batch_size, steps, warmup, "cpu", "float32")
+    with torch.device("meta"):
+        flops = GPT(config).flops_per_token() * batch_size * config.block_size
+    print(json.dumps({"seconds": seconds, "flops": flops}))
+
+
+def efficiency(args, device, dtype):
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(cores)
+    # as tools/runner.py: a best of 3 can read low
+    peak = measure_matmul_flops("cpu", torch.float32, repeats=20)
+    rows = []
+    for setting in EFFICIENCY_SETTINGS:
+        steps = args.steps * (20 if setting == "lowres" else 4)
+        command = [*SELF, "--efficiency_child", setting, "--steps", str(steps), "--warmup", "3"]
+        alone = json.loads(subprocess.run(command, capture_output=True, text=True, check=True,
+                                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(cores))).stdout)
+        children = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO,
+                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
+                    for _ in range(cores)]
+        side_by_side = [json.loads(child.communicate()[0]) for child in children]
+        rate = sum(r["flops"] / r["seconds"] for r in side_by_side)
+        rows += [(setting, f"1 process x {cores} threads", f"{1000 * alone['seconds']:.1f}",
+                  f"{alone['flops'] / alone['seconds'] / peak:.2f}"),
+                 (setting, f"{cores} processes x 1 thread",
+                  " / ".join(f"{1000 * r['seconds']:.1f}" for r in side_by_side), f"{rate / peak:.2f}")]
+    table(f"CE training step vs the {peak / 1e9:.0f} GFLOP/s fp32 matmul peak of {cores} cores",
+          ["grid", "processes", "ms / step", "model FLOP/s / peak"], rows)
+
+
+def compile_step(args, device, dtype):
+    """train.py's compile key: torch.compile of every block (parallelism.compile_blocks) on the
+    lowres CE step. An eager and a compiled copy of the same model take training steps in turn,
+    so a background load slows both alike; the first steps (compilation) are not timed."""
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128, bias=False)
+    models = {"eager": build_model(config, device), "compiled (inductor)": build_model(config, device)}
+    models["compiled (inductor)"].load_state_dict(models["eager"].state_dict())
+    parallelism.compile_blocks(models["compiled (inductor)"])
+    optimizers = {name: configure_optimizers(m, 1e-3, 0.1, (0.9, 0.99)) for name, m in models.items()}
+    x = torch.randint(0, 130, (12, 64), device=device)
+    autocast, times = autocast_context(device, dtype), {name: [] for name in models}
+
+    def step(name):
+        with autocast:
+            loss = cross_entropy(models[name](x), x)
+        loss.backward()
+        for opt in optimizers[name]:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    for i in range(max(args.warmup, 3) + 10 * args.steps):
+        for name in models:
+            elapsed = seconds(lambda: step(name), device)
+            if i >= max(args.warmup, 3):
+                times[name].append(elapsed)
+    base = statistics.median(times["eager"])
+    table(f"toy CE step (4 x 128, T 64, batch 12), eager vs compiled blocks, {torch.get_num_threads()} "
+          "thread(s)",
+          ["model", "median ms", "ratio to eager"],
+          [(name, f"{1000 * statistics.median(t):.1f}", f"{statistics.median(t) / base:.2f}")
+           for name, t in times.items()])
+

@@ -1,0 +1,365 @@
+"""
+The GPU check's measurements (tools/gpu_check.py): section 1, the machine's bf16 matmul; 3, the
+350M step's throughput and where its device time goes; 4, each loss's cost on it; 5, the 7B
+width at 2 and 4 blocks; 6, the MoE 8x1B at 2 blocks; 7, DCP checkpoints; 8, train.py and
+sample.py end to end. Each figure is printed beside what plan.py predicts for it.
+"""
+
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+import checkpoint
+import losses
+import memory
+import plan
+from optim import configure_optimizers
+from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, plan_gib, random_batches, step_times,
+                             timed, train_step)
+from utils import measure_matmul_flops
+
+
+# 1 -------------------------------------------------------------------------------------------
+
+def machine(check):
+    n = check.sizes["matmul"]
+    flops = measure_matmul_flops(check.device, torch.bfloat16, n=n, repeats=10)
+    check.table(["bf16 matmul", "TFLOP/s", "datasheet dense peak", "share"],
+                [(f"{n}^3", f"{flops / 1e12:.0f}", f"{check.peak / 1e12:.0f}", f"{flops / check.peak:.2f}")])
+
+
+# 3, 4 ----------------------------------------------------------------------------------------
+
+def model_350m(check):
+    """Section 3's config: baseline_350m.py on this one device, batch_size='auto' as train.py resolves it."""
+    config = check.config("config/baseline_350m.py", parallel="none", compile=True, dtype=check.dtype)
+    if check.cuda:
+        config["batch_size"] = memory.device_batch_size(config, 1, config["vocab_size"], check.device)
+    else:
+        config["global_batch_size"], config["batch_size"] = 2, 2
+    return config
+
+
+def throughput_350m(check):
+    config = model_350m(check)
+    B, T = config["batch_size"], config["block_size"]
+    # the plan counts fp32 activations (an upper bound under bf16), so 'auto' may leave memory unused:
+    # twice its batch, measured first in a process state of its own (no graphs shared with the run below)
+    doubled = {**config, "batch_size": 2 * B, "global_batch_size": max(config["global_batch_size"], 2 * B)}
+    try:
+        check.reset_memory()
+        model, objective, optimizers, scaler = build(check, doubled)
+        batches = random_batches(doubled, 2 * B, 1, check.device)
+        step = lambda: train_step(model, objective, optimizers, scaler, batches, check.autocast)  # noqa: E731
+        _, ms2 = step_times(check, step, check.sizes["warmup"], check.sizes["steps"] // 2)
+        flops2 = plan.training_flops_per_token(model, objective, 2 * B * T, False) * 2 * B * T
+        double_row = (f"{1000 * ms2:.1f} ms, MFU {flops2 / ms2 / check.peak:.3f}, {check.peak_gib()[0]:.1f} "
+                      "GiB allocated", f"{plan_gib(doubled):.1f} GiB")
+    except torch.OutOfMemoryError:
+        double_row = ("out of memory", f"{plan_gib(doubled):.1f} GiB")
+    model = objective = optimizers = batches = None
+    torch._dynamo.reset()
+
+    check.reset_memory()
+    model, objective, optimizers, scaler = build(check, config)
+    batches = random_batches(config, B, 1, check.device)
+    step = lambda: train_step(model, objective, optimizers, scaler, batches, check.autocast)  # noqa: E731
+    first, ms = step_times(check, step, check.sizes["warmup"], check.sizes["steps"])
+    allocated, reserved = check.peak_gib()
+    flops = plan.training_flops_per_token(model, objective, B * T, False) * B * T
+    mfu = flops / ms / check.peak
+    planned = plan_gib(config)
+    kernels = top_kernels(check, step)
+    check.shared["350m"] = (config, model, objective, optimizers, scaler, batches, ms)
+    check.line(f"baseline_350m.py, one {check.device}, batch_size='auto' -> {B} x {T} tokens per step, bf16 "
+               f"autocast, blocks compiled; {check.sizes['steps']} timed steps after "
+               f"{check.sizes['warmup']}.\n")
+    check.table(["figure", "measured", "plan"], [
+        ("ms per step", f"{1000 * ms:.1f}",
+         f"{1000 * flops / (PLAN_MFU * check.peak):.1f} (at MFU {PLAN_MFU})"),
+        ("tokens/s", f"{B * T / ms:,.0f}", ""),
+        (f"MFU of {check.peak / 1e12:.0f} TFLOP/s (goal >= {MFU_GOAL})", f"**{mfu:.3f}**"
+         + ("" if mfu >= MFU_GOAL else " (below the goal)"), f"{PLAN_MFU}"),
+        ("first step (compilation included), s", f"{first:.1f}", ""),
+        ("max_memory_allocated, GiB", f"{allocated:.1f}",
+         f"{planned:.1f} (fp32 activations: an upper bound)"),
+        ("max_memory_reserved, GiB", f"{reserved:.1f}", ""),
+        (f"twice the batch ({2 * B} x {T})", *double_row)])
+    check.line(f"\nWhere the step's device time goes (torch.profiler over 2 steps of {B} x {T}):\n")
+    check.table(["kernel", "share of device time", "calls"], kernels)
+
+
+# each kernel counts in the first kind whose words its name holds (cuDNN's attention is "wgmma")
+KERNEL_KINDS = (
+    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention", "dot_do_o", "convert_dq")),
+    ("optimizer (fused AdamW)", ("adam",)),
+    ("cross-entropy, softmax", ("softmax", "nll_loss", "cross_entropy")),
+    ("inductor's fused kernels (Triton)", ("triton",)),
+    ("matmuls (cuBLAS / CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm",
+                                    "aten::bmm")))
+
+
+def top_kernels(check, step, top=8):
+    """[(kernel, share of the device time, calls)] of two steps: the top kernels, then each kind's total."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA] if check.cuda else [ProfilerActivity.CPU]) as prof:
+        for _ in range(2):
+            step()
+        check.synchronize()
+
+    def own_time(e):
+        if not check.cuda:
+            return e.self_cpu_time_total
+        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+    events = [e for e in prof.key_averages()
+              if own_time(e) > 0 and (check.cuda or e.key.startswith("aten::"))]
+    total = sum(own_time(e) for e in events) or 1
+    events.sort(key=own_time, reverse=True)
+    rows = [(f"`{e.key[:80]}`", f"{own_time(e) / total:.3f}", e.count) for e in events[:top]]
+    kind_of = {e.key: next((kind for kind, words in KERNEL_KINDS if any(w in e.key.lower() for w in words)),
+                           "other")
+               for e in events}
+    for kind in [k for k, _ in KERNEL_KINDS] + ["other"]:
+        share = sum(own_time(e) for e in events if kind_of[e.key] == kind) / total
+        rows.append((f"all {kind}", f"{share:.3f}", ""))
+    return rows
+
+
+LOSS_COSTS = {  # name -> config keys on top of the CE baseline (the papers' weights)
+    "SimReg": {"simreg_weight": 10.0},
+    "SimReg, chunks of 1024": {"simreg_weight": 10.0, "simreg_chunk_size": 1024},
+    "dispersion (paper form, all layers, 256 positions)": {"dispersion_weight": 0.1,
+                                                           "dispersion_positions": 256},
+    "dispersion (paper form, all layers, all positions)": {"dispersion_weight": 0.1},
+    "NITP": {"nitp_weight": 1.0},
+    "CWT (headless)": {"ce_weight": 0.0, "cwt_weight": 1.0},
+}
+
+
+def loss_costs(check):
+    if "350m" not in check.shared:
+        raise RuntimeError("needs section 3's model (run sections 3 and 4 together)")
+    config, model, _, optimizers, scaler, batches, base = check.shared.pop("350m")
+    del optimizers
+    B, T = config["batch_size"], config["block_size"]
+    rows = [("CE", f"{1000 * base:.1f}", "1.000", "1.000", "")]
+    for name, keys in LOSS_COSTS.items():
+        keys = {k: (min(v, T // 2) if k in ("simreg_chunk_size", "dispersion_positions") else v)
+                for k, v in keys.items()}
+        objective = losses.Objective.from_config({**config, **keys}).to(check.device)
+        objective.init_weights()
+        optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
+        flops = plan.training_flops_per_token(model, objective, B * T, keys.get("cwt_weight", 0) > 0)
+        base_flops = plan.training_flops_per_token(model, losses.Objective.from_config(config), B * T, False)
+        check.reset_memory()
+        try:
+            def step():
+                return train_step(model, objective, optimizers, scaler, batches, check.autocast)
+            _, ms = step_times(check, step, 1, check.sizes["loss_steps"])
+            rows.append((name, f"{1000 * ms:.1f}", f"{ms / base:.3f}", f"{flops / base_flops:.3f}",
+                         f"{check.peak_gib()[0]:.1f}"))
+        except torch.OutOfMemoryError:
+            rows.append((name, "out of memory", "", f"{flops / base_flops:.3f}", ""))
+        objective = optimizers = None
+    check.line(f"Each loss's training step on section 3's model and batch ({B} x {T}), against the CE step; "
+               "the plan's FLOP ratio counts the matmul FLOPs train.py counts for MFU (not the losses' "
+               "similarity products). The papers: SimReg 2.296 against 2.295 s/iter at 7B (SimReg paper, "
+               "Table 3), NITP about 2 %.\n")
+    check.table(["objective", "ms per step", "ratio to CE", "plan's FLOP ratio", "max allocated GiB"], rows)
+
+
+# 5 -------------------------------------------------------------------------------------------
+
+def wide_7b(check):
+    B, T, micro = check.sizes["wide_batch"], check.sizes["wide_seq"], check.sizes["wide_micro"]
+    measured = {}
+    for layers in (2, 4):
+        config = check.config("config/simreg_7b.py", n_layer=layers, batch_size=B, block_size=T,
+                              global_batch_size=B * micro, compile=True, dtype=check.dtype)
+        check.reset_memory()
+        model, objective, optimizers, scaler = build(check, config, fsdp=True)
+        batches = random_batches(config, B, micro, check.device)
+        step = lambda: train_step(model, objective, optimizers, scaler, batches, check.autocast,  # noqa: E731
+                                  keep_gathered=True)
+        first, s = step_times(check, step, 1, 2)
+        allocated, reserved = check.peak_gib()
+        flops = plan.training_flops_per_token(model, objective, B * T, False) * B * T
+        measured[layers] = {"allocated": allocated, "reserved": reserved, "micro_s": s / micro,
+                            "first": first, "plan": plan_gib(config), "flops": flops}
+        model = objective = optimizers = step = None  # freed before the next depth is built
+    two, four = measured[2], measured[4]
+    per_block = {k: (four[k] - two[k]) / 2 for k in ("allocated", "plan", "micro_s", "flops")}
+    at_32 = {k: two[k] + 30 * per_block[k] for k in per_block}
+    p7b = plan.make_plan(check.config("config/simreg_7b.py"), processes=64, gpu="H100")
+    mode = "checkpointed"
+    check.line(f"simreg_7b.py's width (4096, 32 heads, SwiGLU 11008, V 50304) at 2 and 4 blocks: batch {B} x "
+               f"{T}, {micro} micro-steps, bf16, blocks compiled, activation checkpointing, SimReg, FSDP on "
+               "one process with the weights kept gathered. Plan: train.py's memory check for the same "
+               "config on one process.\n")
+    rows = []
+    for layers, m in measured.items():
+        rows.append((f"{layers} blocks", f"{m['allocated']:.2f}", f"{m['reserved']:.2f}", f"{m['plan']:.2f}",
+                     f"{1000 * m['micro_s']:.1f}", f"{m['flops'] / m['micro_s'] / check.peak:.3f}",
+                     f"{m['first']:.1f}"))
+    rows.append(("per block (4 - 2)", f"{per_block['allocated']:.3f}", "", f"{per_block['plan']:.3f}",
+                 f"{1000 * per_block['micro_s']:.1f}", "", ""))
+    rows.append(("32 blocks, extrapolated", f"{at_32['allocated']:.1f}", "", f"{at_32['plan']:.1f}",
+                 f"{1000 * at_32['micro_s']:.0f}", f"{at_32['flops'] / at_32['micro_s'] / check.peak:.3f}",
+                 ""))
+    check.table(["depth", "max allocated GiB", "max reserved GiB", "plan GiB", "ms per micro-step", "MFU",
+                 "first step s"], rows)
+    # (the plan's micro-batch is this section's batch on an H100)
+    step_s = at_32["micro_s"] * p7b["micro_steps"]
+    check.line(f"\nThe plan's 7B on 64 H100s: {p7b['memory']['fsdp'][mode]:.1f} GiB per GPU (states sharded "
+               f"64 ways; the extrapolation above holds them whole), compute {p7b['compute_seconds']:.2f} s "
+               f"per step at MFU {PLAN_MFU}; at the measured ms per micro-step its {p7b['micro_steps']} "
+               f"micro-steps of {p7b['micro_batch']} sequences take {step_s:.2f} s (MFU "
+               f"{p7b['flops_per_step'] / 64 / step_s / check.peak:.3f} without communication).")
+    cross_entropy_transient(check)
+
+
+def cross_entropy_transient(check):
+    """losses.cross_entropy's forward + backward on (8 x 2048, 50304) bf16 logits: the device's
+    peak above the logits themselves, against what the plan counts for it (memory.PeakTensorBytes on
+    the meta device, where the CPU path runs)."""
+    B, T, V = (check.sizes["wide_batch"], check.sizes["wide_seq"], 50304 if check.cuda else 512)
+    check.reset_memory()
+    logits = torch.randn(B, T, V, device=check.device, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, V, (B, T), device=check.device)
+    base = torch.cuda.memory_allocated() if check.cuda else 0
+    losses.cross_entropy(logits, y).backward()
+    check.synchronize()
+    device_gib = (torch.cuda.max_memory_allocated() - base) / GiB if check.cuda else float("nan")
+    del logits
+    meta_logits = torch.empty(B, T, V, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    with memory.PeakTensorBytes() as counter:
+        losses.cross_entropy(meta_logits, torch.zeros(B, T, dtype=torch.long, device="meta")).backward()
+    check.line(f"- cross-entropy on {B} x {T} x {V} bf16 logits, forward + backward: {device_gib:.2f} GiB "
+               f"above the logits on {check.device}; the plan counts {counter.peak / GiB:.2f} GiB (the CPU "
+               f"path, on meta): {device_gib - counter.peak / GiB:+.2f} GiB unplanned")
+
+
+# 6 -------------------------------------------------------------------------------------------
+
+def moe_8x1b(check):
+    B = check.sizes["moe_batch"]
+    config = check.config("config/baseline_moe_8x1b.py", n_layer=2, batch_size=B, global_batch_size=B,
+                          parallel="none", compile=True, dtype=check.dtype)
+    check.reset_memory()
+    model, objective, optimizers, scaler = build(check, config)
+    batches = random_batches(config, B, 1, check.device)
+    terms = {}
+
+    def step():
+        terms.update(train_step(model, objective, optimizers, scaler, batches, check.autocast)[1])
+    first, s = step_times(check, step, 2, check.sizes["steps"] // 2 or 1)
+    tokens = B * config["block_size"]
+    flops = plan.training_flops_per_token(model, objective, tokens, False) * tokens
+    dropped = float(model.dropped_fraction)
+    check.line("baseline_moe_8x1b.py at 2 blocks (8 experts of 2048 -> 5632, top 2, capacity_factor "
+               f"{config['capacity_factor']}: every expert computes every token), batch {B} x "
+               f"{config['block_size']}, bf16, compiled, activation checkpointing, one process. The dropless "
+               "grouped-matmul path is not built yet.\n")
+    check.table(["figure", "measured", "plan"], [
+        ("ms per step", f"{1000 * s:.1f}",
+         f"{1000 * flops / (PLAN_MFU * check.peak):.1f} (at MFU {PLAN_MFU})"),
+        ("MFU (the capacity's padded work counted)", f"{flops / s / check.peak:.3f}", ""),
+        ("router load-balancing loss (1 = balanced, 8 = one expert)",
+         f"{float(terms['moe_aux'].detach()):.4f}", ""),
+        ("share of routed slots dropped", f"{dropped:.4f}", "0 at capacity N"),
+        ("max allocated GiB", f"{check.peak_gib()[0]:.1f}", f"{plan_gib(config):.1f}"),
+        ("first step (compilation included), s", f"{first:.1f}", "")])
+    if not math.isfinite(float(terms["moe_aux"].detach())):
+        raise RuntimeError("the router's loss is not finite")
+
+
+# 7 -------------------------------------------------------------------------------------------
+
+def checkpoint_dcp(check):
+    layers = check.sizes["ckpt_layers"]
+    config = check.config("config/baseline_1b3.py", n_layer=layers, batch_size=2, global_batch_size=2,
+                          compile=False)
+    config["block_size"] = min(512, config["block_size"])
+    batches = [random_batches(config, 2, 1, check.device, seed=s) for s in range(3)]
+
+    def fresh():
+        return build(check, config, fsdp=True)
+    model, objective, optimizers, scaler = fresh()
+    for b in batches:
+        train_step(model, objective, optimizers, scaler, b, check.autocast)
+    uninterrupted = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    del model, objective, optimizers
+
+    model, objective, optimizers, scaler = fresh()
+    train_step(model, objective, optimizers, scaler, batches[0], check.autocast)
+    modules = torch.nn.ModuleDict({"model": model, "objective": objective})
+    with tempfile.TemporaryDirectory() as directory:
+        save_s, _ = timed(check, lambda: checkpoint.save_sharded(directory, modules, optimizers))
+        size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+        del model, objective, optimizers, modules
+        model, objective, optimizers, scaler = fresh()
+        modules = torch.nn.ModuleDict({"model": model, "objective": objective})
+        load_s, _ = timed(check, lambda: checkpoint.load_sharded(directory, modules, optimizers))
+    for b in batches[1:]:
+        train_step(model, objective, optimizers, scaler, b, check.autocast)
+    resumed = {k: v.full_tensor().detach() for k, v in model.state_dict().items()}
+    difference = max((resumed[k].float() - uninterrupted[k].float()).abs().max().item() for k in resumed)
+    identical = all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+    check.line(f"baseline_1b3.py's width (2048) at {layers} blocks, FSDP on one process: model and AdamW "
+               "states through torch.distributed.checkpoint (checkpoint.save_sharded / load_sharded) on "
+               "local disk.\n")
+    check.table(["figure", "measured"], [
+        ("checkpoint size, GB", f"{size / 1e9:.2f}"), ("save, GB/s", f"{size / 1e9 / save_s:.2f}"),
+        ("load, GB/s", f"{size / 1e9 / load_s:.2f}"),
+        ("3 steps with a save and load after the first vs 3 uninterrupted: max |difference|",
+         f"{difference:.1e} ({'bit-identical' if identical else 'NOT bit-identical'})")])
+    if difference > 1e-6:
+        raise RuntimeError(f"the resumed weights differ from the uninterrupted run's by {difference:.1e}")
+
+
+# 8 -------------------------------------------------------------------------------------------
+
+def end_to_end(check):
+    if not check.data_dir:
+        raise RuntimeError("needs --data_dir: a GPT-2 BPE dataset prepared by prepare_c4.py (the docstring "
+                           "says how)")
+    iters = check.sizes["e2e_iters"]
+    with tempfile.TemporaryDirectory() as out_dir:
+        command = [sys.executable, "train.py", "config/c4_tiny.py", f"--data_dir={check.data_dir}",
+                   f"--out_dir={out_dir}", f"--max_iters={iters}", f"--lr_decay_iters={iters}",
+                   f"--eval_interval={max(iters // 2, 1)}", f"--warmup_iters={min(100, iters // 2)}",
+                   f"--compile={check.sizes['e2e_compile']}", f"--device={check.device}",
+                   *check.sizes["e2e_args"]]
+        seconds, result = timed(check, lambda: subprocess.run(command, cwd=REPO, capture_output=True,
+                                                              text=True))
+        if result.returncode != 0:
+            raise RuntimeError(f"train.py exited {result.returncode}: "
+                               f"{result.stderr.strip().splitlines()[-1:]}")
+        import json
+        log = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
+        evals = [r for r in log if "val" in r]
+        steps = [r for r in log if "ms_per_iter" in r]
+        sample = subprocess.run([sys.executable, "sample.py", os.path.join(out_dir, "best.pt"),
+                                 "--max_new_tokens=40", "--num_samples=1", f"--device={check.device}"],
+                                cwd=REPO, capture_output=True, text=True)
+        if sample.returncode != 0:
+            raise RuntimeError(f"sample.py exited {sample.returncode}: "
+                               f"{sample.stderr.strip().splitlines()[-1:]}")
+    text = sample.stdout.strip().split("\n---")[0].replace("\n", " ")[:160]
+    check.line(f"`python train.py config/c4_tiny.py --max_iters={iters} "
+               f"--compile={check.sizes['e2e_compile']}` on {check.device} with data prepared by "
+               "prepare_c4.py --from_text (tiny Shakespeare as C4-format shards), then `sample.py "
+               "best.pt`.\n")
+    check.table(["figure", "measured"], [
+        ("wall time of train.py, s (start, compilation, evaluations included)", f"{seconds:.1f}"),
+        ("validation loss at step 0 -> last", f"{evals[0]['val']:.3f} -> {evals[-1]['val']:.3f}"),
+        ("median ms per step (logged)", f"{statistics.median(r['ms_per_iter'] for r in steps):.1f}"),
+        ("sample.py", f"`{text}`")])
+    if not evals[-1]["val"] < evals[0]["val"]:
+        raise RuntimeError("the validation loss did not fall")
+
