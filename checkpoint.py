@@ -7,12 +7,10 @@ run without a good checkpoint (run.py decides when and where a run writes them).
 Every .pt has a readable .json beside it (config, step, losses). Under FSDP every rank writes its
 own shards with torch.distributed.checkpoint (DCP; save_sharded, load_sharded): the full state
 into ckpt_dcp/<slot>/ and ckpt.pt names the slot; best.pt's weights into best_dcp/step_<iter>/.
-load_with_weights reads either kind whole in one process.
 
 Writes go to a temporary file that is renamed into place (utils.atomic_write), so a kill at any
 moment leaves either the old or the new file, never half of one. Every function takes what it
-needs as arguments; errors a user can fix are raised as CheckpointError with one line that names
-the file.
+needs as arguments; errors a user can fix are raised as CheckpointError with one line naming the file.
 """
 
 import functools
@@ -28,7 +26,7 @@ import parallelism
 from data import DataError, dataset_mismatch, read_meta
 from utils import atomic_write, save_json, torch_save, write_failure
 
-DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders of ckpt.pt: the latest, the previous, and the one being written
+DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders of ckpt.pt: latest, previous, being written (save_full)
 BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)
 
 
@@ -43,26 +41,31 @@ def load(path, device="cpu", need=("model_config", "config", "iter_num"), mmap=F
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
     if os.path.isdir(path):
-        raise CheckpointError(f"{path} is a directory, not a checkpoint file (e.g. {os.path.join(path, 'best.pt')})")
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file "
+                              f"(e.g. {os.path.join(path, 'best.pt')})")
     try:
         checkpoint = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except (RuntimeError, EOFError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError, OSError) as e:
-        raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path):,} bytes, {type(e).__name__}): "
-                              f"it is truncated, empty or not a PyTorch checkpoint") from None
+        raise CheckpointError(f"cannot read checkpoint {path} ({os.path.getsize(path):,} bytes, "
+                              f"{type(e).__name__}): it is truncated, empty or not a PyTorch "
+                              f"checkpoint") from None
     missing = [key for key in need if not isinstance(checkpoint, dict) or key not in checkpoint]
     if missing:
-        raise CheckpointError(f"{path} is not a checkpoint written by train.py (no {', '.join(map(repr, missing))})")
+        raise CheckpointError(f"{path} is not a checkpoint written by train.py "
+                              f"(no {', '.join(map(repr, missing))})")
     check_expert_layout(checkpoint.get("model", {}), path)
     return checkpoint
 
 
 def check_expert_layout(weights, path):
-    """A mixture of experts written before issue 31 held one module per expert (h.0.mlp.experts.3.gate.weight);
-    the model now stacks them (h.0.mlp.gate, (E, hidden, C)) and does not read the old layout."""
+    """A mixture of experts written before issue 31 held one module per expert
+    (h.0.mlp.experts.3.gate.weight); the model now stacks them (h.0.mlp.gate, (E, hidden, C)) and
+    does not read the old layout."""
     old = next((name for name in weights if ".mlp.experts." in name), None)
     if old:
-        raise CheckpointError(f"{path} holds a mixture of experts in the old per-expert layout ({old}); this version "
-                              f"stacks the experts (mlp.gate, mlp.up, mlp.down) and cannot read it")
+        raise CheckpointError(f"{path} holds a mixture of experts in the old per-expert layout ({old}); "
+                              f"this version stacks the experts (mlp.gate, mlp.up, mlp.down) "
+                              f"and cannot read it")
 
 
 def load_with_weights(path, device="cpu", mmap=False):
@@ -88,7 +91,8 @@ def damaged_shards(directory):
     try:
         metadata = dcp.FileSystemReader(directory).read_metadata()
     except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
-        return f"cannot read the FSDP shards in {directory} ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+        return (f"cannot read the FSDP shards in {directory} "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
     expected = {}
     for item in metadata.storage_data.values():
         expected[item.relative_path] = max(expected.get(item.relative_path, 0), item.offset + item.length)
@@ -102,10 +106,9 @@ def damaged_shards(directory):
 
 
 def sharded_weights(directory, device="cpu"):
-    """{'model': {name: tensor}, 'objective': {...}}: the whole weights from the shards that
-    save_sharded wrote into directory, without the optimizer state (for a 7B run that
-    reads 28 GB, not 84). The shapes and dtypes come from the checkpoint's own metadata, so no
-    model has to be built first."""
+    """{'model': {name: tensor}, 'objective': {...}}: the whole weights from the shards that save_sharded
+    wrote into directory, without the optimizer state (for a 7B run that reads 28 GB, not 84). The shapes and
+    dtypes come from the checkpoint's own metadata, so no model has to be built first."""
     import warnings
 
     import torch.distributed.checkpoint as dcp
@@ -125,7 +128,8 @@ def sharded_weights(directory, device="cpu"):
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message=".*single process.*")
         dcp.load({"model": flat}, checkpoint_id=directory)
-    return {module: {name: tensor.to(device) for name, tensor in part.items()} for module, part in weights.items()}
+    return {module: {name: tensor.to(device) for name, tensor in part.items()}
+            for module, part in weights.items()}
 
 
 def run_state(config, model_config, meta, iter_num, best_val_loss, last_eval, training=None):
@@ -148,14 +152,16 @@ class TrainingState:
 
     def __init__(self, data_generator, epoch_windows=None, clipper=None, scaler=None, grad_recorder=None,
                  device="cpu"):
-        self.data_generator, self.epoch_windows, self.clipper, self.scaler = data_generator, epoch_windows, clipper, scaler
-        self.grad_recorder, self.cuda = grad_recorder, torch.device(device).type == "cuda"
+        self.data_generator, self.epoch_windows, self.clipper = data_generator, epoch_windows, clipper
+        self.scaler, self.grad_recorder = scaler, grad_recorder
+        self.cuda = torch.device(device).type == "cuda"
         self.flops_done = {"train": 0, "eval": 0}  # what this run has executed (the grids' efficiency)
 
     def state_dict(self):
         return dict(flops_done=dict(self.flops_done), data_rng=self.data_generator.get_state(),
                     data_position=self.epoch_windows.state_dict() if self.epoch_windows is not None else None,
-                    torch_rng=torch.get_rng_state(), cuda_rng=torch.cuda.get_rng_state() if self.cuda else None,
+                    torch_rng=torch.get_rng_state(),
+                    cuda_rng=torch.cuda.get_rng_state() if self.cuda else None,
                     adagc=self.clipper.state_dict() if self.clipper is not None else None,
                     grad_scaler=self.scaler.state_dict() if self.scaler is not None else None,
                     grad_parts=self.grad_recorder.steps if self.grad_recorder is not None else [])
@@ -164,7 +170,8 @@ class TrainingState:
         """Set everything back from a checkpoint's dict; a key an older checkpoint lacks keeps its
         start value (no FLOPs counted before the count existed: 0; random data order until now: epoch 0)."""
         self.flops_done = dict(state.get("flops_done") or self.flops_done)
-        self.data_generator.set_state(state["data_rng"].cpu())  # RNG states are CPU tensors wherever they were loaded
+        # RNG states are CPU tensors wherever they were loaded
+        self.data_generator.set_state(state["data_rng"].cpu())
         if self.epoch_windows is not None and state.get("data_position"):
             try:
                 self.epoch_windows.load_state_dict(state["data_position"])
@@ -183,21 +190,20 @@ class TrainingState:
 
 def summary(state):
     """The readable JSON written beside a .pt: config, step and losses."""
-    return {key: state.get(key) for key in ("config", "model_config", "iter_num", "best_val_loss", "last_eval",
-                                            "config_changes")}
+    return {key: state.get(key)
+            for key in ("config", "model_config", "iter_num", "best_val_loss", "last_eval", "config_changes")}
 
 
 def write(path, state, keep_previous=False):
-    """Write state to path (and its JSON summary beside it), atomically. keep_previous: the file
-    now at path becomes <name>_prev.pt first, so two full states exist at every moment after the
-    second save (a kill between the two renames leaves only _prev, which resume falls back to);
-    keep_previous=False replaces the file at path and leaves any _prev as it is.
-    A failed write removes its temporary file, leaves the previous checkpoint as it was, and raises
-    one CheckpointError that tells a full disk (and the space left) from a missing permission."""
+    """Write state to path (and its JSON summary beside it), atomically. keep_previous: the file now at path
+    becomes <name>_prev.pt first, so two full states exist at every moment after the second save (a kill
+    between the two renames leaves only _prev, which resume falls back to); keep_previous=False leaves any
+    _prev as it is. A failed write removes its temporary file, leaves the previous checkpoint as it was, and
+    raises one CheckpointError that tells a full disk (and the space left) from a missing permission."""
     directory = os.path.dirname(os.path.abspath(path))
     prev = path[:-3] + "_prev.pt"
 
-    def save(tmp):  # a failed write is the OSError that says why (ENOSPC, EACCES), not torch's "unexpected pos"
+    def save(tmp):  # a failed write is the OSError that says why, not torch's "unexpected pos"
         torch_save(state, tmp)
     try:
         if keep_previous:
@@ -221,7 +227,8 @@ def write(path, state, keep_previous=False):
             e = OSError(None, str(e).splitlines()[0][:100])
         raise CheckpointError(
             f"{write_failure(path, e)}. "
-            + (f"{' and '.join(kept)} {'is' if len(kept) == 1 else 'are'} intact." if kept else "Nothing was saved.")
+            + (f"{' and '.join(kept)} {'is' if len(kept) == 1 else 'are'} intact."
+               if kept else "Nothing was saved.")
         ) from None
 
 
@@ -239,12 +246,13 @@ RESUME_NEEDS = ("model_config", "config", "iter_num", "data_rng", "torch_rng")  
 def load_latest(out_dir, device, master=True):
     """The newest readable full checkpoint of out_dir: ckpt.pt, or ckpt_prev.pt if ckpt.pt is
     missing or unreadable, or names FSDP shards that are (damaged_shards; rank 0 says so, in one
-    line). Returns (checkpoint, path). A JSON that names
-    another step than its weights (a kill between the two writes) is written again."""
+    line). Returns (checkpoint, path). A JSON that names another step than its weights (a kill
+    between the two writes) is written again."""
     paths = [os.path.join(out_dir, name) for name in ("ckpt.pt", "ckpt_prev.pt")]
     if not any(os.path.exists(p) for p in paths):
-        raise CheckpointError(f"init_from='resume' but there is no checkpoint at {paths[0]}; --init_from=auto "
-                              f"starts a run stopped before its first checkpoint again, keeping what it wrote")
+        raise CheckpointError(f"init_from='resume' but there is no checkpoint at {paths[0]}; "
+                              f"--init_from=auto starts a run stopped before its first checkpoint again, "
+                              f"keeping what it wrote")
     problems = []
     for path in paths:
         try:
@@ -257,29 +265,27 @@ def load_latest(out_dir, device, master=True):
         if problems and master:
             print(f"warning: {problems[0]}; resuming from the previous checkpoint {path} "
                      f"(step {checkpoint['iter_num']}) instead")
-        if master and json_step(path[:-3] + ".json") != checkpoint["iter_num"]:  # killed between the two writes
+        if master and json_step(path[:-3] + ".json") != checkpoint["iter_num"]:
             save_json(summary(checkpoint), path[:-3] + ".json")
         return checkpoint, path
     raise CheckpointError("cannot resume: " + "; ".join(problems))
 
 
 def starting_weights(path, model_config, head_from_embedding, data_dir, device="cpu", sharded=False):
-    """The weights of another run's checkpoint, to start a new run from (load them before the model
-    is parallelized: plain, whole tensors). The model must have the same shape (tie_weights and
-    dropout may differ). head_from_embedding: the new untied LM head starts as a copy of the input
-    embedding -- CWT's second stage gives a headless model a head that way (headless LM paper,
-    Sec. 4.2). Raises CheckpointError for an unreadable file or other tokens than data_dir's,
-    ValueError for another shape. On the CPU a single-file checkpoint (a one-process or DDP run's)
-    is memory-mapped: under FSDP each rank reads only its shards' rows (parallelism.copy_shards).
-    An FSDP run's checkpoint, for a run that shards too (sharded): a function that reads each
-    rank's rows from the shards into the sharded model (load_shards_into); for any other run, its
-    whole weights read back from the shards."""
+    """The weights of another run's checkpoint, to start a new run from (load them before the model is
+    parallelized: plain, whole tensors). The model must have the same shape (tie_weights and dropout may
+    differ), else ValueError. head_from_embedding: the new untied LM head starts as a copy of the input
+    embedding -- CWT's second stage gives a headless model a head that way (headless LM paper, Sec. 4.2).
+    Raises CheckpointError for an unreadable file or other tokens than data_dir's. On the CPU a single-file
+    checkpoint is memory-mapped: under FSDP each rank reads only its shards' rows (parallelism.copy_shards).
+    An FSDP run's checkpoint, for a run that shards too (sharded): a function that reads each rank's rows into
+    the sharded model (load_shards_into); for any other run, its whole weights read back from the shards."""
     source = load(path, device, mmap=device == "cpu")
     check_dataset(source, data_dir, whole=False)
     for key, value in source["model_config"].items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
-            raise ValueError(f"cannot start from {path}: model key '{key}' is {getattr(model_config, key)!r} here "
-                             f"but {value!r} there")
+            raise ValueError(f"cannot start from {path}: model key '{key}' is "
+                             f"{getattr(model_config, key)!r} here but {value!r} there")
     if sharded and "model" not in source and "dcp" in source:
         directory = os.path.join(os.path.dirname(os.path.abspath(path)), source["dcp"])
         return functools.partial(load_shards_into, directory, head_from_embedding)
@@ -325,33 +331,38 @@ def data_dir_of(checkpoint, path, override=None):
     """Where the checkpoint's dataset is, from wherever evaluate.py or sample.py runs: --data_dir
     if given, else the resolved path the run stored, else its data_dir as written (relative to the
     working directory); one clear error when none exists or when it holds another dataset."""
-    candidates = [override] if override else [checkpoint.get("data_dir_resolved"), checkpoint["config"]["data_dir"]]
+    candidates = ([override] if override
+                  else [checkpoint.get("data_dir_resolved"), checkpoint["config"]["data_dir"]])
     for candidate in candidates:
         if candidate and os.path.exists(os.path.join(candidate, "meta.json")):
             check_dataset(checkpoint, candidate)
             return candidate
     named = " or ".join(repr(c) for c in candidates if c)
-    raise CheckpointError(f"the dataset of {path} is not at {named} (no meta.json there); pass --data_dir=...")
+    raise CheckpointError(f"the dataset of {path} is not at {named} (no meta.json there); "
+                          f"pass --data_dir=...")
 
 
 # full training state -----------------------------------------------------------------------------
 
 def save_full(out_dir, state, modules, optimizers, parallel, master, dcp_slots, keep_previous=True):
     """Write ckpt.pt, keeping the previous one as ckpt_prev.pt (keep_previous=False: when ckpt.pt
-    is the unreadable file a resume fell back from, it is replaced and ckpt_prev.pt stays). state: the plain part (config,
-    step, RNG states, ...); modules: ModuleDict {'model', 'objective'}. Single process and DDP:
-    rank 0 writes the whole weights and optimizer states. FSDP: every rank writes its shards into
-    a slot of ckpt_dcp/ that neither ckpt.pt nor ckpt_prev.pt names, and ckpt.pt names it only
-    once it is complete. dcp_slots: [previous, latest] slot names (None if none), updated here.
-    Collective; whether the write succeeded is agreed over all ranks (agree)."""
+    is the unreadable file a resume fell back from, it is replaced and ckpt_prev.pt stays). state:
+    the plain part (config, step, RNG states, ...); modules: ModuleDict {'model', 'objective'}.
+    Single process and DDP: rank 0 writes the whole weights and optimizer states. FSDP: every rank
+    writes its shards into a slot of ckpt_dcp/ that neither ckpt.pt nor ckpt_prev.pt names, and
+    ckpt.pt names it only once it is complete. dcp_slots: [previous, latest] slot names (None if
+    none), updated here. Collective; whether the write succeeded is agreed over all ranks (agree)."""
     path = os.path.join(out_dir, "ckpt.pt")
     state = dict(state)
     if parallel == "fsdp":
         slot = next(s for s in DCP_SLOTS if s not in dcp_slots)
         has_optimizer_state = any(opt.state for opt in optimizers)  # none before the first step
-        write_shards(os.path.join(out_dir, "ckpt_dcp", slot), modules, optimizers, has_optimizer_state, master, path)
-        state.update(dcp=os.path.join("ckpt_dcp", slot), dcp_previous=dcp_slots[1], dcp_optimizers=has_optimizer_state,
-                     objective_shapes={k: list(v.shape) for k, v in modules["objective"].state_dict().items()})
+        write_shards(os.path.join(out_dir, "ckpt_dcp", slot), modules, optimizers, has_optimizer_state,
+                     master, path)
+        state.update(dcp=os.path.join("ckpt_dcp", slot), dcp_previous=dcp_slots[1],
+                     dcp_optimizers=has_optimizer_state,
+                     objective_shapes={k: list(v.shape)
+                                       for k, v in modules["objective"].state_dict().items()})
     else:
         state.update(model=modules["model"].state_dict(), objective=modules["objective"].state_dict(),
                      optimizers=[opt.state_dict() for opt in optimizers])
@@ -400,12 +411,10 @@ def agree(problem):
 
 
 def save_weights(path, state, modules, parallel, master):
-    """best.pt: the weights alone. One process and DDP: rank 0 writes them whole into best.pt.
-    FSDP: like ckpt.pt, every rank writes its own shards (no optimizer state, nothing gathered
-    onto one process) into best_dcp/step_<iter>/, and best.pt, written once they are complete,
-    names that folder; the folders best.pt no longer names are removed. load_with_weights reads
-    either kind whole (evaluate.py, sample.py, the HF export, init_from). Collective; the outcome is
-    agreed over all ranks."""
+    """best.pt: the weights alone. One process and DDP: rank 0 writes them whole. FSDP: like ckpt.pt, every
+    rank writes its own shards (nothing gathered onto one process) into best_dcp/step_<iter>/, and best.pt,
+    written once they are complete, names that folder; the folders best.pt no longer names are removed.
+    load_with_weights reads either kind whole. Collective; the outcome is agreed over all ranks."""
     state = dict(state)
     if parallel == "fsdp":
         best_dcp = os.path.join(os.path.dirname(path), BEST_DCP)
@@ -445,7 +454,8 @@ def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
         return
     if parallel == "fsdp":
         raise CheckpointError(f"cannot resume: {path} holds whole weights (written with parallel="
-                              f"'{checkpoint['config'].get('parallel', 'none')}'); resume it with that setting")
+                              f"'{checkpoint['config'].get('parallel', 'none')}'); "
+                              f"resume it with that setting")
     modules["model"].load_state_dict(checkpoint["model"])
     try:
         modules["objective"].load_state_dict(checkpoint.get("objective", {}))
@@ -456,15 +466,13 @@ def restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
 
 
 # FSDP shards ----------------------------------------------------------------------------------
-# Sharded: every rank writes and reads only its own shards (torch.distributed.checkpoint, DCP),
-# which can be loaded back on a different number of ranks. `modules` is an nn.ModuleDict holding
-# the model and the objective, so the checkpoint's keys are model.<name> and objective.<name>.
+# DCP shards load back on any number of ranks. `modules` is an nn.ModuleDict holding the model and
+# the objective, so the checkpoint's keys are model.<name> and objective.<name>.
 
 def save_sharded(directory, modules, optimizers, with_optimizers=True):
-    """Write the shards of modules (and optimizers) into directory; collective.
-    with_optimizers=False before the first optimizer step: get_state_dict would otherwise
-    initialise the empty AdamW state with a zero-gradient step (step count 1), and the run would
-    no longer match a single-process one."""
+    """Write the shards of modules (and optimizers) into directory; collective. with_optimizers=False before
+    the first optimizer step: get_state_dict would otherwise initialise the empty AdamW state with a
+    zero-gradient step (step count 1), and the run would no longer match a single-process one."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
     if with_optimizers:
@@ -484,7 +492,8 @@ def load_sharded(directory, modules, optimizers, with_optimizers=True):
         model_state, optimizer_state = get_state_dict(modules, optimizers)
         state = {"model": model_state, "optimizers": optimizer_state}
         dcp.load(state, checkpoint_id=directory)
-        set_state_dict(modules, optimizers, model_state_dict=state["model"], optim_state_dict=state["optimizers"])
+        set_state_dict(modules, optimizers, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizers"])
     else:
         state = {"model": get_model_state_dict(modules)}
         dcp.load(state, checkpoint_id=directory)

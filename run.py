@@ -33,8 +33,8 @@ import time
 
 import parallelism
 import tracking
-from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, agree, check_dataset, load, load_latest, restore,
-                        save_full, save_weights)
+from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, agree, check_dataset, load, load_latest,
+                        restore, save_full, save_weights)
 from utils import LogError, exit_run, read_log, save_text, write_failure
 
 
@@ -83,7 +83,8 @@ def lock_run(out_dir, command):
         lock = open(os.open(path, os.O_RDWR | os.O_CREAT, 0o666), "r+")
     except OSError as e:
         told_apart = e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC, errno.EDQUOT)
-        reason = write_failure(out_dir, e) if told_apart else f"cannot use {out_dir} as a run's directory ({e.strerror})"
+        reason = (write_failure(out_dir, e) if told_apart
+                  else f"cannot use {out_dir} as a run's directory ({e.strerror})")
         raise CheckpointError(f"{reason}; give an --out_dir you can write to") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -95,7 +96,8 @@ def lock_run(out_dir, command):
             time.sleep(0.02)
             lock.seek(0)
         lock.close()
-        raise CheckpointError(f"{out_dir} is in use by a run that is still going ({holder or 'holder unknown'}); "
+        raise CheckpointError(f"{out_dir} is in use by a run that is still going "
+                              f"({holder or 'holder unknown'}); "
                               f"wait for it to end or stop it, or give another --out_dir") from None
     except OSError as e:  # ENOLCK: a network file system without lock support
         lock.close()
@@ -148,8 +150,8 @@ def open_run(out_dir, init_from, overwrite, master, command):
             existing = existing_run(out_dir) if init_from != "resume" else []
             if existing and not (overwrite or restart):
                 raise CheckpointError(f"{out_dir} already holds a run ({', '.join(existing)}). Continue it "
-                                      f"with --init_from=resume, start it over on purpose with --overwrite=True, "
-                                      f"or give another --out_dir.")
+                                      f"with --init_from=resume, start it over on purpose with "
+                                      f"--overwrite=True, or give another --out_dir.")
         except CheckpointError as e:
             problem = str(e)
     problem, init_from = parallelism.from_rank_0((problem, init_from))
@@ -158,8 +160,8 @@ def open_run(out_dir, init_from, overwrite, master, command):
     if master:
         if existing and restart and not overwrite:
             folder = keep_aside(out_dir, existing)
-            print(f"{out_dir} held a run stopped before its first checkpoint: starting it again; what it wrote is "
-                  f"in {folder}")
+            print(f"{out_dir} held a run stopped before its first checkpoint: starting it again; "
+                  f"what it wrote is in {folder}")
         elif existing:
             clear_run(out_dir)
         remove_temporaries(out_dir)  # of a write that was killed
@@ -192,8 +194,8 @@ def load_agreed(out_dir, device, master):
                 raise CheckpointError(f"{path} holds step {checkpoint['iter_num']}")
         except CheckpointError as e:
             problem = (f"cannot resume: rank 0 resumes from step {step} of {path}, but rank "
-                       f"{parallelism.rank()} finds: {e}. Every rank must see out_dir as rank 0 does (one shared "
-                       f"file system, the same path); nothing was changed")
+                       f"{parallelism.rank()} finds: {e}. Every rank must see out_dir as rank 0 does "
+                       f"(one shared file system, the same path); nothing was changed")
     agree(problem)
     return checkpoint, path
 
@@ -210,10 +212,11 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     if checkpoint["iter_num"] >= config["max_iters"]:  # before anything is loaded, trimmed or saved
         scored = os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]
         raise RunComplete(f"{out_dir} holds a complete run (step {checkpoint['iter_num']}, max_iters "
-                          f"{config['max_iters']}): nothing to do, nothing changed; to train it further, resume with a "
-                          f"larger --max_iters" + ("" if scored else f"; it has no metrics.json yet: python evaluate.py "
-                                                   f"{os.path.join(out_dir, 'best.pt')} --out="
-                                                   f"{os.path.join(out_dir, 'metrics.json')}"))
+                          f"{config['max_iters']}): nothing to do, nothing changed; to train it further, "
+                          f"resume with a larger --max_iters"
+                          + ("" if scored else f"; it has no metrics.json yet: python evaluate.py "
+                                               f"{os.path.join(out_dir, 'best.pt')} --out="
+                                               f"{os.path.join(out_dir, 'metrics.json')}"))
     restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
     if master:
         trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
@@ -232,23 +235,25 @@ class RunFiles:
     modules: ModuleDict {'model', 'objective'}; under torchrun only rank 0 (master) writes files."""
 
     def __init__(self, out_dir, modules, optimizers, parallel, master, device, learning_rate):
-        self.out_dir, self.modules, self.optimizers, self.parallel, self.master = (out_dir, modules, optimizers,
-                                                                                  parallel, master)
-        self.device, self.learning_rate = device, learning_rate  # the divergence message suggests a smaller one
+        self.out_dir, self.modules, self.optimizers, self.parallel, self.master = (
+            out_dir, modules, optimizers, parallel, master)
+        # learning_rate: the divergence message suggests a smaller one
+        self.device, self.learning_rate = device, learning_rate
         self.dcp_slots = [None, None]  # FSDP: the ckpt_dcp/ folders that ckpt_prev.pt and ckpt.pt name
         self.keep_previous = True  # False: ckpt.pt is the unreadable file a resume fell back from
         self.saved_step = None  # the step ckpt.pt holds
         self.wandb_run = None
         # the training keys changed on a resume (--resume_changes), in every checkpoint from then on:
-        # [{"iter": step, "changes": {key: [before, after]}}]; the first 'before' of a key is its original value
+        # [{"iter": step, "changes": {key: [before, after]}}]; the first 'before' of a key is its
+        # original value
         self.config_changes = []
 
     def resume(self, config, training):
         """resume() into this run's modules: the checkpoint it continues from. The config changes
         it allowed join the run's history, and the history's events from the resumed step on go
         (back) into log.jsonl, which resume() cut at that step."""
-        state, path, changes = resume(self.out_dir, config, self.device, self.master, self.modules, self.optimizers,
-                                      self.parallel, self.dcp_slots, training)
+        state, path, changes = resume(self.out_dir, config, self.device, self.master, self.modules,
+                                      self.optimizers, self.parallel, self.dcp_slots, training)
         self.keep_previous = path == os.path.join(self.out_dir, "ckpt.pt")
         self.saved_step = state["iter_num"]
         self.config_changes = state.get("config_changes", []) + (
@@ -269,7 +274,8 @@ class RunFiles:
         adds no device sync to a training step; check_weights also looks at every weight, agreed
         over all ranks. Exits with status 1 naming the step, the non-finite terms and the last
         checkpoint that is still good."""
-        bad = [name for name, value in values.items() if isinstance(value, float) and not math.isfinite(value)]
+        bad = [name for name, value in values.items()
+               if isinstance(value, float) and not math.isfinite(value)]
         if check_weights and not parallelism.all_finite(self.modules["model"].parameters(), self.device):
             bad.append("weights")
         if bad:
@@ -278,11 +284,11 @@ class RunFiles:
                         f"(--overwrite=True), e.g. a smaller learning_rate (now {self.learning_rate:g})")
             else:
                 last = os.path.join(self.out_dir, "ckpt.pt" if self.keep_previous else "ckpt_prev.pt")
-                then = (f"The last good checkpoint is {last} (step {self.saved_step}). Resume from it with a smaller "
-                        f"learning_rate (now {self.learning_rate:g}): --init_from=resume "
+                then = (f"The last good checkpoint is {last} (step {self.saved_step}). Resume from it "
+                        f"with a smaller learning_rate (now {self.learning_rate:g}): --init_from=resume "
                         f"--resume_changes=learning_rate --learning_rate=...")
-            exit_run(f"training diverged at step {step}: non-finite {', '.join(bad)} ({where}). Nothing from this "
-                     f"step on was saved. {then}", self.master)
+            exit_run(f"training diverged at step {step}: non-finite {', '.join(bad)} ({where}). "
+                     f"Nothing from this step on was saved. {then}", self.master)
 
     def save(self, state, training, best=False):
         """ckpt.pt from checkpoint.run_state() and training (a checkpoint.TrainingState), and
@@ -291,9 +297,10 @@ class RunFiles:
         state = {**state, "config_changes": self.config_changes}
         try:
             if best:
-                save_weights(os.path.join(self.out_dir, "best.pt"), state, self.modules, self.parallel, self.master)
-            save_full(self.out_dir, {**state, **training.state_dict()}, self.modules, self.optimizers, self.parallel, self.master,
-                      self.dcp_slots, self.keep_previous)
+                save_weights(os.path.join(self.out_dir, "best.pt"), state, self.modules, self.parallel,
+                             self.master)
+            save_full(self.out_dir, {**state, **training.state_dict()}, self.modules, self.optimizers,
+                      self.parallel, self.master, self.dcp_slots, self.keep_previous)
         except CheckpointError as e:  # on every rank (agree)
             exit_run(str(e), self.master)
         self.keep_previous, self.saved_step = True, state["iter_num"]
@@ -325,8 +332,8 @@ def launcher(script, world_size):
 
 
 # the config keys that give the weights their shapes and the data its meaning: never changed on a resume
-RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias", "tie_weights",
-               "vocab_size", "low_resource", "separate_embeddings")
+RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", "block_size", "bias",
+               "tie_weights", "vocab_size", "low_resource", "separate_embeddings")
 
 
 # the keys a resume may change: how long and how often, where and with what it runs, logging. Every
@@ -336,13 +343,15 @@ RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", 
 RESUME_MAY_CHANGE = ("out_dir", "data_dir", "data_source", "init_from", "head_from_embedding", "overwrite",
                      "resume_changes", "max_iters", "eval_interval", "checkpoint_interval", "log_interval",
                      "final_eval", "dry_run", "check_memory", "device", "num_threads", "compile", "parallel",
-                     "activation_checkpointing", "fsdp_keep_gathered", "fsdp_shard_size", "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
-                     "gradient_accumulation_steps", "global_batch_size")
+                     "activation_checkpointing", "fsdp_keep_gathered", "fsdp_shard_size", "wandb_log",
+                     "wandb_project", "wandb_run_name", "batch_size", "gradient_accumulation_steps",
+                     "global_batch_size")
 
 
 def global_batch(config, processes):
     """Sequences per optimizer step over all processes."""
-    return config["global_batch_size"] or config["batch_size"] * config["gradient_accumulation_steps"] * processes
+    return (config["global_batch_size"]
+            or config["batch_size"] * config["gradient_accumulation_steps"] * processes)
 
 
 def check_resumable(checkpoint, config, data_dir, processes=1):
@@ -356,8 +365,9 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
     saved = {**train_defaults(), **checkpoint["config"]}  # (data_order before the key: 'random', its default)
     for key in RESUME_KEYS:
         if saved.get(key, config[key]) != config[key]:
-            raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was trained "
-                                  f"with {saved[key]!r} (it fixes the weights' shapes or the data's meaning)")
+            raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was "
+                                  f"trained with {saved[key]!r} (it fixes the weights' shapes or the data's "
+                                  f"meaning)")
     # the data is its content, not its path: a copy elsewhere (a node's local scratch) resumes; another
     # dataset, or the same folder holding other tokens by now, is refused by what the preparation recorded
     check_dataset(checkpoint, data_dir)
@@ -373,11 +383,12 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
         allowed.add(batch)
     refused = {key: values for key, values in differing.items() if key not in allowed}
     if refused:
-        listed = "; ".join(f"{key}: {before!r} there, {after!r} here" for key, (before, after) in refused.items())
+        listed = "; ".join(f"{key}: {before!r} there, {after!r} here"
+                           for key, (before, after) in refused.items())
         names = ",".join("batch_size" if key == batch else key for key in refused)
-        raise CheckpointError(f"cannot resume: this command changes how the run trains ({listed}). Resume with the "
-                              f"checkpoint's values, or name what you mean to change: --resume_changes={names} "
-                              f"(recorded in the log and the checkpoint)")
+        raise CheckpointError(f"cannot resume: this command changes how the run trains ({listed}). "
+                              f"Resume with the checkpoint's values, or name what you mean to change: "
+                              f"--resume_changes={names} (recorded in the log and the checkpoint)")
     return differing
 
 

@@ -47,8 +47,9 @@ def choose_device(device="auto"):
         if kind not in available:
             raise ValueError(f"device {device!r} is not one of auto, cpu, cuda, cuda:N, mps")
         if not available[kind]:
-            raise ValueError(f"device {device!r} was asked for, but this machine has no {kind.upper()} device "
-                             f"(available: {', '.join(k for k, ok in available.items() if ok)}; or device=auto)")
+            raise ValueError(f"device {device!r} was asked for, but this machine has no {kind.upper()} "
+                             f"device (available: {', '.join(k for k, ok in available.items() if ok)}; "
+                             f"or device=auto)")
         if kind == "cuda" and index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
             raise ValueError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA device(s)")
         return device
@@ -67,7 +68,8 @@ def available_memory(device):
     import torch
     device = torch.device(device)
     if device.type == "cuda":  # (before train.py picks its GPU under torchrun: LOCAL_RANK's)
-        device = torch.device("cuda", device.index if device.index is not None else int(os.environ.get("LOCAL_RANK", 0)))
+        device = torch.device("cuda", device.index if device.index is not None
+                              else int(os.environ.get("LOCAL_RANK", 0)))
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"{torch.cuda.get_device_name(device)} free memory"
     if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
@@ -177,7 +179,8 @@ def remove_leftovers(directory, names):
     removed = []
     prefixes = tuple("." + name[:200] + "." for name in names)
     for name in sorted(os.listdir(directory)) if os.path.isdir(directory) else ():
-        if name.startswith(prefixes) and name.endswith(".tmp") and os.path.isfile(os.path.join(directory, name)):
+        if (name.startswith(prefixes) and name.endswith(".tmp")
+                and os.path.isfile(os.path.join(directory, name))):
             os.remove(os.path.join(directory, name))
             removed.append(name)
     return removed
@@ -265,8 +268,9 @@ def check_writable(path, what, directory=False):
         if directory and not os.path.isdir(target):
             raise PathError(f"{what} {path} is a file, not a directory")
         if not directory and not os.path.isfile(target):
-            raise PathError(f"{what} {path} is " + ("a directory, not a file" if os.path.isdir(target) else
-                                                     "not a regular file (a device or a pipe); give a file's path"))
+            raise PathError(f"{what} {path} is "
+                            + ("a directory, not a file" if os.path.isdir(target) else
+                               "not a regular file (a device or a pipe); give a file's path"))
     parent = target if directory else os.path.dirname(target)
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
@@ -328,11 +332,11 @@ class StopRequest:
     cluster scheduler such as SLURM's --signal sends before preempting a job) into a request the
     training loop reads between steps: it says so at once (one line on stderr; announce=False: ranks
     other than 0), finishes the step (an evaluation stops between its batches), writes a checkpoint
-    and exits with 128 + the signal's number, the shell's convention for "ended by a signal". A second SIGINT or
-    SIGTERM while a stop is pending (a step or an evaluation that takes long, a user who means it)
-    ends the process at once with that status, saying so: a checkpoint being written is left as
-    it was (writes are atomic), so the run resumes from its last one. A SIGTERM within REPEAT_S of
-    the first is not a second one."""
+    and exits with 128 + the signal's number, the shell's convention for "ended by a signal". A
+    second SIGINT or SIGTERM while a stop is pending (a step or an evaluation that takes long, a
+    user who means it) ends the process at once with that status, saying so: a checkpoint being
+    written is left as it was (writes are atomic), so the run resumes from its last one. A SIGTERM
+    within REPEAT_S of the first is not a second one."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -349,12 +353,13 @@ class StopRequest:
         if signum == signal.SIGTERM == self.signum and time.monotonic() - self.since < self.REPEAT_S:
             return
         if self.signum is not None and signum in (signal.SIGINT, signal.SIGTERM):
-            print(f"\n{signal.Signals(signum).name} while a stop was pending: ending now, without saving this step; "
-                  f"the last checkpoint is as it was", file=sys.stderr, flush=True)
+            print(f"\n{signal.Signals(signum).name} while a stop was pending: ending now, without saving "
+                  f"this step; the last checkpoint is as it was", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
-        if self.signum is None and self.announce:  # os.write: the handler may run inside a write to stderr (tqdm)
-            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (an evaluation stops at once), "
-                        f"saving a checkpoint; a second Ctrl-C ends now without saving it\n".encode())
+        # os.write: the handler may run inside a write to stderr (tqdm)
+        if self.signum is None and self.announce:
+            os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (an evaluation stops at "
+                        f"once), saving a checkpoint; a second Ctrl-C ends now without saving it\n".encode())
         if self.signum is None:
             self.signum, self.since = signum, time.monotonic()
 
@@ -450,19 +455,21 @@ def read_log(path, allow_empty=False):
         with open(path) as f:
             lines = [line for line in f if line.strip()]
     except OSError as e:
-        raise LogError(f"cannot read {path}: {e.strerror} (is {os.path.dirname(path) or '.'} a train.py out_dir?)") \
-            from None
+        raise LogError(f"cannot read {path}: {e.strerror} "
+                       f"(is {os.path.dirname(path) or '.'} a train.py out_dir?)") from None
     records = []
     for number, line in enumerate(lines, 1):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
             if number == len(lines):
-                print(f"note: {path} ended in a torn line (a run killed mid-write, or one writing now); it is left out")
+                print(f"note: {path} ended in a torn line (a run killed mid-write, or one writing now); "
+                      f"it is left out")
                 break
             raise LogError(f"line {number} of {path} is not JSON: the log is damaged") from None
         if not isinstance(record, dict) or not isinstance(record.get("iter"), int):
-            raise LogError(f"line {number} of {path} is not a train.py record (an object with an integer 'iter')")
+            raise LogError(f"line {number} of {path} is not a train.py record "
+                           f"(an object with an integer 'iter')")
         records.append(record)
     if not records and not allow_empty:
         raise LogError(f"{path} holds no records yet (a run logs its first evaluation at step 0)")
