@@ -98,7 +98,7 @@ def train_defaults(path=TRAIN_PY):
     """train.py's default config, read from its source without running it: the top-level
     assignments of constants between its "# default config" and "config_keys" lines. The defaults
     stay where a reader of train.py expects them (nanoGPT's layout), and a tool that needs a full
-    config (tools/memory.py) gets exactly what train.py would use."""
+    config (tools/memory_table.py) gets exactly what train.py would use."""
     with open(path) as f:
         source = f.read()
     first, last = (source[:source.index(marker)].count("\n") + 1

@@ -1,4 +1,4 @@
-"""The activation figures of plan.py (and tools/memory.py's table) hold: the tensor counter is
+"""The activation figures of plan.py (and tools/memory_table.py's table) hold: the tensor counter is
 exact, and a step's peak grows linearly with depth, checked against direct measurements."""
 
 import os
@@ -11,7 +11,7 @@ import memory  # noqa: E402
 import plan  # noqa: E402
 from configurator import train_defaults  # noqa: E402
 from model import GPTConfig  # noqa: E402
-from tools import memory as memory_table  # noqa: E402
+from tools import memory_table  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

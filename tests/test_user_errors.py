@@ -104,7 +104,7 @@ def test_a_config_that_exits_or_raises_is_a_config_error(tmp_path, data_dir, bod
     assert not out.exists()
 
 
-@pytest.mark.parametrize("tool", [["plan.py"], ["-m", "tools.memory", "--gpus", "1"]])
+@pytest.mark.parametrize("tool", [["plan.py"], ["-m", "tools.memory_table", "--gpus", "1"]])
 def test_plan_and_tools_treat_an_exiting_config_the_same(tmp_path, tool):
     config = tmp_path / "bad.py"
     config.write_text("import sys\nsys.exit(0)\n")
@@ -269,7 +269,7 @@ def tool_cases(tmp, data, best, run_dir):
         ([py, "-m", "tools.bench", "--section", "cwt", "--steps", "0"], 2, "--steps must be >= 1, got 0"),
         ([py, "-m", "tools.bench", "--section", "cwt", "--out", "/proc/no_such_dir/b.md"], 1,
          "--out /proc/no_such_dir/b.md: cannot create files in /proc"),
-        ([py, "-m", "tools.memory", "config/lowres_baseline.py", "--gpus", "0"], 2,
+        ([py, "-m", "tools.memory_table", "config/lowres_baseline.py", "--gpus", "0"], 2,
          "processes must be a positive integer, got 0"),
         *([([py, "-m", "tools.plot_run", run_dir, "--out", f"{a_file}/log.png"], 1, f"--out {a_file}/log.png is under")]
           if importlib.util.find_spec("matplotlib") else []),  # an optional extra (the floor's venv has none)

@@ -21,7 +21,7 @@ switched on, as ratios to the cross-entropy step measured in the same process:
           toy) comes to the machine's arithmetic limit: model FLOPs per second (train.py's 6N +
           attention) / the 2048^2 fp32 matmul peak on all cores, for one process on all cores
           and for one 1-thread process per core running side by side (how tools/compare.py runs a grid)
-  gpu_memory  tools/memory.py's table for the paper configs (c4_tiny and baseline_*) on 8 GPUs
+  gpu_memory  tools/memory_table.py's table for the paper configs (c4_tiny and baseline_*) on 8 GPUs
   compile the lowres CE step with every block compiled (train.py's compile key) vs eager, alternating
   plan_memory  plan.py's memory per process (train.py's memory check) against the measured peak of
           real short runs: c4_tiny, the 350M width at 2 blocks, FSDP on 2 gloo processes

@@ -87,9 +87,9 @@ PAPER_CONFIGS = ["config/c4_tiny.py", "config/baseline_350m.py", "config/baselin
 
 
 def gpu_memory(args, device, dtype):
-    """tools/memory.py's table for the paper configs on 8 GPUs, and what it means for the biggest."""
-    from tools import memory as gpu
-    emit("\n### GPU memory of the paper configs (tools/memory.py, 8 GPUs)\n")
+    """tools/memory_table.py's table for the paper configs on 8 GPUs, and what it means for the biggest."""
+    from tools import memory_table as gpu
+    emit("\n### GPU memory of the paper configs (tools/memory_table.py, 8 GPUs)\n")
     for line in gpu.table_lines([os.path.join(REPO, p) for p in PAPER_CONFIGS], gpus=8):
         emit(line)
     config = gpu.read_config(os.path.join(REPO, "config/baseline_7b.py"))

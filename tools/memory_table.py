@@ -1,7 +1,7 @@
 """
 How much GPU memory does each paper-scale config need? Prints a Markdown table:
 
-    python -m tools.memory config/baseline_350m.py config/simreg_7b.py ... [--gpus 8]
+    python -m tools.memory_table config/baseline_350m.py config/simreg_7b.py ... [--gpus 8]
 
 One row per config, for the parallelism the config names (its `parallel` key; 'none' counts as
 DDP's states without buckets) on --gpus processes. The figures are plan.py's (what
