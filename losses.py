@@ -392,6 +392,7 @@ class Objective(nn.Module):
                            model computes (model.aux_loss) and forward() takes as router_loss
     """
 
+    LOSSES = ("ce", "simreg", "dispersion", "nitp", "cwt")  # train.py's <name>_weight
     SETTINGS = ("margin", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau",
                 "dispersion_variant", "dispersion_form", "dispersion_layers", "dispersion_positions",
                 "nitp_layer", "nitp_prenorm", "nitp_hidden", "cwt_tau")
@@ -399,7 +400,7 @@ class Objective(nn.Module):
     @classmethod
     def from_config(cls, config):
         """The objective train.py's keys describe: `<loss>_weight` for each loss, SETTINGS by name."""
-        weights = {name: config[f"{name}_weight"] for name in ("ce", "simreg", "dispersion", "nitp", "cwt")
+        weights = {name: config[f"{name}_weight"] for name in cls.LOSSES
                    if f"{name}_weight" in config}  # a key the config lacks keeps __init__'s default
         moe_aux = config["moe_aux_weight"] if config.get("n_expert", 1) > 1 else 0.0
         return cls(config["n_layer"], config["n_embd"], **weights,
@@ -408,9 +409,10 @@ class Objective(nn.Module):
     def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
                  simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
                  dispersion_form="paper", dispersion_layers="all", dispersion_positions=0, nitp=0.0,
-                 nitp_layer=0, nitp_prenorm=False, nitp_hidden=0, cwt=0.0, cwt_tau=1.0, moe_aux=0.0):
+                 nitp_layer=0, nitp_prenorm=False, nitp_hidden=0, cwt=0.0, cwt_tau=1.0,
+                 moe_aux=0.0):
         super().__init__()
-        self.weights = {"ce": ce, "simreg": simreg, "dispersion": dispersion, "nitp": nitp, "cwt": cwt}
+        self.weights = dict(ce=ce, simreg=simreg, dispersion=dispersion, nitp=nitp, cwt=cwt)
         for name, weight in self.weights.items():
             if weight < 0:
                 raise ValueError(f"{name}_weight must be >= 0, got {weight}")

@@ -1,0 +1,76 @@
+"""docs/adding_a_loss.md works as written: its code blocks, pasted where its steps say, give a loss
+on the output embedding whose test passes, whose key is checked, and which trains on the untied
+LLaMA toy (config/c4_tiny.py) with its value logged. The steps run on a copy of the repository."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC = os.path.join(REPO, "docs", "adding_a_loss.md")
+TIKTOKEN = os.environ.get("TIKTOKEN_CACHE_DIR",
+                          os.path.join(os.path.dirname(REPO), "shared", "data", "tiktoken"))
+
+
+def edit(path, anchor, replacement):
+    """Replace the one occurrence of anchor in path (the step's place must exist exactly once)."""
+    text = open(path).read()
+    assert text.count(anchor) == 1, f"{os.path.basename(path)}: {anchor!r} found {text.count(anchor)} times"
+    open(path, "w").write(text.replace(anchor, replacement))
+
+
+def python_blocks(markdown):
+    return re.findall(r"```python\n(.*?)```", markdown, flags=re.S)
+
+
+@pytest.mark.skipif(not os.path.isdir(TIKTOKEN), reason="no tiktoken cache: no GPT-2 BPE offline")
+def test_the_walk_through_gives_a_loss_that_is_tested_checked_and_trained(tmp_path):
+    repo = tmp_path / "repo"
+    shutil.copytree(REPO, repo, ignore=shutil.ignore_patterns(
+        ".git", ".venv*", "data", "out", "results", "__pycache__", "*.pt"))
+    function, test, term = python_blocks(open(DOC).read())[:3]
+    losses, train = repo / "losses.py", repo / "train.py"
+    # 1. the function, in losses.py before the Objective that uses it
+    edit(losses, "\nclass Objective(", "\n" + function + "\n\nclass Objective(")
+    # 2. its test, in tests/test_repr_losses.py, imported with the other losses
+    tests = repo / "tests" / "test_repr_losses.py"
+    edit(tests, "\nfrom losses import ", "\nfrom losses import cosine_regularizer, ")
+    tests.write_text(tests.read_text() + "\n\n" + test)
+    # 3. the weight, its name for from_config, the term, the key and its rule
+    edit(losses, "moe_aux=0.0):", "moe_aux=0.0, cosreg=0.0):")
+    edit(losses, "cwt=cwt)", "cwt=cwt, cosreg=cosreg)")
+    edit(losses, 'LOSSES = ("ce", "simreg", "dispersion", "nitp", "cwt")',
+         'LOSSES = ("ce", "simreg", "dispersion", "nitp", "cwt", "cosreg")')
+    edit(losses, "        if self.moe_aux and router_loss is not None:",
+         term.rstrip("\n") + "\n        if self.moe_aux and router_loss is not None:")
+    edit(train, "\nce_weight = ", "\ncosreg_weight = 0.0\nce_weight = ")
+    edit(repo / "configurator.py", '"cwt_weight",', '"cwt_weight", "cosreg_weight",')
+    assert not [line for line in losses.read_text().splitlines() if len(line) > 110]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TIKTOKEN_CACHE_DIR": TIKTOKEN}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests),
+                          "-k", "cosine"], cwd=repo, capture_output=True, text=True, env=env)
+    assert run.returncode == 0 and "1 passed" in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+
+    # 4. run it: the untied LLaMA toy on C4-format shards made from a text
+    text = tmp_path / "input.txt"
+    text.write_text("\n\n".join(f"Paragraph {i}: to be, or not to be. Line two of {i}." for i in range(200)))
+    prepare = subprocess.run([sys.executable, "prepare_c4.py", "--from_text", str(text),
+                              "--out_dir", "data/c4_tiny"], cwd=repo, capture_output=True, text=True, env=env)
+    assert prepare.returncode == 0, prepare.stderr[-2000:]
+    small = ["--max_iters=3", "--eval_interval=3", "--eval_iters=1", "--final_eval=False", "--n_layer=1",
+             "--n_embd=16", "--n_head=2", "--block_size=16", "--batch_size=2", "--warmup_iters=1",
+             "--log_interval=1"]
+    bad = subprocess.run([sys.executable, "train.py", "config/c4_tiny.py", "--cosreg_weight=-1",
+                          "--out_dir=out/bad", *small], cwd=repo, capture_output=True, text=True, env=env)
+    assert bad.returncode != 0 and "cosreg_weight" in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
+    run = subprocess.run([sys.executable, "train.py", "config/c4_tiny.py", "--cosreg_weight=0.1",
+                          "--out_dir=out/cosreg", *small], cwd=repo, capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    records = [json.loads(line) for line in (repo / "out" / "cosreg" / "log.jsonl").read_text().splitlines()]
+    assert any("cosreg" in r for r in records) and any("val_cosreg" in r for r in records), records
