@@ -53,20 +53,20 @@ def looped_swiglu(rows, sizes, gate, up, down):
     return torch.cat(parts)
 
 
-def dropless_outputs(x, expert, gate, up, down):
-    """Each routed slot's expert output (k N, C), in the order of `expert` (k N,), the slots' experts:
-    the slots sorted by expert (a stable sort: in slot order within an expert), each token's row
-    gathered, every expert run over its own rows, the outputs put back in slot order. The loop off
-    CUDA reads the counts on the host (a sync, and shapes torch.compile cannot fix); on meta it takes
-    balanced_sizes, so a step measured there holds the k N rows a real one does."""
+def dropless_outputs(x, expert, counts, gate, up, down):
+    """Each routed slot's expert output (k N, C), in the order of `expert` (k N,), the slots' experts;
+    counts (E,) is how many slots each expert has. The slots sorted by expert (a stable sort: in slot
+    order within an expert), each token's row gathered, every expert run over its own rows, the
+    outputs put back in slot order. The loop off CUDA reads the counts on the host (a sync, and shapes
+    torch.compile cannot fix); on meta it takes balanced_sizes, so a step measured there holds the
+    k N rows a real one does."""
     E, N = gate.size(0), x.size(0)
     order = torch.argsort(expert, stable=True)
     rows = x[order % N]  # slot j N + n is token n's
     if use_grouped_mm(x, gate):
-        y = grouped_swiglu(rows, torch.bincount(expert, minlength=E), gate, up, down)
+        y = grouped_swiglu(rows, counts, gate, up, down)
     else:
-        sizes = (balanced_sizes(expert.numel(), E) if x.device.type == "meta"
-                 else torch.bincount(expert, minlength=E).tolist())
+        sizes = balanced_sizes(expert.numel(), E) if x.device.type == "meta" else counts.tolist()
         y = looped_swiglu(rows, sizes, gate, up, down)
     return torch.zeros_like(y).index_copy(0, order, y)
 
@@ -139,7 +139,7 @@ class MixtureOfExperts(nn.Module):
         self.aux_loss = E * (chosen.mean(dim=0, dtype=probs.dtype) * probs.mean(dim=0)).sum()
         weight = top_p.t().reshape(-1, 1)  # (k N, 1)
         if self.dropless:
-            y = dropless_outputs(x, expert, self.gate, self.up, self.down)
+            y = dropless_outputs(x, expert, chosen.sum(dim=0), self.gate, self.up, self.down)
             self.dropped_fraction = probs.new_zeros(())
         else:
             capacity = min(N, math.ceil(self.capacity_factor * N * k / E)) if self.capacity_factor else N
