@@ -7,7 +7,8 @@ Two ways to run the experts over the N * top_k routed (token, expert) slots, GPT
     capacity    static shapes: every expert runs over a fixed number of slots, filled or not; a slot
                 past its expert's capacity is dropped (the CPU's path, and the reference)
     dropless    the slots sorted by expert, each expert over its own rows only: nothing dropped,
-                the routed work and no more (torch._grouped_mm on a GPU)
+                the routed work and no more (MegaBlocks' "dropless MoE", Gale et al. 2022; here
+                torch._grouped_mm on a GPU)
 """
 
 import math
@@ -48,7 +49,7 @@ def grouped_swiglu(rows, counts, gate, up, down):
 
 def looped_swiglu(rows, sizes, gate, up, down):
     """The same, expert by expert over split rows: sizes (a list) are the groups' lengths."""
-    parts = [F.silu(part @ gate[e].t()) * (part @ up[e].t()) @ down[e].t()
+    parts = [(F.silu(part @ gate[e].t()) * (part @ up[e].t())) @ down[e].t()
              for e, part in enumerate(rows.split(sizes))]
     return torch.cat(parts)
 
