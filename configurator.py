@@ -174,6 +174,7 @@ TRAIN_RULES = {
                      lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)))),
     **dict.fromkeys(("out_dir", "data_dir", "init_from", "wandb_project"), NON_EMPTY),
     "arch": _choice("gpt2", "llama"),
+    "moe_routing": _choice("capacity", "dropless"),
     "dispersion_variant": _choice("angular", "decorrelation", "decorrelation_features", "l2_repel",
                                   "l2_repel_norm", "orthogonalization"),
     "dispersion_form": _choice("paper", "authors"),

@@ -131,7 +131,8 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="
     the attention is the CPU flash kernel's (cpu_flash_attention_on_meta). The loss is the device's:
     where config['device'] is cuda (plan.py's plans, train.py on a GPU), the logits reach the objective
     in the compute dtype, else in fp32.
-    A mixture of experts runs there too (static shapes: its capacity buffers are counted).
+    A mixture of experts runs there too (static shapes: its capacity buffers are counted; dropless
+    routing with the k N routed rows spread evenly over the experts, moe.balanced_sizes).
     Cached: a plan asks for the same step often."""
     keys = tuple(sorted((k, v) for k, v in config.items()
                         if isinstance(v, (int, float, str, bool, type(None)))))

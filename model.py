@@ -5,7 +5,7 @@ enough to read in one sitting. `GPTConfig.arch` picks the block:
     gpt2    pre-LN LayerNorm, learned positions, GELU MLP (the toy experiments)
     llama   RMSNorm, rotary positions (RoPE), SwiGLU MLP, no biases, untied embeddings (the
             SimReg paper's LLaMA-2, App. A.1); with n_expert > 1 the MLP is a Mixtral mixture
-            of experts
+            of experts (moe.py)
 
 The model knows nothing about losses. Its forward pass returns the logits and, when asked, the
 hidden states that representation-level losses work on:
@@ -28,6 +28,8 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from moe import MixtureOfExperts
+
 
 @dataclass
 class GPTConfig:
@@ -46,6 +48,9 @@ class GPTConfig:
     top_k: int = 2            # experts per token
     capacity_factor: float = 0.0  # slots per expert: ceil(capacity_factor * tokens * top_k / n_expert),
     #                               at most all tokens; 0 = all tokens, nothing dropped (MixtureOfExperts)
+    moe_routing: str = "capacity"  # capacity: static shapes, capacity_factor's slots per expert (the CPU's
+    #                               path, the reference); dropless: tokens sorted by expert, each expert over
+    #                               its own rows only, nothing dropped, the routed FLOPs (moe.py)
     rope_theta: float = 10000.0
     init_std: float = 0.01    # std of every weight matrix (LLaMA recipe); gpt2 uses 0.02
 
@@ -69,6 +74,11 @@ class GPTConfig:
                              f"got arch={self.arch!r}, top_k={self.top_k}, n_expert={self.n_expert}")
         if not self.capacity_factor >= 0:
             raise ValueError(f"capacity_factor must be >= 0, got {self.capacity_factor}")
+        if self.moe_routing not in ("capacity", "dropless"):
+            raise ValueError(f"moe_routing must be 'capacity' or 'dropless', got {self.moe_routing!r}")
+        if self.moe_routing == "dropless" and self.capacity_factor:
+            raise ValueError(f"moe_routing='dropless' has no capacity to set: capacity_factor must be 0, "
+                             f"got {self.capacity_factor}")
 
     @property
     def ffn_width(self):
@@ -80,7 +90,10 @@ class GPTConfig:
     def experts_computed(self):
         """Experts' worth of compute per token in a mixture of experts: each expert runs over all of its
         capacity slots, filled or not, min(capacity_factor * top_k, n_expert) (capacity's rounding up
-        aside); n_expert when nothing may be dropped (capacity_factor 0)."""
+        aside); n_expert when nothing may be dropped (capacity_factor 0); top_k, the routed work
+        only, when dropless."""
+        if self.moe_routing == "dropless":
+            return self.top_k
         if not self.capacity_factor:
             return self.n_expert
         return min(self.capacity_factor * self.top_k, self.n_expert)
@@ -233,67 +246,6 @@ class SwiGLU(nn.Module):
         return self.down(F.silu(self.gate(x)) * self.up(x))
 
 
-class MixtureOfExperts(nn.Module):
-    """Mixtral's sparse MLP (Jiang et al. 2024; the SimReg paper's Mixtral-8x1B, Table 4): a linear
-    router scores the experts, softmax in fp32 over all of them, each token goes to its top_k, and
-    their outputs are mixed with the top_k probabilities renormalised to sum to 1.
-
-    Static shapes, no host sync (so torch.compile takes it whole and FSDP's prefetch never waits):
-    each expert has `capacity` = ceil(capacity_factor * N * top_k / E) slots (at most N; Switch
-    Transformer, Sec. 2.2). The N * top_k routed slots are numbered within their expert (first
-    choices before second choices, then in token order, as GShard's Algorithm 1), scattered into
-    an (E, capacity, C) buffer, and the experts run as one batched matmul per projection on their
-    stacked weights: gate and up (E, hidden, C), down (E, C, hidden), each expert's matrix laid out
-    as nn.Linear's. A slot past its expert's capacity is dropped: it adds nothing, the residual
-    stream carries the token on.
-    `dropped_fraction` (a tensor, detached) is the share of the N * top_k slots dropped in the last
-    forward. capacity_factor 0 (or >= E / top_k) gives capacity N: nothing can be dropped, and
-    every expert computes all N rows (E / top_k times the routed work).
-
-    aux_loss: the load-balancing loss E * sum_e f_e * P_e (Switch Transformer, eq. 4),
-    f_e = fraction of the N * top_k routed slots that went to expert e (before any drop),
-    P_e = mean router probability of e. It is 1 for a perfectly balanced router and E when one
-    expert takes all. Hugging Face's Mixtral (load_balancing_loss_func) counts f_e per top-k
-    choice and sums over the k choices, i.e. top_k times ours (2 at balance for top-2): its
-    router_aux_loss_coef of 0.02 is a weight of 0.04 on this loss. (It also pools the layers'
-    tokens before taking the product; ours is the mean over layers of each layer's loss.)"""
-
-    def __init__(self, config):
-        super().__init__()
-        E, C, H = config.n_expert, config.n_embd, config.ffn_width
-        self.router = nn.Linear(C, E, bias=False)
-        # each expert's matrices stacked, (E, out, in) as nn.Linear's; N(0, init_std) like the model's init
-        self.gate = nn.Parameter(torch.randn(E, H, C) * config.init_std)
-        self.up = nn.Parameter(torch.randn(E, H, C) * config.init_std)
-        self.down = nn.Parameter(torch.randn(E, C, H) * config.init_std)
-        self.top_k, self.capacity_factor = config.top_k, config.capacity_factor
-        self.aux_loss = self.dropped_fraction = None
-
-    def forward(self, x):
-        shape, E, k = x.shape, self.gate.size(0), self.top_k
-        x = x.reshape(-1, shape[-1])  # (N, C)
-        N = x.size(0)
-        probs = F.softmax(at_least_fp32(self.router(x)), dim=-1)  # (N, E), fp32 even under autocast
-        top_p, top_e = probs.topk(k, dim=-1)  # (N, k)
-        top_p = top_p / top_p.sum(dim=-1, keepdim=True)
-        # the k N routed slots, first choices before second choices: slot j N + n is token n's j-th
-        expert = top_e.t().reshape(-1)  # (k N,)
-        chosen = expert[:, None] == torch.arange(E, device=x.device)  # (k N, E), one True per row
-        self.aux_loss = E * (chosen.mean(dim=0, dtype=probs.dtype) * probs.mean(dim=0)).sum()
-        # each slot's place in its expert's queue, and whether that is within the capacity
-        capacity = min(N, math.ceil(self.capacity_factor * N * k / E)) if self.capacity_factor else N
-        place = ((chosen.cumsum(dim=0) - 1) * chosen).sum(dim=1)  # (k N,)
-        kept = place < capacity
-        self.dropped_fraction = 1 - kept.mean(dtype=probs.dtype).detach()
-        where = torch.where(kept, expert * capacity + place, 0)  # a dropped slot adds 0 to slot 0
-        tokens = x.repeat(k, 1) * kept[:, None].to(x.dtype)  # (k N, C)
-        buffer = x.new_zeros(E * capacity, x.size(1)).index_add(0, where, tokens).view(E, capacity, -1)
-        hidden = F.silu(buffer @ self.gate.transpose(1, 2)) * (buffer @ self.up.transpose(1, 2))
-        y = (hidden @ self.down.transpose(1, 2)).view(E * capacity, -1)[where]  # (k N, C): each slot's output
-        weight = top_p.t().reshape(-1, 1) * kept[:, None]  # (k N, 1), 0 for a dropped slot
-        return (y * weight).view(k, N, -1).sum(dim=0).type_as(x).view(shape)
-
-
 class LlamaBlock(nn.Module):
     """Pre-norm block with RMSNorm: x + attn(norm(x)), then x + mlp(norm(x)); mlp is SwiGLU or MoE."""
 
@@ -408,7 +360,8 @@ class GPT(nn.Module):
         with_head=False: a headless run that never computes the LM head. backward=False: the
         forward pass alone (evaluation), a third of that: 2 per parameter + 4 * n_layer * n_embd * T.
         A mixture of experts counts the experts its capacity computes (config.experts_computed), not
-        the top_k a token uses: the padding of the capacity slots is work the hardware does."""
+        the top_k a token uses: the padding of the capacity slots is work the hardware does (dropless
+        routing has none: top_k)."""
         T = seq_len or self.config.block_size
         # matmul weights: the blocks and the LM head. Lookups (wpe, and wte when untied) are free.
         n = self.num_params(non_embedding=True, active=True)

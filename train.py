@@ -84,6 +84,7 @@ ffn_hidden = 0                       # llama: SwiGLU width; 0 = 8/3 n_embd round
 n_expert = 1                         # llama: > 1 = Mixtral mixture of experts
 top_k = 2                            # experts per token
 capacity_factor = 0.0                # slots per expert: x tokens * top_k / n_expert; 0 = all tokens, none dropped
+moe_routing = "capacity"             # capacity (static shapes) | dropless (routed FLOPs only; moe.py)
 moe_aux_weight = 0.02                # weight of the router's load-balancing loss (Mixtral-8x7B's 0.02)
 rope_theta = 10000.0
 init_std = 0.01                      # llama: std of every weight matrix

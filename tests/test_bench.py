@@ -58,8 +58,8 @@ def test_out_writes_the_report_with_how_it_was_made_and_the_goals(tmp_path):
 
 def test_moe_section_times_the_loop_and_the_static_forward_on_the_same_function():
     times = bench_systems.moe_times(C=16, H=32, N=40, steps=1, warmup=0, device="cpu", factors=(1.0, 0.0))
-    assert len(times) == 3 and all(t > 0 and 0 <= d < 1 for t, d in times.values())
-    assert times["static, capacity_factor 0.0"][1] == 0.0
+    assert len(times) == 4 and all(t > 0 and 0 <= d < 1 for t, d in times.values())
+    assert times["static, capacity_factor 0.0"][1] == times["dropless (sorted by expert)"][1] == 0.0
     # what it times as "before" is the model's function where nothing is dropped
     import torch
     from model import MixtureOfExperts

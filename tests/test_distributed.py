@@ -259,6 +259,24 @@ def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_pat
     assert_same_weights(part, full)
 
 
+@needs_fsdp_on_cpu
+@pytest.mark.parametrize("experts", [2, 8])
+def test_fsdp_dropless_moe_on_4_processes_matches_one_process(tmp_path, data_dir, experts):
+    """moe_routing='dropless' (moe.py: tokens sorted by expert, each expert over its own rows, the group
+    sizes read on the host): 4 FSDP ranks, 2 experts (cut on dim 1) and 8 (dim 0), against one process,
+    the same run to float32's order of summation; nothing dropped. And the one process against the
+    static path at capacity N, the reference it equals up to float32 rounding."""
+    moe = [*LLAMA, f"--n_expert={experts}"]
+    single, full, capacity = tmp_path / "single", tmp_path / "full", tmp_path / "capacity"
+    finish(launch(single, data_dir, *moe, "--moe_routing=dropless"),
+           launch(full, data_dir, *moe, "--moe_routing=dropless", "--parallel=fsdp", processes=4),
+           launch(capacity, data_dir, *moe))
+    assert_same_run(single, full)
+    assert {r["moe_dropped"] for r in read_log(full) if "moe_dropped" in r} == {0.0}
+    dropless, static = train_losses(single), train_losses(capacity)
+    assert dropless == pytest.approx(static, rel=1e-5)
+
+
 @pytest.mark.parametrize("placements", [(Shard(0),), (Shard(1),), (Shard(2),), (Replicate(), Shard(1))], ids=str)
 def test_local_rows_is_the_shard_fsdp_holds_on_any_dimension(placements):
     """parallelism.local_rows (sharded init, copy_shards from a whole checkpoint) cuts the dimension

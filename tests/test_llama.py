@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from model import GPT, GPTConfig, MixtureOfExperts, RMSNorm, apply_rope, build_model, rope_angles  # noqa: E402
+import moe as moe_module  # noqa: E402
 
 LLAMA = GPTConfig(vocab_size=40, block_size=16, n_layer=2, n_head=2, n_embd=16, arch="llama", tie_weights=False,
                   ffn_hidden=24)
@@ -166,6 +167,86 @@ def test_moe_shapes_do_not_depend_on_the_data():
         assert out.shape == x.shape and moe.gate.grad.shape == moe.gate.shape and moe.dropped_fraction.shape == ()
         with pytest.raises(NotImplementedError, match="nonzero"):
             moe_by_expert_loop(moe, x)
+
+
+@pytest.mark.parametrize("E, k", [(2, 1), (2, 2), (8, 1), (8, 2)])
+def test_dropless_outputs_and_gradients_equal_capacity_n_and_the_token_by_token_formula(E, k):
+    """moe_routing='dropless' (the slots sorted by expert, each expert over its own rows) against the
+    static path at capacity N (every expert computes every token: nothing can be dropped, the
+    reference) in float64: outputs, aux_loss, the input's gradient and every parameter's; and the
+    outputs against Mixtral's formula token by token (moe_by_hand). Nothing is dropped."""
+    config = GPTConfig(**{**MOE.__dict__, "n_expert": E, "top_k": k})
+    reference = random_moe(config, 4)
+    dropless = random_moe(GPTConfig(**{**config.__dict__, "moe_routing": "dropless"}), 4)
+    x = torch.randn(3, 7, MOE.n_embd, dtype=torch.float64, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, expected = dropless(x), reference(x_ref)
+    assert dropless.dropped_fraction.item() == 0.0
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    by_hand, aux = moe_by_hand(dropless, x.detach().view(-1, MOE.n_embd))
+    torch.testing.assert_close(out.detach().view(-1, MOE.n_embd), by_hand, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dropless.aux_loss, reference.aux_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(dropless.aux_loss.detach(), aux)
+    grad_out = torch.randn_like(out)
+    ((out * grad_out).sum() + dropless.aux_loss).backward()
+    ((expected * grad_out).sum() + reference.aux_loss).backward()
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(dropless.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-12, msg=name)
+
+
+def test_dropless_routing_is_validated_and_counts_the_routed_flops():
+    with pytest.raises(ValueError, match="moe_routing must be 'capacity' or 'dropless', got 'sorted'"):
+        GPTConfig(**{**MOE.__dict__, "moe_routing": "sorted"})
+    with pytest.raises(ValueError, match="moe_routing='dropless' has no capacity to set"):
+        GPTConfig(**{**MOE.__dict__, "moe_routing": "dropless", "capacity_factor": 1.25})
+    config = GPTConfig(**{**MOE.__dict__, "n_expert": 8, "moe_routing": "dropless"})
+    assert config.experts_computed == config.top_k == 2
+    with torch.device("meta"):
+        model = GPT(config)
+    L, C, T, V = config.n_layer, config.n_embd, config.block_size, config.vocab_size
+    expert = 3 * C * config.ffn_width
+    # 6 per weight a token meets: attention, router, 2 experts, norms, the head (untied: no input lookup)
+    weights = L * (4 * C * C + 8 * C + 2 * expert + 2 * C) + C + V * C
+    assert model.flops_per_token() == 6 * weights + 12 * L * C * T
+    assert model.flops_per_token(backward=False) == (6 * weights + 12 * L * C * T) // 3
+
+
+def test_dropless_runs_on_meta_with_balanced_groups():
+    """The meta device has no routing to count: the loop takes balanced_sizes (k N rows in all, as a
+    real step), so memory.py can measure a dropless step there, backward too."""
+    assert moe_module.balanced_sizes(10, 4) == [3, 3, 2, 2] and sum(moe_module.balanced_sizes(7, 8)) == 7
+    with torch.device("meta"):
+        moe = MixtureOfExperts(GPTConfig(**{**MOE.__dict__, "moe_routing": "dropless"}))
+        x = torch.randn(2, 5, MOE.n_embd, requires_grad=True)
+        out = moe(x)
+        (out.sum() + moe.aux_loss).backward()
+    assert out.shape == x.shape and moe.gate.grad.shape == moe.gate.shape and moe.dropped_fraction.shape == ()
+
+
+@pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="this torch has no torch._grouped_mm")
+def test_grouped_swiglu_is_the_loop_over_experts():
+    """The CUDA path's torch._grouped_mm contract, checked where this torch runs it on the CPU too (bf16
+    only): rows sorted by expert, int32 running ends as offsets, an expert with no rows among them.
+    Outputs and gradients equal the loop over split rows, both in bf16."""
+    torch.manual_seed(5)
+    E, C, H = 4, 16, 24
+    counts = torch.tensor([3, 0, 6, 2])
+    rows = torch.randn(int(counts.sum()), C, dtype=torch.bfloat16, requires_grad=True)
+    weights = [torch.randn(E, *shape, dtype=torch.bfloat16, requires_grad=True) for shape in ((H, C), (H, C), (C, H))]
+    try:
+        grouped = moe_module.grouped_swiglu(rows, counts, *weights)
+    except (RuntimeError, NotImplementedError) as e:
+        pytest.skip(f"torch._grouped_mm does not run on this CPU: {e}")
+    copies = [t.detach().clone().requires_grad_() for t in (rows, *weights)]
+    looped = moe_module.looped_swiglu(copies[0], counts.tolist(), *copies[1:])
+    torch.testing.assert_close(grouped, looped, rtol=2e-2, atol=2e-2)
+    grad_out = torch.randn_like(looped)
+    (grouped * grad_out).sum().backward()
+    (looped * grad_out).sum().backward()
+    for mine, theirs in zip((rows, *weights), copies):
+        torch.testing.assert_close(mine.grad, theirs.grad, rtol=2e-2, atol=5e-2)
+    assert not moe_module.use_grouped_mm(rows, weights[0])  # the CPU's dropless path is the loop
 
 
 def test_moe_gradcheck():

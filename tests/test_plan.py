@@ -181,6 +181,22 @@ def test_mixtral_plan_counts_active_parameters():
     assert p["active_params"] == p["params"] - L * (E - k) * 3 * C * H
 
 
+def test_dropless_plan_counts_the_routed_experts_only():
+    """The 8x1B's SimReg config routes dropless (moe.py): its FLOPs per step, and so train.py's MFU
+    (plan.training_flops_per_token), count top_k = 2 experts a token, not the 8 its baseline's capacity N
+    computes. By hand: 6 per matmul weight a token meets (blocks with 2 of the 8 experts, router, head;
+    no input embedding) plus 12 L C T for attention; SimReg's similarities are not counted."""
+    config = config_of("config/simreg_moe_8x1b.py", "--batch_size=1")
+    assert config["moe_routing"] == "dropless"
+    V, L, C, H, E, k, T = (50304, config["n_layer"], config["n_embd"], config["ffn_hidden"], config["n_expert"],
+                           config["top_k"], config["block_size"])
+    routed = 6 * (llama_params(V, L, C, H, experts=E) - L * (E - k) * 3 * C * H - V * C) + 12 * L * C * T
+    p = plan.make_plan(config, 64, measure=False)
+    assert p["flops_per_step"] == routed * p["tokens_per_step"]
+    baseline = plan.make_plan(config_of("config/baseline_moe_8x1b.py", "--batch_size=1"), 64, measure=False)
+    assert baseline["flops_per_step"] - p["flops_per_step"] == 6 * L * (E - k) * 3 * C * H * p["tokens_per_step"]
+
+
 def test_plan_warns_when_the_data_is_read_more_than_once(tmp_path, data_dir):
     config = config_of("config/lowres_baseline.py", f"--data_dir={data_dir}")
     text = plan.format_plan(plan.make_plan(config, measure=False))
@@ -306,8 +322,11 @@ def test_memory_problem_of_experts_counts_their_activations_measured_on_meta():
     assert memory.process_gib(fsdp, n, 50304)[0] <= 24.0 < memory.process_gib(fsdp, n // 2, 50304)[0]
     # the capacity's buffers are counted: a capacity of 1.25 x the routed slots needs less than every token
     fewer = {**config, "capacity_factor": 1.25}
-    assert memory.activation_gib(fewer, GPTConfig.from_config(fewer, 50304), 16, 2048)["block"] < \
-        memory.activation_gib(config, GPTConfig.from_config(config, 50304), 16, 2048)["block"]
+    # and dropless routing holds the k N routed rows only (on meta at balanced_sizes), less again
+    dropless = {**config, "moe_routing": "dropless"}
+    blocks = [memory.activation_gib(c, GPTConfig.from_config(c, 50304), 16, 2048)["block"]
+              for c in (dropless, fewer, config)]
+    assert blocks == sorted(blocks) and len(set(blocks)) == 3
 
 
 def test_ddp_communication_is_one_all_reduce_per_step():

@@ -46,10 +46,15 @@ def expert_loop(moe, x):
     return out
 
 
+def routing(moe, dropless, capacity_factor):
+    """Switch one MixtureOfExperts between its paths (moe.py) without rebuilding it."""
+    moe.dropless, moe.capacity_factor = dropless, capacity_factor
+
+
 def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
     """{way: (median seconds of one MoE layer's forward + backward, median share of slots dropped)}
-    for the per-expert loop and the static forward at each capacity factor, in turn (a background
-    load slows all alike). 8 experts, top-2, weights N(0, 0.01): a near-uniform router."""
+    for the per-expert loop, the static forward at each capacity factor and the dropless one, in turn
+    (a background load slows all alike). 8 experts, top-2, weights N(0, 0.01): a near-uniform router."""
     torch.manual_seed(0)
     moe = MixtureOfExperts(GPTConfig(arch="llama", n_embd=C, n_head=1, ffn_hidden=H, n_expert=8,
                                      top_k=2)).to(device)
@@ -59,7 +64,8 @@ def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
     ways = {"loop over experts (before)": lambda: expert_loop(moe, x)}
     for factor in factors:
         ways[f"static, capacity_factor {factor}"] = (
-            lambda f: lambda: setattr(moe, "capacity_factor", f) or moe(x))(factor)
+            lambda f: lambda: routing(moe, False, f) or moe(x))(factor)
+    ways["dropless (sorted by expert)"] = lambda: routing(moe, True, 0.0) or moe(x)
     times, dropped = {name: [] for name in ways}, {name: [] for name in ways}
     for i in range(warmup + steps):
         for name, forward in ways.items():
@@ -73,7 +79,7 @@ def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
 
 def moe(args, device, dtype):
     """One MoE layer at half the 8x1B width (C 1024, H 2816, 8 experts, top-2) on one 2048-token
-    sequence, float32: the per-expert loop against the static forward (model.py)."""
+    sequence, float32: the per-expert loop against the static and dropless forwards (moe.py)."""
     times = moe_times(1024, 2816, 2048, args.steps, args.warmup, device)
     base = times["loop over experts (before)"][0]
     table("one MoE layer, forward + backward (C 1024, H 2816, 8 experts, top-2, 2048 tokens, float32)",

@@ -82,9 +82,11 @@ def correctness(check):
     check.table(["loss", "float64 (CPU)", f"bf16 autocast ({check.device})", "value error", "gradient error",
                  ""], rows)
 
-    # the model's forward and backward (LLaMA and GPT-2 blocks, and the MoE) against float64 on the CPU
+    # the model's forward and backward (LLaMA and GPT-2 blocks, and the MoE, static and dropless: on a GPU
+    # torch._grouped_mm, moe.py) against float64 on the CPU
     rows = []
-    for arch, extra in (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4})):
+    for arch, extra in (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4}),
+                        ("llama", {"n_expert": 4, "moe_routing": "dropless"})):
         config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2,
                   **extra, "tie_weights": arch == "gpt2", "compile": False}
         cfg = GPTConfig.from_config(config, config["vocab_size"])
@@ -103,7 +105,7 @@ def correctness(check):
         worst = max(errors, key=errors.get)
         whole = relative_error(torch.cat([grads[n].grad.flatten().cpu() for n in errors]),
                                torch.cat([p.grad.flatten() for p in reference.parameters()]))
-        name = f"{arch}{' MoE' if extra else ''}"
+        name = f"{arch}{' MoE' if extra else ''}{' dropless' if 'moe_routing' in extra else ''}"
         rows.append((name, f"{loss64.item():.5f}", f"{loss.item():.5f}",
                      f"{relative_error(loss, loss64):.1e}", f"{whole:.1e}",
                      f"{errors[worst]:.1e} (`{worst}`)",
