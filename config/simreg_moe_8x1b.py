@@ -3,4 +3,3 @@ include = "baseline_moe_8x1b.py"
 out_dir = "out/simreg_moe_8x1b"
 simreg_weight = 14.14
 simreg_tau = 0.01
-moe_routing = "dropless"   # nothing dropped, as the baseline's capacity N, at the routed work: 2 experts' FLOPs, not 8 (moe.py)

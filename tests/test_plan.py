@@ -182,8 +182,8 @@ def test_mixtral_plan_counts_active_parameters():
 
 
 def test_dropless_plan_counts_the_routed_experts_only():
-    """The 8x1B's SimReg config routes dropless (moe.py): its FLOPs per step, and so train.py's MFU
-    (plan.training_flops_per_token), count top_k = 2 experts a token, not the 8 its baseline's capacity N
+    """The 8x1B configs route dropless (moe.py): their FLOPs per step, and so train.py's MFU
+    (plan.training_flops_per_token), count top_k = 2 experts a token, not the 8 the static path's capacity N
     computes. By hand: 6 per matmul weight a token meets (blocks with 2 of the 8 experts, router, head;
     no input embedding) plus 12 L C T for attention; SimReg's similarities are not counted."""
     config = config_of("config/simreg_moe_8x1b.py", "--batch_size=1")
@@ -193,7 +193,9 @@ def test_dropless_plan_counts_the_routed_experts_only():
     routed = 6 * (llama_params(V, L, C, H, experts=E) - L * (E - k) * 3 * C * H - V * C) + 12 * L * C * T
     p = plan.make_plan(config, 64, measure=False)
     assert p["flops_per_step"] == routed * p["tokens_per_step"]
-    baseline = plan.make_plan(config_of("config/baseline_moe_8x1b.py", "--batch_size=1"), 64, measure=False)
+    assert config_of("config/baseline_moe_8x1b.py")["moe_routing"] == "dropless"  # the pair computes alike
+    baseline = plan.make_plan(config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--moe_routing=capacity"),
+                              64, measure=False)
     assert baseline["flops_per_step"] - p["flops_per_step"] == 6 * L * (E - k) * 3 * C * H * p["tokens_per_step"]
 
 
@@ -309,7 +311,8 @@ def test_memory_problem_of_a_7b_model_suggests_the_smallest_fsdp_that_fits():
 def test_memory_problem_of_experts_counts_their_activations_measured_on_meta():
     """A mixture of experts runs on meta like the rest (static shapes): nothing is allocated, and
     the activations, capacity buffers included, are counted with the states."""
-    config = {**config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--global_batch_size=0"), "dtype": "float32"}
+    config = {**config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--global_batch_size=0",
+                          "--moe_routing=capacity"), "dtype": "float32"}
     message = memory.memory_problem(config, 1, 50304, 24.0, "cpu")
     need = memory.process_gib(config, 1, 50304)[0]
     assert need > memory.process_gib(config, 1, 50304, measure=False)[1]  # the activations are in
@@ -396,10 +399,14 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
     assert f"{kept['memory']['fsdp']['checkpointed']:.1f} GiB per GPU" in warnings[0]
     # the mixture of experts gathers all 8 experts: at capacity 1.25 (2.5 experts' worth of compute per token)
     # not even one micro-step is enough on 64 processes, and the warning names the most processes whose one
-    # micro-step computes longer than it communicates. The config's capacity (every expert on every token) hides it.
-    assert "exceeds compute" not in plan.format_plan(plan.make_plan(config_of("config/baseline_moe_8x1b.py"), 64,
-                                                                    measure=False))
-    config = config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--capacity_factor=1.25")
+    # micro-step computes longer than it communicates. The recipe routes dropless (2 experts' compute): on 64
+    # processes it warns too, and sharding within nodes of 8 (the config's comment) hides it.
+    recipe = config_of("config/baseline_moe_8x1b.py", "--batch_size=8")  # 'auto''s choice on an H100
+    assert "exceeds compute" in plan.format_plan(plan.make_plan(recipe, 64, measure=False))
+    hybrid = plan.make_plan({**recipe, "fsdp_shard_size": 8}, 64, measure=False)
+    assert "exceeds compute" not in plan.format_plan(hybrid)
+    config = config_of("config/baseline_moe_8x1b.py", "--batch_size=1", "--moe_routing=capacity",
+                       "--capacity_factor=1.25")
     warning = plan.format_plan(plan.make_plan(config, 64, measure=False)).split("warning: ")[1].split("\n")[0]
     n = int(warning.split(" processes, one micro-step")[0].split("on ")[-1])
     assert f"--batch_size={512 // n} each" in warning
