@@ -16,7 +16,7 @@ import os
 
 import numpy as np
 
-from utils import atomic_write, save_text
+from utils import UserError, atomic_write, save_text
 
 # GPT-2's BPE, as both prepare scripts write it and meta.json records it.
 BPE_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's ranks ("gpt2" has the same ranks)
@@ -29,7 +29,7 @@ BPE_VOCAB_SIZE = 50304      # BPE_TOKENS padded up to a multiple of 64: GPU-frie
 HASH_TRAIN_UP_TO = 1 << 30
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A dataset that is missing or wrong, or that could not be prepared."""
 
 

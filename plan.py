@@ -51,14 +51,13 @@ takes exposed + max(compute, communication - exposed).
 import argparse
 import math
 import os
-import sys
 
-from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
+from configurator import ConfigError, check_train_config, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
 import parallelism
 from memory import (AUTO_BATCH_MEMORY, GPU_MEMORY_GIB, fsdp_units, gathered_bytes, memory_by_mode, meta_model,
                     micro_steps_of, resolve_batch_size, shard_group)
-from utils import GPU_PEAK_BF16_FLOPS
+from utils import GPU_PEAK_BF16_FLOPS, end_with
 
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
 # The link a process's collectives run over, per GPU, in gigabits per second each way: the datasheet
@@ -378,17 +377,12 @@ def communication_lines(p):
     return lines
 
 
-def print_plan_and_exit(config, processes):
+def print_plan(config, processes):
     """train.py --dry_run=True: the plan of this run on these processes (nothing allocated, no data
-    read, out_dir untouched), printed by rank 0; a config the plan cannot take is one line, exit 2."""
-    from configurator import exit_config_error
-    try:
-        text = format_plan(make_plan(config, processes))
-    except ConfigError as e:
-        exit_config_error(e)
+    read, out_dir untouched), printed by rank 0; a config the plan cannot take is a ConfigError."""
+    text = format_plan(make_plan(config, processes))
     if int(os.environ.get("RANK", 0)) == 0:
         print(text)
-    sys.exit(0)
 
 
 def main(argv=None):
@@ -406,7 +400,7 @@ def main(argv=None):
         config = parse_config(config_args, train_defaults())
         print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu, link_gbps=args.link_gbps)))
     except ConfigError as e:  # a config, a key or an argument: the usage error's status
-        exit_config_error(e)
+        end_with(e)
 
 
 if __name__ == "__main__":

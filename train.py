@@ -32,13 +32,13 @@ import plan
 import prepare_shakespeare
 import run
 import tracking
-from configurator import TRAIN_RULES, check_train_config, exit_config_error, parse_config_or_exit
-from data import DataError, EpochWindows, load_tokens, read_meta, read_windows, sample_windows
+from configurator import TRAIN_RULES, ConfigError, check_train_config, parse_config
+from data import EpochWindows, load_tokens, read_meta, read_windows, sample_windows
 from losses import Objective, objective_step
 from model import GPT, GPTConfig, initial_weights
 from optim import AdaGC, apply_gradients, configure_optimizers, learning_rate_at
-from utils import (StopRequest, autocast_context, choose_device, choose_dtype, exit_run, keep_freed_memory,
-                   peak_flops, save_json)
+from utils import (StopRequest, UserError, autocast_context, choose_device, choose_dtype, end_on_user_error,
+                   keep_freed_memory, peak_flops, save_json)
 
 
 # -----------------------------------------------------------------------------
@@ -145,8 +145,9 @@ wandb_run_name = ""                  # "" = out_dir
 # -----------------------------------------------------------------------------
 config_keys = [k for k, v in globals().items()
                if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
+end_on_user_error()  # from here a utils.UserError, raised anywhere, ends the run: its one line and status
 # every value is checked (type and range, configurator.TRAIN_RULES) before anything is touched: exit 2
-config = parse_config_or_exit(sys.argv[1:], {k: globals()[k] for k in config_keys}, TRAIN_RULES)
+config = parse_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, TRAIN_RULES)
 globals().update(config)
 keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted in anew every step
 stop = StopRequest(announce=os.environ.get("RANK", "0") == "0")  # from here a stop signal ends the run, saved
@@ -154,31 +155,28 @@ stop = StopRequest(announce=os.environ.get("RANK", "0") == "0")  # from here a s
 
 world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; a plain `python train.py` is one process
 if dry_run:  # the plan of this run (plan.py) on these processes: nothing allocated, no data read, out_dir untouched
-    plan.print_plan_and_exit(config, world_size)
-problem = check_train_config(config, world_size)  # keys that must agree with each other
-if problem:
-    exit_config_error(problem)
+    plan.print_plan(config, world_size)
+    sys.exit(0)
+if problem := check_train_config(config, world_size):  # keys that must agree with each other
+    raise ConfigError(problem)
 if num_threads > 0:
     torch.set_num_threads(num_threads)
 try:
     device = choose_device(device)
 except ValueError as e:
-    exit_config_error(e)
+    raise ConfigError(e) from None
 
 # data: every file is checked before out_dir is touched -------------------------
-try:
-    if world_size == 1:  # (under torchrun every process would write it: prepare_shakespeare.py first)
-        prepare_shakespeare.prepare_missing(data_dir, data_source)
-    meta = read_meta(data_dir)
-    base_vocab = meta["vocab_size"]
-    dataset_vocab = 2 * base_vocab if low_resource else base_vocab
-    if vocab_size and vocab_size < dataset_vocab:
-        exit_config_error(f"key 'vocab_size' is {vocab_size} but the dataset in {data_dir} has {dataset_vocab} tokens")
-    # train.bin / val.bin as read-only uint16 memmaps: only the sampled windows are ever read
-    train_data, val_data = (load_tokens(data_dir, split, block_size, base_vocab, meta.get(f"n_{split}"))
-                            for split in ("train", "val"))
-except DataError as e:
-    exit_run(e)
+if world_size == 1:  # (under torchrun every process would write it: prepare_shakespeare.py first)
+    prepare_shakespeare.prepare_missing(data_dir, data_source)
+meta = read_meta(data_dir)
+base_vocab = meta["vocab_size"]
+dataset_vocab = 2 * base_vocab if low_resource else base_vocab
+if vocab_size and vocab_size < dataset_vocab:
+    raise ConfigError(f"key 'vocab_size' is {vocab_size} but the dataset in {data_dir} has {dataset_vocab} tokens")
+# train.bin / val.bin as read-only uint16 memmaps: only the sampled windows are ever read
+train_data, val_data = (load_tokens(data_dir, split, block_size, base_vocab, meta.get(f"n_{split}"))
+                        for split in ("train", "val"))
 vocab_size = vocab_size or dataset_vocab
 shift = base_vocab if low_resource else 0   # id offset of the low-resource language
 rank, local_rank = 0, 0
@@ -213,29 +211,23 @@ if global_batch_size:  # the config names the batch the recipe needs; micro-step
     gradient_accumulation_steps = global_batch_size // (batch_size * world_size)
 # the plan's memory for this process (memory.py) against what the device has, before anything is allocated
 if check_memory and (problem := memory.device_memory_problem({**config, "dtype": dtype}, world_size, vocab_size, device)):
-    exit_run(problem, master)
+    raise UserError(problem, agreed=True)  # (each rank measured its own device: rank 0 says it)
 try:
     model_config = GPTConfig.from_config(config, vocab_size)
     with torch.device("meta"):  # nothing allocated: parallelism.parallelize materialises each process's part
         model, objective = GPT(model_config), Objective.from_config(config)  # objective: NITP's head, if any
 except ValueError as e:
-    exit_config_error(e)
+    raise ConfigError(e) from None
 
 start_weights = None  # memory-mapped on the CPU; parallelize copies them in (under FSDP only each rank's shards)
 if init_from not in ("scratch", "resume", "auto"):  # another run's weights (fresh optimizer, step 0), e.g. CWT's 2nd stage
-    try:
-        start_weights = checkpoint.starting_weights(init_from, model_config, head_from_embedding, data_dir,
-                                                     sharded=parallel == "fsdp")
-    except checkpoint.CheckpointError as e:
-        exit_run(e)
-    except ValueError as e:
-        exit_config_error(e)
+    # a CheckpointError, or a UsageError for a model of another shape
+    start_weights = checkpoint.starting_weights(init_from, model_config, head_from_embedding, data_dir,
+                                                 sharded=parallel == "fsdp")
     if master:
         print(f"initialised from {init_from}" + (" (LM head := copy of wte)" if head_from_embedding else ""))
 
 if init_embeddings_from_seed is not None:  # one initialisation's blocks with another's embeddings (issue 40)
-    if start_weights is not None:
-        exit_config_error("init_embeddings_from_seed starts a fresh run; it cannot be combined with init_from=<checkpoint>")
     embeddings = ("wte.weight", "wpe.weight") + (("lm_head.weight",) if model_config.tie_weights else ())
     start_weights = {**initial_weights(model_config, seed),
                      **{k: v for k, v in initial_weights(model_config, init_embeddings_from_seed).items() if k in embeddings}}
@@ -277,17 +269,10 @@ training = checkpoint.TrainingState(data_generator, epoch_windows, clipper, scal
 # a fresh run refuses a run already in out_dir unless overwrite=True
 run_files = run.RunFiles(out_dir, torch.nn.ModuleDict({"model": model, "objective": objective}), optimizers,
                                 parallel, master, device, learning_rate)
-try:
-    run_lock, init_from = run.open_run(out_dir, init_from, overwrite, master, sys.orig_argv)
-    if init_from == "resume":
-        resumed = run_files.resume(config, training)
-        iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
-except run.RunComplete as e:  # a finished run asked to go on (a requeued job): exit 0, nothing changed
-    if master:
-        print(e)
-    sys.exit(0)
-except checkpoint.CheckpointError as e:
-    exit_run(e, master)
+run_lock, init_from = run.open_run(out_dir, init_from, overwrite, master, sys.orig_argv)
+if init_from == "resume":  # (a finished run asked to go on, a requeued job: run.RunComplete, exit 0)
+    resumed = run_files.resume(config, training)
+    iter_num, best_val_loss = resumed["iter_num"], resumed["best_val_loss"]
 # Weights & Biases gets a copy of every log record; a resume continues the same W&B run
 wandb_run = tracking.start_wandb(config, out_dir, resuming=init_from == "resume") if wandb_log and master else None
 run_files.wandb_run = wandb_run

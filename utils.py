@@ -216,7 +216,27 @@ def torch_save(obj, path):
             raise
 
 
-class PathError(Exception):
+class UserError(Exception):
+    """A problem the user can act on, not a bug: str(error) is the one line they see, printed once
+    as `error: ...` where the script started (end_with), and status the process's exit status.
+    Library modules raise it (or a subclass: DataError, CheckpointError, ConfigError, ...); only a
+    script's entry point ends the process. Under torchrun every rank prints its own, unless it was
+    raised alike on every rank (agreed=True: an outcome the ranks agreed on), which rank 0 alone says."""
+    status = 1
+    agreed = False
+
+    def __init__(self, message, agreed=None):
+        super().__init__(message)
+        if agreed is not None:
+            self.agreed = agreed
+
+
+class UsageError(UserError):
+    """A bad argument or config value: the usage error's status, 2."""
+    status = 2
+
+
+class PathError(UserError):
     """An output path that cannot be written: one line naming it and why."""
 
 
@@ -295,36 +315,57 @@ def check_writable(path, what, directory=False):
 def exit_on_bad_arguments(*checks):
     """checks: (wrong, message) pairs, made where a script parses its arguments, before it reads
     or writes anything: the first wrong one ends the process with one line and the usage error's
-    status, 2."""
+    status, 2 (a script's main calls it, never a library function)."""
     for wrong, message in checks:
         if wrong:
-            print(f"error: {message}", file=sys.stderr)
-            sys.exit(2)
+            end_with(UsageError(message))
 
 
 def exit_unless_writable(path, what, directory=False):
-    """check_writable, or one line and status 1 (an unusable path)."""
+    """check_writable, or one line and status 1 (an unusable path): for a script's main."""
     try:
         check_writable(path, what, directory)
     except PathError as e:
-        sys.exit(f"error: {e}")
+        end_with(e)
 
 
-def exit_run(message, master=True):
-    """End the process over a problem the user can act on: `error: message` on stderr and status 1
-    on rank 0, status 1 alone on the other ranks. A progress bar still open is closed first, so
-    the message gets a line of its own. Under torchrun every rank leaves at once, without the
-    interpreter's teardown (os._exit after flushing): torchrun stops the ranks still running as
-    soon as one has exited, and a rank still tearing down would be reported killed by SIGTERM."""
+def report(error, master=True):
+    """Show a UserError's one line (where not master, only if the ranks did not agree on it; a
+    progress bar still open is closed first, so the line is its own): `error: ...` on stderr, or
+    with status 0 the plain line on stdout."""
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
-    if master:
-        print(f"error: {message}", file=sys.stderr)
+    if master or not error.agreed:
+        print(f"error: {error}" if error.status else error, file=sys.stderr if error.status else sys.stdout)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def end_with(error, master=True):
+    """A script's one catch of a UserError: its line (report) and its status. Under torchrun every
+    rank leaves at once, without the interpreter's teardown (os._exit after flushing): torchrun
+    stops the ranks still running as soon as one has exited, and a rank still tearing down would
+    be reported killed by SIGTERM."""
+    report(error, master)
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.exit(1)
+        os._exit(error.status)
+    sys.exit(error.status)
+
+
+def end_on_user_error():
+    """end_with for a script that runs at module level (train.py), installed once at its top: a
+    UserError that reaches the top is its one line (report) and its status, anything else the
+    usual traceback. (An exception hook cannot raise SystemExit: a status other than the
+    interpreter's 1 for an uncaught exception, or any under torchrun, is os._exit after flushing.)"""
+    previous = sys.excepthook
+
+    def hook(kind, error, traceback):
+        if not isinstance(error, UserError):
+            return previous(kind, error, traceback)
+        report(error, os.environ.get("RANK", "0") == "0")
+        if error.status != 1 or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+            os._exit(error.status)
+    sys.excepthook = hook
 
 
 class StopRequest:
@@ -442,7 +483,7 @@ def peak_flops(device, dtype):
     return measure_matmul_flops(device, getattr(torch, dtype))
 
 
-class LogError(Exception):
+class LogError(UserError):
     """A log.jsonl that cannot be read as train.py's records."""
 
 
