@@ -1,5 +1,4 @@
-"""
-What a checkpoint holds and how it is written and read, so that no crash or full disk can leave a
+"""What a checkpoint holds and how it is written and read, so that no crash or full disk can leave a
 run without a good checkpoint (run.py decides when and where a run writes them).
 
     ckpt.pt    the full state: weights, optimizer, step, data and RNG state (run_state, TrainingState)
@@ -24,7 +23,8 @@ import torch
 
 import parallelism
 from data import DataError, dataset_mismatch, read_meta
-from utils import UsageError, UserError, atomic_write, save_json, torch_save, write_failure
+from errors import UsageError, UserError
+from utils import atomic_write, save_json, torch_save, write_failure
 
 DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders of ckpt.pt: latest, previous, being written (save_full)
 BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)

@@ -16,7 +16,7 @@ import importlib
 import math
 import os
 
-from utils import UsageError, end_with
+from errors import UsageError, end_with
 
 
 class ConfigError(UsageError):

@@ -16,7 +16,8 @@ import os
 
 import numpy as np
 
-from utils import UserError, atomic_write, save_text
+from errors import UserError
+from utils import atomic_write, save_text
 
 # GPT-2's BPE, as both prepare scripts write it and meta.json records it.
 BPE_ENCODING = "r50k_base"  # tiktoken's name for GPT-2's ranks ("gpt2" has the same ranks)

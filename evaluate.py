@@ -33,8 +33,9 @@ import parallelism
 from data import DataError, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
-from utils import (PathError, UserError, check_writable, choose_device, end_with, keep_freed_memory,
-                   save_json, widest_float, write_failure)
+from errors import UserError, end_with
+from utils import (PathError, check_writable, choose_device, keep_freed_memory, save_json, widest_float,
+                   write_failure)
 
 
 def load_model(path, device="cpu"):

@@ -57,7 +57,8 @@ from data import DataError, preparation_command, read_meta
 import parallelism
 from memory import (AUTO_BATCH_MEMORY, GPU_MEMORY_GIB, fsdp_units, gathered_bytes, memory_by_mode, meta_model,
                     micro_steps_of, resolve_batch_size, shard_group)
-from utils import GPU_PEAK_BF16_FLOPS, end_with
+from errors import end_with
+from utils import GPU_PEAK_BF16_FLOPS
 
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
 # The link a process's collectives run over, per GPU, in gigabits per second each way: the datasheet
@@ -375,6 +376,18 @@ def communication_lines(p):
         lines.append(f"warning: communication ({c['seconds']:.2f} s/step) exceeds compute "
                      f"({compute:.2f} s/step){why}; {fix}")
     return lines
+
+
+def run_summary(params, device, dtype, tokens_per_iter, flops_per_iter, peak, parallel, processes,
+                shard_size):
+    """train.py's first line: the model's size, the device, a step's tokens and FLOPs, the peak (all
+    processes') and how the processes share the work."""
+    hybrid = f" sharded in groups of {shard_size}" if parallel == "fsdp" and 0 < shard_size < processes \
+        else ""
+    plural = "es" if processes > 1 else ""
+    how = f" | {processes} process{plural}, {parallel}{hybrid}" if parallel != "none" else ""
+    return (f"params: {params:,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
+            f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s{how}")
 
 
 def print_plan(config, processes):

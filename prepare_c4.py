@@ -67,7 +67,8 @@ import numpy as np
 
 from data import BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, write_meta
 from download import CHUNK_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT, download
-from utils import UsageError, atomic_write, end_with
+from errors import UsageError, end_with
+from utils import atomic_write
 
 DEFAULT_OUT_DIR = os.path.join("data", "c4")
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/allenai/c4/resolve/main"

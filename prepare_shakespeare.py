@@ -35,7 +35,8 @@ from tqdm import tqdm
 
 from data import (BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file,
                   write_meta, write_tokens)
-from utils import atomic_write, end_with, exit_on_bad_arguments, exit_unless_writable, remove_leftovers
+from errors import end_with
+from utils import atomic_write, exit_on_bad_arguments, exit_unless_writable, remove_leftovers
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
 DEFAULT_URL = (

@@ -35,7 +35,8 @@ import parallelism
 import tracking
 from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, agree, check_dataset, load, load_latest,
                         restore, save_full, save_weights)
-from utils import LogError, PathError, UserError, read_log, save_text, write_failure
+from errors import UserError
+from utils import LogError, PathError, read_log, save_text, write_failure
 
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
@@ -210,16 +211,20 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     run logged after its checkpoint). Returns (checkpoint, path, changes): changes as
     check_resumable returns them."""
     checkpoint, path = load_agreed(out_dir, device, master)
-    changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
-    if checkpoint["iter_num"] >= config["max_iters"]:  # before anything is loaded, trimmed or saved
-        scored = os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]
-        raise RunComplete(f"{out_dir} holds a complete run (step {checkpoint['iter_num']}, max_iters "
-                          f"{config['max_iters']}): nothing to do, nothing changed; to train it further, "
-                          f"resume with a larger --max_iters"
-                          + ("" if scored else f"; it has no metrics.json yet: python evaluate.py "
-                                               f"{os.path.join(out_dir, 'best.pt')} --out="
-                                               f"{os.path.join(out_dir, 'metrics.json')}"))
-    restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
+    try:  # every rank checks and loads the same checkpoint: a refusal is the same on each (rank 0 says it)
+        changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
+        if checkpoint["iter_num"] >= config["max_iters"]:  # before anything is loaded, trimmed or saved
+            scored = os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]
+            raise RunComplete(f"{out_dir} holds a complete run (step {checkpoint['iter_num']}, max_iters "
+                              f"{config['max_iters']}): nothing to do, nothing changed; to train it further, "
+                              f"resume with a larger --max_iters"
+                              + ("" if scored else f"; it has no metrics.json yet: python evaluate.py "
+                                                   f"{os.path.join(out_dir, 'best.pt')} --out="
+                                                   f"{os.path.join(out_dir, 'metrics.json')}"))
+        restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
+    except CheckpointError as e:
+        e.agreed = True
+        raise
     if master:
         trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
     training.load_state_dict(checkpoint)
@@ -303,6 +308,12 @@ class RunFiles:
         save_full(self.out_dir, {**state, **training.state_dict()}, self.modules, self.optimizers,
                   self.parallel, self.master, self.dcp_slots, self.keep_previous)
         self.keep_previous, self.saved_step = True, state["iter_num"]
+
+
+def stopped_message(signal_name, step, out_dir, argv, world_size):
+    """What rank 0 says when a stop signal ended the run, its step finished and saved: how to go on."""
+    return (f"stopped by {signal_name or 'a stop signal on another rank'} at step {step}; the full state "
+            f"is in {os.path.join(out_dir, 'ckpt.pt')}. Resume with:\n  {resume_command(argv, world_size)}")
 
 
 def resume_command(argv, world_size):

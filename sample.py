@@ -14,7 +14,8 @@ import argparse
 import torch
 
 from evaluate import load_model
-from utils import UserError, choose_device, end_with, exit_on_bad_arguments
+from errors import UserError, end_with
+from utils import choose_device, exit_on_bad_arguments
 
 
 def sample_bpe(model, meta, args, device):

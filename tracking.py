@@ -16,7 +16,8 @@ import json
 import os
 import secrets
 
-from utils import UserError, save_text, write_failure
+from errors import UserError
+from utils import save_text, write_failure
 
 ID_FILE = "wandb_id.txt"
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from tqdm import tqdm
+from errors import UsageError, UserError, end_with
 
 
 def keep_freed_memory():
@@ -216,26 +216,6 @@ def torch_save(obj, path):
             raise
 
 
-class UserError(Exception):
-    """A problem the user can act on, not a bug: str(error) is the one line they see, printed once
-    as `error: ...` where the script started (end_with), and status the process's exit status.
-    Library modules raise it (or a subclass: DataError, CheckpointError, ConfigError, ...); only a
-    script's entry point ends the process. Under torchrun every rank prints its own, unless it was
-    raised alike on every rank (agreed=True: an outcome the ranks agreed on), which rank 0 alone says."""
-    status = 1
-    agreed = False
-
-    def __init__(self, message, agreed=None):
-        super().__init__(message)
-        if agreed is not None:
-            self.agreed = agreed
-
-
-class UsageError(UserError):
-    """A bad argument or config value: the usage error's status, 2."""
-    status = 2
-
-
 class PathError(UserError):
     """An output path that cannot be written: one line naming it and why."""
 
@@ -327,45 +307,6 @@ def exit_unless_writable(path, what, directory=False):
         check_writable(path, what, directory)
     except PathError as e:
         end_with(e)
-
-
-def report(error, master=True):
-    """Show a UserError's one line (where not master, only if the ranks did not agree on it; a
-    progress bar still open is closed first, so the line is its own): `error: ...` on stderr, or
-    with status 0 the plain line on stdout."""
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-    if master or not error.agreed:
-        print(f"error: {error}" if error.status else error, file=sys.stderr if error.status else sys.stdout)
-    sys.stdout.flush()
-    sys.stderr.flush()
-
-
-def end_with(error, master=True):
-    """A script's one catch of a UserError: its line (report) and its status. Under torchrun every
-    rank leaves at once, without the interpreter's teardown (os._exit after flushing): torchrun
-    stops the ranks still running as soon as one has exited, and a rank still tearing down would
-    be reported killed by SIGTERM."""
-    report(error, master)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        os._exit(error.status)
-    sys.exit(error.status)
-
-
-def end_on_user_error():
-    """end_with for a script that runs at module level (train.py), installed once at its top: a
-    UserError that reaches the top is its one line (report) and its status, anything else the
-    usual traceback. (An exception hook cannot raise SystemExit: a status other than the
-    interpreter's 1 for an uncaught exception, or any under torchrun, is os._exit after flushing.)"""
-    previous = sys.excepthook
-
-    def hook(kind, error, traceback):
-        if not isinstance(error, UserError):
-            return previous(kind, error, traceback)
-        report(error, os.environ.get("RANK", "0") == "0")
-        if error.status != 1 or int(os.environ.get("WORLD_SIZE", 1)) > 1:
-            os._exit(error.status)
-    sys.excepthook = hook
 
 
 class StopRequest:

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from utils import UserError
+from errors import UserError
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 50304

@@ -426,7 +426,7 @@ def test_divergence_before_the_first_checkpoint_names_none(tmp_path):
     import run
     from losses import Objective
     from model import GPT, GPTConfig
-    from utils import UserError
+    from errors import UserError
     modules = torch.nn.ModuleDict({"model": GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4)),
                                    "objective": Objective(1, 4)})
     files = run.RunFiles(str(tmp_path), modules, [], "none", True, "cpu", 1e-3)
