@@ -1,5 +1,4 @@
-"""
-What a checkpoint holds and how it is written and read, so that no crash or full disk can leave a
+"""What a checkpoint holds and how it is written and read, so that no crash or full disk can leave a
 run without a good checkpoint (run.py decides when and where a run writes them).
 
     ckpt.pt    the full state: weights, optimizer, step, data and RNG state (run_state, TrainingState)
@@ -24,14 +23,15 @@ import torch
 
 import parallelism
 from data import DataError, dataset_mismatch, read_meta
+from errors import UsageError, UserError
 from utils import atomic_write, save_json, torch_save, write_failure
 
 DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders of ckpt.pt: latest, previous, being written (save_full)
 BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)
 
 
-class CheckpointError(Exception):
-    pass
+class CheckpointError(UserError):
+    """A checkpoint that cannot be read, written or used here: one line naming it."""
 
 
 def load(path, device="cpu", need=("model_config", "config", "iter_num"), mmap=False):
@@ -274,7 +274,7 @@ def load_latest(out_dir, device, master=True):
 def starting_weights(path, model_config, head_from_embedding, data_dir, device="cpu", sharded=False):
     """The weights of another run's checkpoint, to start a new run from (load them before the model is
     parallelized: plain, whole tensors). The model must have the same shape (tie_weights and dropout may
-    differ), else ValueError. head_from_embedding: the new untied LM head starts as a copy of the input
+    differ), else UsageError. head_from_embedding: the new untied LM head starts as a copy of the input
     embedding -- CWT's second stage gives a headless model a head that way (headless LM paper, Sec. 4.2).
     Raises CheckpointError for an unreadable file or other tokens than data_dir's. On the CPU a single-file
     checkpoint is memory-mapped: under FSDP each rank reads only its shards' rows (parallelism.copy_shards).
@@ -284,7 +284,7 @@ def starting_weights(path, model_config, head_from_embedding, data_dir, device="
     check_dataset(source, data_dir, whole=False)
     for key, value in source["model_config"].items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
-            raise ValueError(f"cannot start from {path}: model key '{key}' is "
+            raise UsageError(f"cannot start from {path}: model key '{key}' is "
                              f"{getattr(model_config, key)!r} here but {value!r} there")
     if sharded and "model" not in source and "dcp" in source:
         directory = os.path.join(os.path.dirname(os.path.abspath(path)), source["dcp"])
@@ -407,7 +407,7 @@ def agree(problem):
     their next collective for the one that failed. One small collective per save."""
     problem = parallelism.first_error(problem)
     if problem is not None:
-        raise CheckpointError(problem)
+        raise CheckpointError(problem, agreed=True)
 
 
 def save_weights(path, state, modules, parallel, master):

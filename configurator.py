@@ -15,11 +15,12 @@ import difflib
 import importlib
 import math
 import os
-import sys
+
+from errors import UsageError, end_with
 
 
-class ConfigError(Exception):
-    pass
+class ConfigError(UsageError):
+    """A config file, key or value that is wrong: one line naming it, the usage error's status, 2."""
 
 
 AUTO_KEYS = ("batch_size",)  # integer keys that also take "auto" (batch_size: the most that fits; plan.py)
@@ -111,9 +112,10 @@ def train_defaults(path=TRAIN_PY):
     return defaults
 
 
-def parse_config(argv, defaults):
+def parse_config(argv, defaults, rules=None):
     """Apply config files (positional) and --key=value overrides, in order, to a copy of defaults.
-    Returns the new dict; raises ConfigError on the first bad file, key or value."""
+    Returns the new dict; raises ConfigError on the first bad file, key or value (rules: as
+    check_values takes them, e.g. TRAIN_RULES)."""
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
@@ -132,6 +134,7 @@ def parse_config(argv, defaults):
             if isinstance(defaults[key], str) and not isinstance(value, str):
                 value = text  # --out_dir=123 means the string "123"
             config[key] = _check_type(key, value, defaults[key], "command line")
+    check_values(config, rules or {})
     return config
 
 
@@ -217,6 +220,8 @@ def check_train_config(config, world_size):
         (c["head_from_embedding"] and c["init_from"] not in ("scratch", "resume", "auto")
          and c["tie_weights"],
          "head_from_embedding=True needs tie_weights=False (a tied head is the embedding)"),
+        (c["init_embeddings_from_seed"] is not None and c["init_from"] not in ("scratch", "resume", "auto"),
+         "init_embeddings_from_seed starts a fresh run; it cannot be combined with init_from=<checkpoint>"),
         (c["lr_schedule"] == "cosine" and c["lr_decay_iters"] <= c["warmup_iters"],
          f"key 'lr_decay_iters' ({c['lr_decay_iters']}) must be above warmup_iters ({c['warmup_iters']}) "
          f"with the cosine schedule"),
@@ -280,15 +285,6 @@ def check_values(config, rules):
 
 
 def exit_config_error(message):
-    """A bad config: one line on stderr, status 2 (the convention for a usage error)."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
+    """A bad config, for a script's main: one line on stderr, status 2 (a usage error)."""
+    end_with(ConfigError(message))
 
-
-def parse_config_or_exit(argv, defaults, rules=None):
-    try:
-        config = parse_config(argv, defaults)
-        check_values(config, rules or {})
-        return config
-    except ConfigError as e:
-        exit_config_error(e)

@@ -16,6 +16,7 @@ import os
 
 import numpy as np
 
+from errors import UserError
 from utils import atomic_write, save_text
 
 # GPT-2's BPE, as both prepare scripts write it and meta.json records it.
@@ -29,7 +30,7 @@ BPE_VOCAB_SIZE = 50304      # BPE_TOKENS padded up to a multiple of 64: GPU-frie
 HASH_TRAIN_UP_TO = 1 << 30
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A dataset that is missing or wrong, or that could not be prepared."""
 
 

@@ -33,8 +33,9 @@ import parallelism
 from data import DataError, load_tokens, read_windows, sample_windows
 from losses import simreg
 from model import GPT, GPTConfig
-from utils import (PathError, check_writable, choose_device, exit_run, keep_freed_memory, save_json,
-                   widest_float, write_failure)
+from errors import UserError, end_with
+from utils import (PathError, check_writable, choose_device, keep_freed_memory, save_json, widest_float,
+                   write_failure)
 
 
 def load_model(path, device="cpu"):
@@ -367,14 +368,14 @@ def write_run_metrics(out_dir, run_flops, device, stopped_by=None):
         sys.exit(130)
     except (checkpoints.CheckpointError, DataError) as e:  # best.pt damaged since written, its data moved
         ckpt = os.path.join(out_dir, "ckpt.pt")
-        exit_run(f"the final evaluation: {e}; training is complete ({ckpt}): python evaluate.py {ckpt} "
-                 f"--out={metrics_path} scores its latest weights instead")
+        raise UserError(f"the final evaluation: {e}; training is complete ({ckpt}): python evaluate.py "
+                        f"{ckpt} --out={metrics_path} scores its latest weights instead") from None
     result = with_run_flops(result, run_flops)
     try:
         save_json(result, metrics_path)
     except OSError as e:  # a full disk at the very end: training is complete all the same
-        exit_run(f"{write_failure(metrics_path, e)}; training is complete: python evaluate.py {best_path} "
-                 f"--out={metrics_path} writes it later")
+        raise PathError(f"{write_failure(metrics_path, e)}; training is complete: python evaluate.py "
+                        f"{best_path} --out={metrics_path} writes it later") from None
     print(format_metrics(result))
 
 
@@ -424,7 +425,8 @@ def format_metrics(result):
     return "\n".join(lines)
 
 
-if __name__ == "__main__":
+def main(argv=None):
+    """Score a checkpoint and write its metrics; a problem the user can fix is a UserError."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("checkpoint", help="path to a checkpoint written by train.py (best.pt or ckpt.pt)")
     parser.add_argument("--out", default=None,
@@ -432,20 +434,19 @@ if __name__ == "__main__":
     parser.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
     parser.add_argument("--data_dir", default=None, help="the dataset, if not where the run found it")
     parser.add_argument("--device", default="auto")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     keep_freed_memory()
     stem = os.path.splitext(os.path.basename(args.checkpoint.rstrip("/")))[0]
     out = args.out or os.path.join(os.path.dirname(args.checkpoint.rstrip("/")), f"eval_{stem}.json")
     if os.path.exists(out) and not args.overwrite:
-        sys.exit(f"error: {out} exists; pass --overwrite to replace it or --out to write elsewhere")
+        raise UserError(f"{out} exists; pass --overwrite to replace it or --out to write elsewhere")
+    # (no checkpoint: say that, not where its output goes)
+    if args.out or os.path.exists(args.checkpoint):
+        check_writable(out, "--out" if args.out else "the output")  # now, not after the evaluation
     try:
-        # (no checkpoint: say that, not where its output goes)
-        if args.out or os.path.exists(args.checkpoint):
-            check_writable(out, "--out" if args.out else "the output")  # now, not after the evaluation
-        device = choose_device(args.device)
-        result = evaluate_checkpoint(args.checkpoint, device, args.data_dir)
-    except (ValueError, checkpoints.CheckpointError, DataError, PathError) as e:
-        sys.exit(f"error: {e}")
+        result = evaluate_checkpoint(args.checkpoint, choose_device(args.device), args.data_dir)
+    except ValueError as e:  # a --device this machine does not have, a checkpoint of another kind
+        raise UserError(str(e)) from None
     previous = {}
     if os.path.exists(out):
         try:
@@ -466,4 +467,11 @@ if __name__ == "__main__":
     print(format_metrics(result))
     print(json.dumps(result["checkpoint"]))
     if failure:
-        sys.exit(f"error: {failure}")
+        raise PathError(failure)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)

@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_flatten
 import parallelism
 from losses import Objective, objective_step
 from model import GPT, GPTConfig
+from errors import UserError
 from utils import available_memory
 
 GiB = 2 ** 30
@@ -312,3 +313,19 @@ def device_memory_problem(config, processes, vocab, device):
     heap = cpu_heap_allowance(processes) if torch.device(device).type == "cpu" else 0.0
     config = {**config, "device": device}  # the step measured with this device's loss (step_peak_bytes)
     return memory_problem(config, processes, vocab, available / GiB, f"{device} ({source})", heap)
+
+
+def auto_batch_size(config, processes, vocab, device, master):
+    """batch_size='auto': device_batch_size on every process, the smallest that any found, so all run
+    alike (1 where not even one sequence fits: check_fits says why); rank 0 (master) says so."""
+    batch_size = min(parallelism.gather_objects(device_batch_size(config, processes, vocab, device)))
+    if master:
+        print(f"batch_size='auto': {batch_size} sequences per process and micro-step on {device}")
+    return batch_size
+
+
+def check_fits(config, processes, vocab, device):
+    """A UserError, before anything is allocated, when the plan's memory for this process does not
+    fit in what the device has (device_memory_problem); rank 0 says it for every rank."""
+    if problem := device_memory_problem(config, processes, vocab, device):
+        raise UserError(problem, agreed=True)

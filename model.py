@@ -424,14 +424,19 @@ def fill_parameters(module, initializers):
         fill(parameters[name])
 
 
-def initial_weights(config, seed):
+def initial_weights(config, seed, embeddings_seed=None):
     """{name: tensor} of the weights a fresh run seeded `seed` starts from on the CPU: train.py's
     draws (torch.manual_seed(seed), then the model's initializers in order; the GPT-2 init of
     Radford et al. 2019 as nanoGPT writes it), made here without touching the global random state.
+    embeddings_seed: wte (and the head tied to it) and wpe as that seed's run draws them instead.
     A toy's tool: the whole model is drawn on the CPU (issue 40's embedding swap)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return build_model(config).state_dict()
+        weights = build_model(config).state_dict()
+    if embeddings_seed is not None:
+        names = ("wte.weight", "wpe.weight") + (("lm_head.weight",) if config.tie_weights else ())
+        weights.update((k, v) for k, v in initial_weights(config, embeddings_seed).items() if k in names)
+    return weights
 
 
 def build_model(config, device="cpu"):

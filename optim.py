@@ -105,6 +105,14 @@ def apply_gradients(optimizers, scaler, clip=None):
     return stepped
 
 
+def gradient_clipping(model, max_norm, clipper=None):
+    """The step's clipping for apply_gradients: AdaGC's (clipper) or the global norm of the model's
+    gradients clipped at max_norm (DTensors under FSDP: one all-reduce); None when max_norm <= 0."""
+    if clipper is not None:
+        return clipper.clip_
+    return None if max_norm <= 0 else lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+
+
 def learning_rate_at(step, learning_rate, warmup_iters, schedule, decay_iters, min_lr):
     """Linear warm-up to learning_rate over warmup_iters steps, then cosine decay to min_lr at
     decay_iters and min_lr after (schedule 'cosine'), or learning_rate from then on ('constant')."""

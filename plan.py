@@ -51,13 +51,13 @@ takes exposed + max(compute, communication - exposed).
 import argparse
 import math
 import os
-import sys
 
-from configurator import ConfigError, check_train_config, exit_config_error, parse_config, train_defaults
+from configurator import ConfigError, check_train_config, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
 import parallelism
 from memory import (AUTO_BATCH_MEMORY, GPU_MEMORY_GIB, fsdp_units, gathered_bytes, memory_by_mode, meta_model,
                     micro_steps_of, resolve_batch_size, shard_group)
+from errors import end_with
 from utils import GPU_PEAK_BF16_FLOPS
 
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
@@ -378,17 +378,24 @@ def communication_lines(p):
     return lines
 
 
-def print_plan_and_exit(config, processes):
+def run_summary(params, device, dtype, tokens_per_iter, flops_per_iter, peak, parallel, processes,
+                shard_size):
+    """train.py's first line: the model's size, the device, a step's tokens and FLOPs, the peak (all
+    processes') and how the processes share the work."""
+    hybrid = f" sharded in groups of {shard_size}" if parallel == "fsdp" and 0 < shard_size < processes \
+        else ""
+    plural = "es" if processes > 1 else ""
+    how = f" | {processes} process{plural}, {parallel}{hybrid}" if parallel != "none" else ""
+    return (f"params: {params:,} | device {device} {dtype} | {tokens_per_iter} tokens/iter | "
+            f"{flops_per_iter / 1e9:.2f} GFLOP/iter | peak {peak / 1e9:.0f} GFLOP/s{how}")
+
+
+def print_plan(config, processes):
     """train.py --dry_run=True: the plan of this run on these processes (nothing allocated, no data
-    read, out_dir untouched), printed by rank 0; a config the plan cannot take is one line, exit 2."""
-    from configurator import exit_config_error
-    try:
-        text = format_plan(make_plan(config, processes))
-    except ConfigError as e:
-        exit_config_error(e)
+    read, out_dir untouched), printed by rank 0; a config the plan cannot take is a ConfigError."""
+    text = format_plan(make_plan(config, processes))
     if int(os.environ.get("RANK", 0)) == 0:
         print(text)
-    sys.exit(0)
 
 
 def main(argv=None):
@@ -406,7 +413,7 @@ def main(argv=None):
         config = parse_config(config_args, train_defaults())
         print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu, link_gbps=args.link_gbps)))
     except ConfigError as e:  # a config, a key or an argument: the usage error's status
-        exit_config_error(e)
+        end_with(e)
 
 
 if __name__ == "__main__":

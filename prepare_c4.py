@@ -67,6 +67,7 @@ import numpy as np
 
 from data import BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, write_meta
 from download import CHUNK_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY, DEFAULT_TIMEOUT, download
+from errors import UsageError, end_with
 from utils import atomic_write
 
 DEFAULT_OUT_DIR = os.path.join("data", "c4")
@@ -429,8 +430,7 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR, base_url=DEFAULT_BA
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, the usage error's status (argparse's own prints the usage too)
-        print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        end_with(UsageError(message))
 
 
 def main(argv=None):
@@ -482,9 +482,8 @@ def main(argv=None):
         meta = prepare(shards=args.shards, val_shards=args.val_shards, out_dir=args.out_dir,
                        base_url=args.base_url, workers=args.workers, retries=args.retries,
                        retry_delay=args.retry_delay, timeout=args.timeout, from_text=args.from_text)
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    except DataError as exc:  # (a UserError) the one place it ends the process
+        end_with(exc)
 
     print(f"vocab size:   {meta['vocab_size']:,} ({BPE_ENCODING}, {BPE_TOKENS:,} padded)")
     print(f"train tokens: {meta['n_train']:,} ({meta['n_train_docs']:,} documents, "

@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 from data import (BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file,
                   write_meta, write_tokens)
+from errors import end_with
 from utils import atomic_write, exit_on_bad_arguments, exit_unless_writable, remove_leftovers
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
@@ -335,9 +336,8 @@ def main(argv=None):
             sha256=args.sha256,
             tokenizer=args.tokenizer,
         )
-    except DataError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+    except DataError as exc:  # (a UserError) the one place it ends the process
+        end_with(exc)
 
     print(f"vocab size:   {meta['vocab_size']:,}")
     print(f"train tokens: {meta['n_train']:,}")

@@ -35,7 +35,8 @@ import parallelism
 import tracking
 from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, agree, check_dataset, load, load_latest,
                         restore, save_full, save_weights)
-from utils import LogError, exit_run, read_log, save_text, write_failure
+from errors import UserError
+from utils import LogError, PathError, read_log, save_text, write_failure
 
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
@@ -156,7 +157,7 @@ def open_run(out_dir, init_from, overwrite, master, command):
             problem = str(e)
     problem, init_from = parallelism.from_rank_0((problem, init_from))
     if problem is not None:
-        raise CheckpointError(problem)
+        raise CheckpointError(problem, agreed=True)
     if master:
         if existing and restart and not overwrite:
             folder = keep_aside(out_dir, existing)
@@ -168,9 +169,11 @@ def open_run(out_dir, init_from, overwrite, master, command):
     return lock, init_from
 
 
-class RunComplete(Exception):
+class RunComplete(UserError):
     """A resume of a run that already reached its max_iters: nothing to do, and nothing is changed
-    (train.py prints the message and exits 0, so a requeued job of a finished run ends)."""
+    (its line is printed on stdout and the status is 0, so a requeued job of a finished run ends);
+    every rank finds it in the checkpoint they agreed on."""
+    status, agreed = 0, True
 
 
 def load_agreed(out_dir, device, master):
@@ -186,7 +189,7 @@ def load_agreed(out_dir, device, master):
             problem = str(e)
     problem, path, step = parallelism.from_rank_0((problem, path, checkpoint and checkpoint["iter_num"]))
     if problem is not None:
-        raise CheckpointError(problem)
+        raise CheckpointError(problem, agreed=True)
     if not master:
         try:
             checkpoint = load(path, device, need=RESUME_NEEDS)
@@ -208,16 +211,20 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     run logged after its checkpoint). Returns (checkpoint, path, changes): changes as
     check_resumable returns them."""
     checkpoint, path = load_agreed(out_dir, device, master)
-    changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
-    if checkpoint["iter_num"] >= config["max_iters"]:  # before anything is loaded, trimmed or saved
-        scored = os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]
-        raise RunComplete(f"{out_dir} holds a complete run (step {checkpoint['iter_num']}, max_iters "
-                          f"{config['max_iters']}): nothing to do, nothing changed; to train it further, "
-                          f"resume with a larger --max_iters"
-                          + ("" if scored else f"; it has no metrics.json yet: python evaluate.py "
-                                               f"{os.path.join(out_dir, 'best.pt')} --out="
-                                               f"{os.path.join(out_dir, 'metrics.json')}"))
-    restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
+    try:  # every rank checks and loads the same checkpoint: a refusal is the same on each (rank 0 says it)
+        changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
+        if checkpoint["iter_num"] >= config["max_iters"]:  # before anything is loaded, trimmed or saved
+            scored = os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]
+            raise RunComplete(f"{out_dir} holds a complete run (step {checkpoint['iter_num']}, max_iters "
+                              f"{config['max_iters']}): nothing to do, nothing changed; to train it further, "
+                              f"resume with a larger --max_iters"
+                              + ("" if scored else f"; it has no metrics.json yet: python evaluate.py "
+                                                   f"{os.path.join(out_dir, 'best.pt')} --out="
+                                                   f"{os.path.join(out_dir, 'metrics.json')}"))
+        restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
+    except CheckpointError as e:
+        e.agreed = True
+        raise
     if master:
         trim_log(os.path.join(out_dir, "log.jsonl"), checkpoint["iter_num"])
     training.load_state_dict(checkpoint)
@@ -228,8 +235,8 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
 
 
 class RunFiles:
-    """What a run writes in out_dir while it trains, every failure ending the run on every rank
-    with one line (utils.exit_run) and ckpt.pt intact: log.jsonl (and W&B), ckpt.pt with the
+    """What a run writes in out_dir while it trains, every failure a UserError that ends the run
+    with one line (utils.end_with) and ckpt.pt intact: log.jsonl (and W&B), ckpt.pt with the
     previous one kept as ckpt_prev.pt (FSDP: shards in ckpt_dcp/), best.pt. A non-finite loss or
     weight ends the run before anything from it is written, naming the last good checkpoint.
     modules: ModuleDict {'model', 'objective'}; under torchrun only rank 0 (master) writes files."""
@@ -266,14 +273,14 @@ class RunFiles:
     def log(self, record):
         if self.master and (problem := tracking.append_record(os.path.join(self.out_dir, "log.jsonl"), record,
                                                               self.wandb_run)):
-            exit_run(problem)
+            raise PathError(problem)
 
     def stop_if_diverged(self, values, where, step, check_weights=False):
         """End the run when training has diverged, before anything is written from it: values
         {name: float} are numbers already on the host (the logged losses, the evaluation), so this
         adds no device sync to a training step; check_weights also looks at every weight, agreed
-        over all ranks. Exits with status 1 naming the step, the non-finite terms and the last
-        checkpoint that is still good."""
+        over all ranks. A UserError on every rank names the step, the non-finite terms and the
+        last checkpoint that is still good."""
         bad = [name for name, value in values.items()
                if isinstance(value, float) and not math.isfinite(value)]
         if check_weights and not parallelism.all_finite(self.modules["model"].parameters(), self.device):
@@ -287,23 +294,26 @@ class RunFiles:
                 then = (f"The last good checkpoint is {last} (step {self.saved_step}). Resume from it "
                         f"with a smaller learning_rate (now {self.learning_rate:g}): --init_from=resume "
                         f"--resume_changes=learning_rate --learning_rate=...")
-            exit_run(f"training diverged at step {step}: non-finite {', '.join(bad)} ({where}). "
-                     f"Nothing from this step on was saved. {then}", self.master)
+            raise UserError(f"training diverged at step {step}: non-finite {', '.join(bad)} ({where}). "
+                            f"Nothing from this step on was saved. {then}", agreed=True)
 
     def save(self, state, training, best=False):
         """ckpt.pt from checkpoint.run_state() and training (a checkpoint.TrainingState), and
         best=True also best.pt (weights only), once every weight is checked finite. Collective."""
         self.stop_if_diverged({}, "before writing a checkpoint", state["iter_num"], check_weights=True)
         state = {**state, "config_changes": self.config_changes}
-        try:
-            if best:
-                save_weights(os.path.join(self.out_dir, "best.pt"), state, self.modules, self.parallel,
-                             self.master)
-            save_full(self.out_dir, {**state, **training.state_dict()}, self.modules, self.optimizers,
-                      self.parallel, self.master, self.dcp_slots, self.keep_previous)
-        except CheckpointError as e:  # on every rank (agree)
-            exit_run(str(e), self.master)
+        if best:  # a CheckpointError is raised on every rank (checkpoint.agree)
+            save_weights(os.path.join(self.out_dir, "best.pt"), state, self.modules, self.parallel,
+                         self.master)
+        save_full(self.out_dir, {**state, **training.state_dict()}, self.modules, self.optimizers,
+                  self.parallel, self.master, self.dcp_slots, self.keep_previous)
         self.keep_previous, self.saved_step = True, state["iter_num"]
+
+
+def stopped_message(signal_name, step, out_dir, argv, world_size):
+    """What rank 0 says when a stop signal ended the run, its step finished and saved: how to go on."""
+    return (f"stopped by {signal_name or 'a stop signal on another rank'} at step {step}; the full state "
+            f"is in {os.path.join(out_dir, 'ckpt.pt')}. Resume with:\n  {resume_command(argv, world_size)}")
 
 
 def resume_command(argv, world_size):

@@ -10,12 +10,11 @@ characters. A checkpoint trained on GPT-2 BPE data (prepare_c4.py) is decoded wi
 """
 
 import argparse
-import sys
 
 import torch
 
-from checkpoint import CheckpointError
 from evaluate import load_model
+from errors import UserError, end_with
 from utils import choose_device, exit_on_bad_arguments
 
 
@@ -25,7 +24,7 @@ def sample_bpe(model, meta, args, device):
     import tiktoken
     enc = tiktoken.get_encoding(meta["tokenizer"])
     if args.lang == "low":
-        sys.exit("error: --lang low needs a checkpoint trained with low_resource=True")
+        raise UserError("--lang low needs a checkpoint trained with low_resource=True")
     start = args.start if args.start != "\n" else "<|endoftext|>"
     prompt = torch.tensor([enc.encode(start, allowed_special={"<|endoftext|>"})], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -59,9 +58,9 @@ def main(argv=None):
 
     try:
         device = choose_device(args.device)
-        model, checkpoint = load_model(args.checkpoint, device)
-    except (ValueError, CheckpointError) as e:
-        sys.exit(f"error: {e}")
+        model, checkpoint = load_model(args.checkpoint, device)  # a CheckpointError goes to the caller
+    except ValueError as e:
+        raise UserError(str(e)) from None
     meta = checkpoint["meta"]
     if meta.get("tokenizer", "char") != "char":  # BPE data (prepare_c4.py): tiktoken encodes and decodes
         return sample_bpe(model, meta, args, device)
@@ -69,10 +68,10 @@ def main(argv=None):
     stoi = {ch: i for i, ch in enumerate(itos)}
     missing = sorted(set(args.start) - set(stoi))
     if missing:
-        sys.exit(f"error: --start contains characters not in the vocabulary of {args.checkpoint}: {missing}")
+        raise UserError(f"--start contains characters not in the vocabulary of {args.checkpoint}: {missing}")
     shift = len(itos) if checkpoint["config"]["low_resource"] else 0
     if args.lang == "low" and not shift:
-        sys.exit("error: --lang low needs a checkpoint trained with low_resource=True")
+        raise UserError("--lang low needs a checkpoint trained with low_resource=True")
     offset = shift if args.lang == "low" else 0
     prompt = torch.tensor([[stoi[ch] + offset for ch in args.start]], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)
@@ -87,4 +86,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)

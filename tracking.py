@@ -15,8 +15,8 @@ new id); --init_from=resume reads it back and passes it to wandb.init with resum
 import json
 import os
 import secrets
-import sys
 
+from errors import UserError
 from utils import save_text, write_failure
 
 ID_FILE = "wandb_id.txt"
@@ -49,8 +49,8 @@ def start_wandb(config, out_dir, resuming):
                          dir=None if os.environ.get("WANDB_DIR") else out_dir)
     except wandb.errors.Error as e:
         first_line = str(e).splitlines()[0] if str(e) else ""
-        sys.exit(f"error: wandb.init failed ({type(e).__name__}: {first_line}); "
-                 f"log in with `wandb login`, or record locally with WANDB_MODE=offline")
+        raise UserError(f"wandb.init failed ({type(e).__name__}: {first_line}); log in with "
+                        f"`wandb login`, or record locally with WANDB_MODE=offline") from None
     save_text(wandb_id + "\n", os.path.join(out_dir, ID_FILE))
     return run
 

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from tqdm import tqdm
+from errors import UsageError, UserError, end_with
 
 
 def keep_freed_memory():
@@ -216,7 +216,7 @@ def torch_save(obj, path):
             raise
 
 
-class PathError(Exception):
+class PathError(UserError):
     """An output path that cannot be written: one line naming it and why."""
 
 
@@ -295,36 +295,18 @@ def check_writable(path, what, directory=False):
 def exit_on_bad_arguments(*checks):
     """checks: (wrong, message) pairs, made where a script parses its arguments, before it reads
     or writes anything: the first wrong one ends the process with one line and the usage error's
-    status, 2."""
+    status, 2 (a script's main calls it, never a library function)."""
     for wrong, message in checks:
         if wrong:
-            print(f"error: {message}", file=sys.stderr)
-            sys.exit(2)
+            end_with(UsageError(message))
 
 
 def exit_unless_writable(path, what, directory=False):
-    """check_writable, or one line and status 1 (an unusable path)."""
+    """check_writable, or one line and status 1 (an unusable path): for a script's main."""
     try:
         check_writable(path, what, directory)
     except PathError as e:
-        sys.exit(f"error: {e}")
-
-
-def exit_run(message, master=True):
-    """End the process over a problem the user can act on: `error: message` on stderr and status 1
-    on rank 0, status 1 alone on the other ranks. A progress bar still open is closed first, so
-    the message gets a line of its own. Under torchrun every rank leaves at once, without the
-    interpreter's teardown (os._exit after flushing): torchrun stops the ranks still running as
-    soon as one has exited, and a rank still tearing down would be reported killed by SIGTERM."""
-    for bar in list(getattr(tqdm, "_instances", ())):
-        bar.close()
-    if master:
-        print(f"error: {message}", file=sys.stderr)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.exit(1)
+        end_with(e)
 
 
 class StopRequest:
@@ -442,7 +424,7 @@ def peak_flops(device, dtype):
     return measure_matmul_flops(device, getattr(torch, dtype))
 
 
-class LogError(Exception):
+class LogError(UserError):
     """A log.jsonl that cannot be read as train.py's records."""
 
 

@@ -10,6 +10,8 @@ import sys
 
 import pytest
 
+from errors import UserError
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 V = 50304
 
@@ -38,6 +40,9 @@ def dry_run(config, *extra):
         code = e.code if isinstance(e.code, int) else 1
         if not isinstance(e.code, int) and e.code is not None:
             err.write(str(e.code))
+    except UserError as e:  # what train.py's exception hook (utils.end_on_user_error) prints, and its status
+        code = e.status
+        err.write(f"error: {e}\n")
     finally:
         sys.argv = argv
         os.chdir(cwd)

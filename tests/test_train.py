@@ -418,7 +418,7 @@ def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_d
     assert result.returncode == 0, result.stderr[-2000:]
 
 
-def test_divergence_before_the_first_checkpoint_names_none(tmp_path, capsys):
+def test_divergence_before_the_first_checkpoint_names_none(tmp_path):
     """A run that diverges before it wrote any checkpoint (at its step-0 evaluation): the message says
     that nothing was saved and how to start again, not a 'ckpt.pt (step None)' that does not exist."""
     import torch
@@ -426,13 +426,14 @@ def test_divergence_before_the_first_checkpoint_names_none(tmp_path, capsys):
     import run
     from losses import Objective
     from model import GPT, GPTConfig
+    from errors import UserError
     modules = torch.nn.ModuleDict({"model": GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4)),
                                    "objective": Objective(1, 4)})
     files = run.RunFiles(str(tmp_path), modules, [], "none", True, "cpu", 1e-3)
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(UserError) as stop:
         files.stop_if_diverged({"val": float("nan")}, "validation", 0)
-    message = capsys.readouterr().err.strip()
-    assert stop.value.code == 1 and len(message.splitlines()) == 1
+    message = str(stop.value)
+    assert stop.value.status == 1 and len(message.splitlines()) == 1
     assert "training diverged at step 0: non-finite val (validation)" in message
     assert "No checkpoint was written before it" in message and "--overwrite=True" in message
     assert "None" not in message and "ckpt" not in message
