@@ -246,7 +246,8 @@ def test_a_damaged_best_pt_at_the_final_evaluation_of_a_resume_is_one_line(tmp_p
     result = run(train_command(str(run_dir), data_dir, "--init_from=resume", "--final_eval=True"))
     assert result.returncode == 0, result.stderr[-2000:]
     assert "holds a complete run" in result.stdout and f"python evaluate.py {best}" in result.stdout
-    final_evaluation = f"import evaluate; evaluate.write_run_metrics({str(run_dir)!r}, {{'train': 1, 'eval': 1}}, 'cpu')"
+    final_evaluation = ("import errors, evaluate\nerrors.end_on_user_error()  # as train.py, whose last step this is\n"
+                        f"evaluate.write_run_metrics({str(run_dir)!r}, {{'train': 1, 'eval': 1}}, 'cpu')")
     result = run([sys.executable, "-c", final_evaluation])
     one_line(result, 1, f"{best}", "training is complete", "evaluate.py")
     assert (run_dir / "ckpt.pt").exists() and not (run_dir / "metrics.json").exists()
