@@ -21,10 +21,14 @@ shards). Refused with one error: a headless run (ce_weight=0, its LM head never 
 a head first).
 After writing, the HF model is loaded back and its logits compared with ours on random tokens
 (--no_check skips this); the directory appears only once everything is written and checked.
+The export holds about one copy of the weights (issue 42): the checkpoint is memory-mapped into a
+model built on the meta device, model.safetensors is written tensor by tensor from views of it, and
+our model is released before transformers loads the export back for the check.
 transformers and safetensors are optional dependencies, needed only here.
 """
 
 import argparse
+import gc
 import importlib
 import json
 import os
@@ -60,7 +64,9 @@ def require_hf():
 def read_checkpoint(path):
     """(state dict, GPTConfig, train config, checkpoint) of a checkpoint that holds whole weights."""
     try:
-        ckpt = checkpoints.load_with_weights(path)  # an FSDP run's ckpt.pt: read back from its shards
+        # memory-mapped: the weights are read from the file as they are used, never copied whole;
+        # an FSDP run's ckpt.pt is read back from its shards
+        ckpt = checkpoints.load_with_weights(path, mmap=True)
     except checkpoints.CheckpointError as e:
         raise ExportError(str(e)) from None
     try:
@@ -204,9 +210,19 @@ def make_tokenizer(meta, config):
 # checks and writing ------------------------------------------------------------------------------
 
 @torch.no_grad()
-def check_logits(model, directory, seed=0):
-    """Load the written directory with AutoModelForCausalLM and compare its logits with ours on
-    random tokens; return the max |difference|, raise ExportError if it is beyond tolerance."""
+def our_logits(model, seed=0):
+    """(random token ids, our model's logits on them) for check_logits."""
+    generator = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, model.config.vocab_size, (2, min(model.config.block_size, 32)),
+                        generator=generator)
+    return idx, model.float()(idx)
+
+
+@torch.no_grad()
+def check_logits(directory, idx, ours):
+    """Load the written directory with AutoModelForCausalLM and compare its logits on idx with ours
+    (our_logits, taken before our model was released); return the max |difference|, raise
+    ExportError if it is beyond tolerance."""
     from transformers import AutoModelForCausalLM
 
     hf, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, output_loading_info=True)
@@ -214,15 +230,36 @@ def check_logits(model, directory, seed=0):
                 if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
     if problems:
         raise ExportError(f"transformers did not load every exported weight: {problems}")
-    hf.eval()
-    generator = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, model.config.vocab_size, (2, min(model.config.block_size, 32)),
-                        generator=generator)
-    ours, theirs = model.float()(idx), hf(idx).logits
+    theirs = hf.eval()(idx).logits
     diff = (ours - theirs).abs().max().item()
     if not diff <= CHECK_TOLERANCE * max(1.0, ours.abs().max().item()):
         raise ExportError(f"the exported model's logits differ from ours by up to {diff:.3g}: not exported")
     return diff
+
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
+                      torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
+                      torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+
+
+def write_safetensors(weights, path, metadata):
+    """Write {name: tensor} in the safetensors format (8-byte little-endian header length, a JSON
+    header of {name: {dtype, shape, data_offsets}} and "__metadata__", then the raw bytes), one
+    tensor at a time: a transposed or permuted view is made contiguous only while it is written, so
+    the export never holds a second copy of the model, and tensors that share storage (a tied
+    matrix) need no clone, unlike safetensors.torch.save_file."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in weights.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the tensors' bytes start 8-byte aligned, as safetensors writes
+    with open(path, "wb") as f:
+        f.write(len(encoded).to_bytes(8, "little") + encoded)
+        for t in weights.values():
+            f.write(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def edit_json(path, **values):
@@ -280,21 +317,22 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
     """Write the HF directory of checkpoint `path` to out_dir. Returns a summary dict (class,
     tokenizer, max |Δlogit| of the check)."""
     require_hf()
-    from safetensors.torch import save_file
-
     prepare_out_dir(out_dir, overwrite)
     sd, config, _, ckpt = read_checkpoint(path)
-    model = GPT(config)
+    with torch.device("meta"):  # no memory, no random init: the model takes the file's tensors
+        model = GPT(config)
     try:
-        model.load_state_dict(sd)
+        model.load_state_dict(sd, assign=True)
     except RuntimeError as e:
         raise ExportError(f"{path}: its weights do not fit its model_config "
                           f"({str(e).splitlines()[0]})") from None
+    model.tie_weights()  # assign gave the tied matrix two parameters
     model.eval()
+    params = model.num_params()
     sd = model.state_dict()  # our own key set, whatever extra keys the file had
+    # views of the memory-mapped tensors (transposes, q/k permutations made while each is written)
     weights = gpt2_weights(sd, config) if config.arch == "gpt2" else llama_weights(sd, config)
-    # own storage: safetensors refuses shared
-    weights = {k: v.detach().contiguous().clone() for k, v in weights.items()}
+    meta, source = dataset_meta(ckpt, path, data_dir) if tokenizer else (None, "--no_tokenizer")
 
     parent = os.path.dirname(os.path.abspath(out_dir))
     tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(out_dir))}.export-{os.getpid()}.tmp")
@@ -305,7 +343,6 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
     except OSError as e:
         raise ExportError(f"could not write {out_dir}: {e}") from None
     try:
-        meta, source = dataset_meta(ckpt, path, data_dir) if tokenizer else (None, "--no_tokenizer")
         tok = make_tokenizer(meta, config)
         if tok is not None:
             tok.save_pretrained(tmp)
@@ -319,11 +356,17 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
         cfg.save_pretrained(tmp)
         if config.arch == "llama":
             edit_json(os.path.join(tmp, "config.json"), rope_theta=config.rope_theta)
-        save_file(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
+        write_safetensors(weights, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt"})
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(os.path.join(tmp, "model.safetensors"), 0o666 & ~umask)  # readable like the other files
-        diff = check_logits(model, tmp) if check else None
+        diff = None
+        if check:
+            idx, ours = our_logits(model)
+            # our model and the memory-mapped checkpoint go before transformers loads its copy
+            del model, sd, weights, ckpt
+            gc.collect()
+            diff = check_logits(tmp, idx, ours)
         prepare_out_dir(out_dir, overwrite)  # again: a run may have started there meanwhile
         move_into_place(tmp, out_dir)
     except BaseException as e:
@@ -332,7 +375,7 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
             raise ExportError(f"could not write {out_dir}: {e}") from None
         raise
     return {"class": cfg.architectures[0], "tokenizer": tokenizer_note, "max_abs_logit_diff": diff,
-            "params": model.num_params()}
+            "params": params}
 
 
 def main(argv=None):
