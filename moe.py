@@ -139,7 +139,9 @@ class MixtureOfExperts(nn.Module):
         chosen = expert[:, None] == torch.arange(E, device=x.device)  # (k N, E), one True per row
         self.aux_loss = E * (chosen.mean(dim=0, dtype=probs.dtype) * probs.mean(dim=0)).sum()
         weight = top_p.t().reshape(-1, 1)  # (k N, 1)
-        if self.dropless:
+        # compiled without torch._grouped_mm, dropless takes the static path at capacity N (the same outputs):
+        # the loop's sizes come from the data, which a whole-graph compile cannot take on every torch
+        if self.dropless and (use_grouped_mm(x, self.gate) or not torch.compiler.is_compiling()):
             y = dropless_outputs(x, expert, chosen.sum(dim=0), self.gate, self.up, self.down)
             self.dropped_fraction = probs.new_zeros(())
         else:
