@@ -5,7 +5,7 @@ top_k, and their SwiGLU outputs are mixed with the top_k probabilities renormali
 Two ways to run the experts over the N * top_k routed (token, expert) slots, GPTConfig.moe_routing:
 
     capacity    static shapes: every expert runs over a fixed number of slots, filled or not; a slot
-                past its expert's capacity is dropped (the CPU's path, and the reference)
+                past its expert's capacity is dropped (static shapes for a whole-graph compile; the reference)
     dropless    the slots sorted by expert, each expert over its own rows only: nothing dropped,
                 the routed work and no more (MegaBlocks' "dropless MoE", Gale et al. 2022; here
                 torch._grouped_mm on a GPU)
