@@ -54,8 +54,11 @@ def test_smoke_runs_every_section_on_the_cpu(tmp_path, bpe_data):
     for number in (5, 7):
         assert ("skipped: " + fsdp in sections[number]) if fsdp else "skipped" not in sections[number]
     # figures, not just headings: every loss checked, every kind of block compiled as one graph
-    assert sections[2].count("| ok |") == len(gpu_correctness.loss_cases(2, 16, 8, 32)) + 4 + 3
-    assert "| llama MoE | 1 | 0 | 0 |" in sections[2]
+    models = len(gpu_correctness.MODELS)  # checked forward and backward, then compiled
+    assert sections[2].count("| ok |") == len(gpu_correctness.loss_cases(2, 16, 8, 32)) + 2 * models
+    assert "| llama MoE | 1 | 0 | 0 |" in sections[2] and "| llama MoE dropless | 1 | 0 | 0 |" in sections[2]
+    # the MoE's two routings side by side, neither dropping a slot
+    assert "| share of routed slots dropped | 0.0000 | 0 | 0.0000 | 0 |" in sections[6]
     assert "ms per step" in sections[3] and "MFU" in sections[3]
     for name in gpu_measurements.LOSS_COSTS:
         assert f"| {name} |" in sections[4]

@@ -65,10 +65,10 @@ from tools.gpu_steps import PLAN_MFU, REPO, Check, GiB, SectionSkipped
 SIZES = {
     "gpu": {"matmul": 8192, "loss_shape": (4, 256, 256, 2048),
             "small": {"n_embd": 256, "n_head": 4, "block_size": 256, "ffn_hidden": 512, "vocab_size": 2048},
-            "shrink": {}, "warmup": 3, "steps": 10, "loss_steps": 4, "wide_batch": 8, "wide_seq": 2048,
+            "shrink": {}, "warmup": 3, "steps": 10, "loss_steps": 6, "wide_batch": 8, "wide_seq": 2048,
             "wide_micro": 4, "moe_batch": 8, "ckpt_layers": 4, "e2e_iters": 200, "e2e_compile": True,
             "e2e_args": [], "compile_backend": "inductor",
-            "budget": {1: 20, 2: 75, 3: 80, 4: 40, 5: 75, 6: 45, 7: 45, 8: 90}},
+            "budget": {1: 20, 2: 75, 3: 80, 4: 40, 5: 75, 6: 60, 7: 45, 8: 90}},
     "smoke": {"matmul": 256, "loss_shape": (2, 16, 8, 32),
               "small": {"n_embd": 32, "n_head": 2, "block_size": 16, "ffn_hidden": 64, "vocab_size": 64},
               "shrink": {"n_embd": 32, "n_head": 2, "ffn_hidden": 64, "block_size": 32, "vocab_size": 128},

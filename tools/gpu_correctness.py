@@ -22,6 +22,15 @@ from tools.gpu_steps import build, dynamo_graphs, random_batches, timed, train_s
 LOSS_TOLERANCE = 2e-2  # relative, value and gradient, bf16 autocast on the device vs float64 on the CPU
 
 
+# the models checked forward and backward, then compiled: each kind of block, the MoE's static and
+# dropless routings (on a GPU the dropless one runs torch._grouped_mm, moe.py)
+MODELS = (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4}), ("llama", {"n_expert": 4, "moe_routing": "dropless"}))
+
+
+def model_name(arch, extra):
+    return f"{arch}{' MoE' if extra else ''}{' dropless' if 'moe_routing' in extra else ''}"
+
+
 def relative_error(a, b):
     a, b = a.detach().double().cpu(), b.detach().double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
@@ -85,8 +94,7 @@ def correctness(check):
     # the model's forward and backward (LLaMA and GPT-2 blocks, and the MoE, static and dropless: on a GPU
     # torch._grouped_mm, moe.py) against float64 on the CPU
     rows = []
-    for arch, extra in (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4}),
-                        ("llama", {"n_expert": 4, "moe_routing": "dropless"})):
+    for arch, extra in MODELS:
         config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2,
                   **extra, "tie_weights": arch == "gpt2", "compile": False}
         cfg = GPTConfig.from_config(config, config["vocab_size"])
@@ -105,8 +113,7 @@ def correctness(check):
         worst = max(errors, key=errors.get)
         whole = relative_error(torch.cat([grads[n].grad.flatten().cpu() for n in errors]),
                                torch.cat([p.grad.flatten() for p in reference.parameters()]))
-        name = f"{arch}{' MoE' if extra else ''}{' dropless' if 'moe_routing' in extra else ''}"
-        rows.append((name, f"{loss64.item():.5f}", f"{loss.item():.5f}",
+        rows.append((model_name(arch, extra), f"{loss64.item():.5f}", f"{loss.item():.5f}",
                      f"{relative_error(loss, loss64):.1e}", f"{whole:.1e}",
                      f"{errors[worst]:.1e} (`{worst}`)",
                      "ok" if max(whole, relative_error(loss, loss64)) <= 5e-2 else "**FAILED**"))
@@ -119,7 +126,7 @@ def correctness(check):
 
     # each kind of block compiled whole: graphs compiled on the first steps, none on later ones
     rows = []
-    for arch, extra in (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4})):
+    for arch, extra in MODELS:
         config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2,
                   **extra, "tie_weights": arch == "gpt2", "compile": True}
         torch._dynamo.reset()  # as a fresh train.py process: no earlier block's graphs to reuse
@@ -132,7 +139,7 @@ def correctness(check):
         later = statistics.median(timed(check, step)[0] for _ in range(3))
         graphs2, breaks2 = dynamo_graphs()
         ok = breaks2 == breaks0 and graphs2 == graphs1 and graphs1 > graphs0
-        rows.append((f"{arch}{' MoE' if extra else ''}", graphs1 - graphs0, breaks2 - breaks0,
+        rows.append((model_name(arch, extra), graphs1 - graphs0, breaks2 - breaks0,
                      graphs2 - graphs1, f"{first:.1f}", f"{1000 * later:.1f}", "ok" if ok else "**FAILED**"))
         model = objective = optimizers = None
     check.line(f"\nEach kind of block compiled with fullgraph=True ({check.sizes['compile_backend']}; "

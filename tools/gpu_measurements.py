@@ -160,7 +160,7 @@ def loss_costs(check):
         try:
             def step():
                 return train_step(model, objective, optimizers, scaler, batches, check.autocast)
-            _, ms = step_times(check, step, 1, check.sizes["loss_steps"])
+            _, ms = step_times(check, step, 2, check.sizes["loss_steps"])
             rows.append((name, f"{1000 * ms:.1f}", f"{ms / base:.3f}", f"{flops / base_flops:.3f}",
                          f"{check.peak_gib()[0]:.1f}"))
         except torch.OutOfMemoryError:
@@ -246,10 +246,11 @@ def cross_entropy_transient(check):
 
 # 6 -------------------------------------------------------------------------------------------
 
-def moe_8x1b(check):
-    B = check.sizes["moe_batch"]
+def moe_figures(check, B, routing):
+    """One routing of baseline_moe_8x1b.py at 2 blocks: its step time, MFU, router loss and memory."""
+    torch._dynamo.reset()
     config = check.config("config/baseline_moe_8x1b.py", n_layer=2, batch_size=B, global_batch_size=B,
-                          parallel="none", compile=True, dtype=check.dtype)
+                          parallel="none", compile=True, dtype=check.dtype, moe_routing=routing, capacity_factor=0.0)
     check.reset_memory()
     model, objective, optimizers, scaler = build(check, config)
     batches = random_batches(config, B, 1, check.device)
@@ -260,22 +261,35 @@ def moe_8x1b(check):
     first, s = step_times(check, step, 2, check.sizes["steps"] // 2 or 1)
     tokens = B * config["block_size"]
     flops = plan.training_flops_per_token(model, objective, tokens, False) * tokens
-    dropped = float(model.dropped_fraction)
-    check.line(f"baseline_moe_8x1b.py at 2 blocks (8 experts of 2048 -> 5632, top 2, moe_routing "
-               f"{config['moe_routing']!r}: each token through its 2 experts, torch._grouped_mm where this torch "
-               f"has it), batch {B} x {config['block_size']}, bf16, compiled, activation checkpointing, "
-               "one process.\n")
-    check.table(["figure", "measured", "plan"], [
-        ("ms per step", f"{1000 * s:.1f}",
-         f"{1000 * flops / (PLAN_MFU * check.peak):.1f} (at MFU {PLAN_MFU})"),
-        ("MFU (routed work only)", f"{flops / s / check.peak:.3f}", ""),
-        ("router load-balancing loss (1 = balanced, 8 = one expert)",
-         f"{float(terms['moe_aux'].detach()):.4f}", ""),
-        ("share of routed slots dropped", f"{dropped:.4f}", "0 (dropless)"),
-        ("max allocated GiB", f"{check.peak_gib()[0]:.1f}", f"{plan_gib(config):.1f}"),
-        ("first step (compilation included), s", f"{first:.1f}", "")])
-    if not math.isfinite(float(terms["moe_aux"].detach())):
-        raise RuntimeError("the router's loss is not finite")
+    aux = float(terms["moe_aux"].detach())
+    if not math.isfinite(aux):
+        raise RuntimeError(f"the router's loss is not finite ({routing})")
+    return dict(ms=1000 * s, plan_ms=1000 * flops / (PLAN_MFU * check.peak), mfu=flops / s / check.peak, aux=aux,
+                dropped=float(model.dropped_fraction), gib=check.peak_gib()[0], plan_gib=plan_gib(config),
+                first=first, T=config["block_size"])
+
+
+def moe_8x1b(check):
+    """The config's dropless routing against the static path at capacity N (every expert computes
+    every token: nothing dropped either), the same model and batch, measured one after the other."""
+    B = check.sizes["moe_batch"]
+    d = moe_figures(check, B, "dropless")
+    c = moe_figures(check, B, "capacity")
+    check.line(f"baseline_moe_8x1b.py at 2 blocks (8 experts of 2048 -> 5632, top 2), batch {B} x "
+               f"{d['T']}, bf16, compiled, activation checkpointing, one process. Two routings, "
+               "one after the other: the config's 'dropless' (each token through its 2 experts, "
+               "torch._grouped_mm where this torch has it) and 'capacity' at capacity_factor 0 (every "
+               "expert computes every token, the padded work counted in its plan and MFU).\n")
+    check.table(["figure", "dropless", "plan", "capacity N", "plan"], [
+        ("ms per step", f"{d['ms']:.1f}", f"{d['plan_ms']:.1f} (MFU {PLAN_MFU})", f"{c['ms']:.1f}",
+         f"{c['plan_ms']:.1f} (MFU {PLAN_MFU})"),
+        ("MFU (the work each path does)", f"{d['mfu']:.3f}", "", f"{c['mfu']:.3f}", ""),
+        ("router load-balancing loss (1 = balanced, 8 = one expert)", f"{d['aux']:.4f}", "", f"{c['aux']:.4f}", ""),
+        ("share of routed slots dropped", f"{d['dropped']:.4f}", "0", f"{c['dropped']:.4f}", "0"),
+        ("max allocated GiB", f"{d['gib']:.1f}", f"{d['plan_gib']:.1f}", f"{c['gib']:.1f}", f"{c['plan_gib']:.1f}"),
+        ("first step (compilation included), s", f"{d['first']:.1f}", "", f"{c['first']:.1f}", "")])
+    check.line(f"\ndropless / capacity N, ms per step: {d['ms'] / c['ms']:.2f} "
+               f"(the plan: {d['plan_ms'] / c['plan_ms']:.2f})")
 
 
 # 7 -------------------------------------------------------------------------------------------
