@@ -298,6 +298,32 @@ def test_single_language_grid_table(tmp_path, monkeypatch):
     # paired rare columns: acc/4 -> +0.0025, +0.005 (se 0.00125); ppl x10 -> -100, -200 (se 50)
     assert "| +0.004 [-0.012, +0.020], 2/2 up | -150 [-785, +485], 2/2 down |" in table
     assert "## Hidden-state geometry (val)" in table and "paper" not in table
+    # runs evaluated since evaluate.py measures the rare targets' PPL at the run's T_best: its column too
+    for (method, seed), (acc, ppl) in values.items():
+        path = os.path.join(grids.run_dir(str(tmp_path), "onelang", method, seed), "metrics.json")
+        metrics = json.load(open(path))
+        metrics["rare"]["ppl_at_t_best"] = 8 * ppl
+        json.dump(metrics, open(path, "w"))
+    table, _ = report.build_table("onelang", str(tmp_path))
+    assert "| PPL at the run's T_best |" in table and "| CE | 2 | 0.100 ± 0.000 | 2900 ± 141 | 2320 ± 113 |" in table
+    assert "-120 [-628, +388], 2/2 down |" in table  # x8: -80, -160
+
+
+def test_rare_target_ppl_best_claim_is_the_relative_difference_at_each_runs_t_best():
+    """bpe_rare's claim row: per seed 100 (method / CE - 1) of the rare targets' PPL at the run's own
+    best temperature, not at T = 1 (its description row)."""
+    from tools import claims
+    ce = {1337: (1000.0, 900.0), 1338: (1200.0, 1000.0), 1339: (800.0, 700.0)}
+    se = {1337: (300.0, 850.0), 1338: (400.0, 1050.0), 1339: (200.0, 630.0)}
+    runs = {name: {seed: {"dir": "", "metrics": {"rare": {"ppl": t1, "ppl_at_t_best": best}}}
+                   for seed, (t1, best) in per_seed.items()} for name, per_seed in (("CE", ce), ("margin 0.6 + SE", se))}
+    rows = {c["quantity"]: (r, verdict) for c, r, _, verdict in claims.evaluate_claims("bpe_rare", runs, "CE")}
+    best, verdict = rows["rare-target PPL_best (%)"]
+    expected = [100 * (se[s][1] / ce[s][1] - 1) for s in sorted(ce)]
+    assert abs(best["mean"] - sum(expected) / 3) < 1e-9 and best["n"] == 3 and verdict in ("not shown", "reproduces")
+    at_one, described = rows["rare-target PPL at T = 1 (%)"]
+    assert abs(at_one["mean"] - sum(100 * (se[s][0] / ce[s][0] - 1) for s in ce) / 3) < 1e-9
+    assert described == claims.DESCRIPTION
 
 
 def test_every_grid_command_is_a_valid_config(monkeypatch):

@@ -65,6 +65,8 @@ def paired_columns(results):
                ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
     if runs and all("rare" in r for r in runs):
         columns += [("rare acc", "rare", "accuracy"), ("rare PPL", "rare", "ppl")]
+        if all("ppl_at_t_best" in r["rare"] for r in runs):  # runs since evaluate.py measures it
+            columns.append(("rare PPL_best", "rare", "ppl_at_t_best"))
     return columns
 
 
@@ -202,14 +204,18 @@ def rare_target_table(g):
              f"The val positions whose target token occurs at most {evaluate.RARE_MAX_COUNT} times in the "
              "training split (the long tail; Stop Jostling's low-resource tokens on a natural "
              "vocabulary).", ""]
+    at_t_best = ("rare", "ppl_at_t_best") in [(lang, key) for _, lang, key in paired_columns(g.results)]
     rows = []
     for method in g.methods:
         runs = [r["rare"] for r in g.results.get(method, {}).values()]
         if runs:
             rows.append((method, len(runs), fmt([r["fraction"] for r in runs]),
-                         fmt([r["ppl"] for r in runs], 0),
-                         fmt([r["accuracy"] for r in runs]), fmt([r["mrr"] for r in runs])))
-    return lines + table_lines(["method", "seeds", "fraction of val", "PPL", "accuracy", "MRR"], rows) + [""]
+                         fmt([r["ppl"] for r in runs], 0))
+                        + ((fmt([r["ppl_at_t_best"] for r in runs], 0),) if at_t_best else ())
+                        + (fmt([r["accuracy"] for r in runs]), fmt([r["mrr"] for r in runs])))
+    return lines + table_lines(["method", "seeds", "fraction of val", "PPL"]
+                               + (["PPL at the run's T_best"] if at_t_best else []) + ["accuracy", "MRR"],
+                               rows) + [""]
 
 
 def paired_table(g):
@@ -227,7 +233,7 @@ def paired_table(g):
 
         def diff(lang, key):
             digits = 3  # rates; perplexities with as many decimals as their size needs
-            if key in ("ppl", "ppl_best"):
+            if key.startswith("ppl"):
                 digits = 2 if mean_std([base[s][lang][key] for s in shared])[0] < 100 else 0
             return claims.paired_cell(stats.paired([runs_m[s][lang][key] - base[s][lang][key]
                                                     for s in shared]), digits)
