@@ -16,7 +16,7 @@ import importlib
 import math
 import os
 
-from errors import UsageError, end_with
+from errors import UsageError
 
 
 class ConfigError(UsageError):
@@ -282,9 +282,3 @@ def check_values(config, rules):
     for key, (expected, ok) in rules.items():
         if key in config and not ok(config[key]):
             raise ConfigError(f"key '{key}' must be {expected}, got {config[key]!r}")
-
-
-def exit_config_error(message):
-    """A bad config, for a script's main: one line on stderr, status 2 (a usage error)."""
-    end_with(ConfigError(message))
-

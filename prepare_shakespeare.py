@@ -35,8 +35,8 @@ from tqdm import tqdm
 
 from data import (BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file,
                   write_meta, write_tokens)
-from errors import end_with
-from utils import atomic_write, exit_on_bad_arguments, exit_unless_writable, remove_leftovers
+from errors import UserError, end_with
+from utils import atomic_write, check_arguments, check_writable, remove_leftovers
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
 DEFAULT_URL = (
@@ -322,13 +322,12 @@ def main(argv=None):
         bad_sha256 = None
     except DataError as exc:
         bad_sha256 = str(exc)
-    exit_on_bad_arguments(  # the usage error's status, before anything is downloaded or written
-        (bad_sha256 is not None, f"--sha256: {bad_sha256}"),
-        (args.input is not None and args.input.strip() == "", "--input must name a file"),
-        (args.out_dir is not None and args.out_dir.strip() == "", "--out_dir must not be empty"))
-    exit_unless_writable(args.out_dir or default_out_dir(args.tokenizer), "--out_dir", directory=True)
-
     try:
+        check_arguments(  # the usage error's status, before anything is downloaded or written
+            (bad_sha256 is not None, f"--sha256: {bad_sha256}"),
+            (args.input is not None and args.input.strip() == "", "--input must name a file"),
+            (args.out_dir is not None and args.out_dir.strip() == "", "--out_dir must not be empty"))
+        check_writable(args.out_dir or default_out_dir(args.tokenizer), "--out_dir", directory=True)
         meta = prepare(
             input_path=args.input,
             out_dir=args.out_dir,
@@ -336,7 +335,7 @@ def main(argv=None):
             sha256=args.sha256,
             tokenizer=args.tokenizer,
         )
-    except DataError as exc:  # (a UserError) the one place it ends the process
+    except UserError as exc:  # the one place it ends the process
         end_with(exc)
 
     print(f"vocab size:   {meta['vocab_size']:,}")

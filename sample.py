@@ -15,7 +15,7 @@ import torch
 
 from evaluate import load_model
 from errors import UserError, end_with
-from utils import choose_device, exit_on_bad_arguments
+from utils import check_arguments, choose_device
 
 
 def sample_bpe(model, meta, args, device):
@@ -47,7 +47,7 @@ def main(argv=None):
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="auto")
     args = parser.parse_args(argv)
-    exit_on_bad_arguments(  # before the checkpoint is read: one line, the usage error's status
+    check_arguments(  # before the checkpoint is read: one line, the usage error's status
         (args.num_samples < 1, f"--num_samples must be >= 1, got {args.num_samples}"),
         (args.max_new_tokens < 1, f"--max_new_tokens must be >= 1, got {args.max_new_tokens}"),
         (not 0 < args.temperature < float("inf"),

@@ -15,7 +15,7 @@ import sys
 import tempfile
 import time
 
-from errors import UsageError, UserError, end_with
+from errors import UsageError, UserError
 
 
 def keep_freed_memory():
@@ -292,21 +292,12 @@ def check_writable(path, what, directory=False):
         os.remove(tmp)
 
 
-def exit_on_bad_arguments(*checks):
+def check_arguments(*checks):
     """checks: (wrong, message) pairs, made where a script parses its arguments, before it reads
-    or writes anything: the first wrong one ends the process with one line and the usage error's
-    status, 2 (a script's main calls it, never a library function)."""
+    or writes anything: the first wrong one raises UsageError (one line, status 2)."""
     for wrong, message in checks:
         if wrong:
-            end_with(UsageError(message))
-
-
-def exit_unless_writable(path, what, directory=False):
-    """check_writable, or one line and status 1 (an unusable path): for a script's main."""
-    try:
-        check_writable(path, what, directory)
-    except PathError as e:
-        end_with(e)
+            raise UsageError(message)
 
 
 class StopRequest:

@@ -11,6 +11,7 @@ import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from configurator import train_defaults  # noqa: E402
+from errors import UsageError  # noqa: E402
 from tools import figures, grids, report, runner  # noqa: E402
 
 
@@ -467,7 +468,7 @@ def archived_run(archive, grid, method, seed, config, metrics, extra=(), run_ide
     return out
 
 
-def test_compare_refuses_to_pair_runs_trained_with_other_keys(tmp_path, monkeypatch, capsys):
+def test_compare_refuses_to_pair_runs_trained_with_other_keys(tmp_path, monkeypatch):
     """`tools.compare <grid> --max_iters=40` on an archive of 8000-step runs: refused in one line
     naming the key, before anything is trained, and --table_only on an archive of 40-step runs
     without the override too; with the same override it pairs them."""
@@ -479,11 +480,10 @@ def test_compare_refuses_to_pair_runs_trained_with_other_keys(tmp_path, monkeypa
         for seed in (1337, 1338):
             archived_run(archive, "like", method, seed, config, fake_metrics(0.37, 5.0))
     argv = ["like", f"--archive={archive}", f"--root={tmp_path / 'root'}", f"--results={tmp_path / 'results'}"]
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(UsageError) as stop:
         compare.main(argv + ["--max_iters=40"])
-    err = capsys.readouterr().err
-    assert stop.value.code == 2 and len(err.strip().splitlines()) == 1
-    assert "(CE, seed 1337) was trained with max_iters=8000, this comparison asks for max_iters=40" in err
+    assert stop.value.status == 2 and len(str(stop.value).splitlines()) == 1
+    assert "(CE, seed 1337) was trained with max_iters=8000, this comparison asks for max_iters=40" in str(stop.value)
     compare.main(argv + ["--table_only"])  # the runs as the grid plans them: paired
     assert "| margin 0.6 | 2 |" in (tmp_path / "results" / "like.md").read_text()
     # a run trained with a key the grid's config does not set (recorded in run.json's identity)
@@ -492,14 +492,13 @@ def test_compare_refuses_to_pair_runs_trained_with_other_keys(tmp_path, monkeypa
         keys = runner.identity.training_keys(runner.planned_commands("config/lowres_ce.py", seed, ["--max_iters=40"]))
         archived_run(short, "like", "CE", seed, "config/lowres_ce.py", fake_metrics(0.37, 5.0), ["--max_iters=40"],
                      {"training": keys, "commit": "abc", "cpu": "CPU A"})
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="was trained with max_iters=40, this comparison asks for max_iters=8000"):
         compare.main(["like", f"--archive={short}", "--table_only"])
-    assert "was trained with max_iters=40, this comparison asks for max_iters=8000" in capsys.readouterr().err
     compare.main(["like", f"--archive={short}", "--table_only", "--max_iters=40"])
     assert os.path.exists(os.path.join(short, "like.md"))  # the table goes with its own archive
 
 
-def test_methods_and_seeds_choose_the_runs_a_call_trains(tmp_path, monkeypatch, capsys):
+def test_methods_and_seeds_choose_the_runs_a_call_trains(tmp_path, monkeypatch):
     from tools import compare
     monkeypatch.setitem(grids.GRIDS, "pick", {"CE": ("config/lowres_ce.py", 3), "margin 0.6": ("config/lowres_margin_0.6.py", 3),
                                                 "margin 1": ("config/lowres_margin_1.py", 3)})
@@ -508,9 +507,8 @@ def test_methods_and_seeds_choose_the_runs_a_call_trains(tmp_path, monkeypatch, 
     assert compare.selection("pick", None, None) is None
     for methods, seeds, message in ((["margin 3"], None, "'margin 3' not in grid 'pick'"),
                                     (None, [1400], "--seeds: 1400 not among the chosen methods' seeds")):
-        with pytest.raises(SystemExit):
+        with pytest.raises(UsageError, match=message):
             compare.selection("pick", methods, seeds)
-        assert message in capsys.readouterr().err
     trained = []
 
     def launch(config, seed, out, threads, overrides):
@@ -584,7 +582,7 @@ def test_the_findings_numbers_are_the_tables():
     assert [n for n in numbers if n not in table] == []
 
 
-def test_a_run_stopped_part_way_is_not_resumed_with_other_keys(tmp_path, monkeypatch, capsys):
+def test_a_run_stopped_part_way_is_not_resumed_with_other_keys(tmp_path, monkeypatch):
     """A stopped 8000-step run in --root would go on from its checkpoint under --max_iters=40 (a
     resume may change max_iters): the call is refused, naming the key, before anything runs."""
     from tools import compare
@@ -595,9 +593,8 @@ def test_a_run_stopped_part_way_is_not_resumed_with_other_keys(tmp_path, monkeyp
     (keys,) = runner.identity.training_keys(runner.planned_commands("config/lowres_ce.py", 1337, []))
     with open(os.path.join(out, "ckpt.json"), "w") as f:
         json.dump({"config": {**keys, "out_dir": out}, "iter_num": 3000}, f)
-    with pytest.raises(SystemExit):
+    with pytest.raises(UsageError, match="was trained with max_iters=8000, this comparison asks for max_iters=40"):
         compare.main(["stopped", f"--root={tmp_path / 'root'}", f"--archive={tmp_path / 'archive'}", "--max_iters=40"])
-    assert "was trained with max_iters=8000, this comparison asks for max_iters=40" in capsys.readouterr().err
 
 
 def test_issue_40_grids_are_the_registered_runs():

@@ -157,15 +157,17 @@ def run_python(code, *args):
 
 def test_command_line_checks_and_notes_a_missing_tokenizer(tmp_path, meta, capsys):
     """The command line's main(): no meta in the checkpoint and no data_dir -> exported with a
-    note; the load-back check runs and prints its difference; an error is one line and exit 1."""
+    note; the load-back check runs and prints its difference; an error is an ExportError (a UserError:
+    one line and exit 1 at the entry point)."""
     write_checkpoint(tmp_path / "best.pt", char_config(meta, arch="llama", n_expert=2, top_k=1, ffn_hidden=16))
     export_hf.main([str(tmp_path / "best.pt"), str(tmp_path / "hf")])
     printed = capsys.readouterr().out
     assert "MixtralForCausalLM" in printed and "note: no tokenizer: no meta.json at '/nonexistent'" in printed
     assert "checked: transformers loads it" in printed
     assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
-    with pytest.raises(SystemExit, match="^error: .* is not empty; pass --overwrite"):
+    with pytest.raises(export_hf.ExportError, match="is not empty; pass --overwrite") as error:
         export_hf.main([str(tmp_path / "best.pt"), str(tmp_path / "hf")])
+    assert error.value.status == 1
 
 
 def test_without_transformers_the_repo_runs_and_the_tool_says_what_to_install(tmp_path):
@@ -173,7 +175,8 @@ def test_without_transformers_the_repo_runs_and_the_tool_says_what_to_install(tm
     tools import, and the export stops with one line naming the pip command."""
     block = "import sys; sys.modules['transformers'] = None; sys.modules['safetensors'] = None; "
     result = run_python(block + "import model, losses, evaluate, checkpoint, tools.export_hf, tools.lm_eval_task; "
-                        "tools.export_hf.main(sys.argv[1:])", str(tmp_path / "x.pt"), str(tmp_path / "o"))
+                        "import runpy; runpy.run_module('tools.export_hf', run_name='__main__')",
+                        str(tmp_path / "x.pt"), str(tmp_path / "o"))
     assert result.returncode == 1
     assert result.stderr.strip().splitlines()[-1].startswith("error: exporting to Hugging Face format needs transformers")
     assert "pip install transformers safetensors" in result.stderr and not os.path.exists(tmp_path / "o")

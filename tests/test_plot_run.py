@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from errors import UserError
 from test_train import REPO, read_log, train
 from tools import plot_run
 
@@ -65,12 +66,12 @@ def test_bad_logs_are_one_error_line(tmp_path):
                           ('{"it\n{"iter": 0}\n', "line 1 of .* is not JSON"),
                           ('[1, 2]\n', "line 1 of .* is not a train.py record")):
         log.write_text(text)
-        with pytest.raises(SystemExit, match=message):
+        with pytest.raises(UserError, match=message):
             plot_run.main([str(tmp_path)])
     assert sorted(os.listdir(tmp_path)) == ["log.jsonl"]  # no figure of a bad log
 
 
 def test_without_matplotlib_one_error_line(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails, as when not installed
-    with pytest.raises(SystemExit, match=r"^error: tools.plot_run needs matplotlib \(pip install matplotlib\)$"):
+    with pytest.raises(UserError, match=r"^tools.plot_run needs matplotlib \(pip install matplotlib\)$"):
         plot_run.main([str(tmp_path)])

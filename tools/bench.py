@@ -45,10 +45,11 @@ import time
 
 import torch
 
+from errors import UserError, end_with
 from tools.bench_losses import (EFFICIENCY_SETTINGS, REPORT, compile_step, cwt_vs_ce, efficiency,
                                 efficiency_child, memory_child, paper_350m, simreg_memory, toy)
 from tools.bench_systems import comm_child, gpu_memory, moe, plan_comm, plan_memory, prepare_throughput
-from utils import choose_device, choose_dtype, exit_on_bad_arguments, exit_unless_writable, save_text
+from utils import check_arguments, check_writable, choose_device, choose_dtype, save_text
 
 SECTIONS = {"toy": toy, "350m": paper_350m, "cwt": cwt_vs_ce, "memory": simreg_memory,
             "efficiency": efficiency, "gpu_memory": gpu_memory, "compile": compile_step,
@@ -81,11 +82,11 @@ def main():
                         help=argparse.SUPPRESS)
     parser.add_argument("--comm_child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    exit_on_bad_arguments((args.steps < 1, f"--steps must be >= 1, got {args.steps}"),
-                          (args.warmup < 0, f"--warmup must be >= 0, got {args.warmup}"),
-                          (args.repeats < 1, f"--repeats must be >= 1, got {args.repeats}"))
+    check_arguments((args.steps < 1, f"--steps must be >= 1, got {args.steps}"),
+                    (args.warmup < 0, f"--warmup must be >= 0, got {args.warmup}"),
+                    (args.repeats < 1, f"--repeats must be >= 1, got {args.repeats}"))
     if args.out:
-        exit_unless_writable(args.out, "--out")  # before minutes of measuring
+        check_writable(args.out, "--out")  # before minutes of measuring
     if args.comm_child:
         return comm_child()
     if args.memory_child is not None:
@@ -95,7 +96,7 @@ def main():
     try:
         device = choose_device(args.device)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        raise UserError(str(e)) from None
     dtype = choose_dtype("auto", device)
     print(f"device {device}, {dtype}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name in args.section or list(SECTIONS):
@@ -106,4 +107,7 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)

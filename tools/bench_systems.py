@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten
 import parallelism
 import memory
 import plan
+from errors import UserError
 from losses import Objective, objective_step
 from model import GPTConfig, MixtureOfExperts, build_model
 from optim import configure_optimizers
@@ -126,7 +127,7 @@ def peak_rss_gib(command):
                                text=True)
     _, status, usage = os.wait4(process.pid, 0)
     if os.waitstatus_to_exitcode(status) != 0:
-        sys.exit(f"error: {' '.join(command)} failed: {process.stderr.read()[-2000:]}")
+        raise UserError(f"{' '.join(command)} failed: {process.stderr.read()[-2000:]}")
     return usage.ru_maxrss * 1024 / memory.GiB  # Linux: KiB
 
 
@@ -143,8 +144,8 @@ def plan_memory(args, device, dtype):
     from configurator import parse_config, train_defaults
     data_dir = os.environ.get("PLAN_MEMORY_DATA", "data/c4_tiny")
     if not os.path.exists(os.path.join(REPO, data_dir, "meta.json")):
-        sys.exit(f"error: plan_memory needs C4-format data in {data_dir}: python prepare_c4.py --from_text "
-                 f"input.txt --out_dir {data_dir} (or set PLAN_MEMORY_DATA)")
+        raise UserError(f"plan_memory needs C4-format data in {data_dir}: python prepare_c4.py --from_text "
+                        f"input.txt --out_dir {data_dir} (or set PLAN_MEMORY_DATA)")
     imports = ("import numpy, torch, tqdm, checkpoint, evaluate, metrics, parallelism, plan, "
                "prepare_shakespeare, tracking")
     base = peak_rss_gib([sys.executable, "-c", imports])
@@ -279,7 +280,7 @@ def plan_comm(args, device, dtype):
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     if result.returncode != 0:
-        sys.exit(f"error: {' '.join(command)} failed: {result.stderr[-2000:]}")
+        raise UserError(f"{' '.join(command)} failed: {result.stderr[-2000:]}")
     rows = []
     for record in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")):
         if "skipped" in record:
@@ -330,8 +331,8 @@ def prepare_throughput(args, device, dtype):
 
     text_path = os.environ.get("PREPARE_TEXT", os.path.join(REPO, "data", "shakespeare_char", "input.txt"))
     if not os.path.isfile(text_path):
-        sys.exit(f"error: the prepare section needs tiny Shakespeare at {text_path}: python "
-                 "prepare_shakespeare.py (or set PREPARE_TEXT to a plain-text file)")
+        raise UserError(f"the prepare section needs tiny Shakespeare at {text_path}: python "
+                        "prepare_shakespeare.py (or set PREPARE_TEXT to a plain-text file)")
     work = tempfile.mkdtemp(prefix="bench_prepare_")
     try:
         with open(text_path, encoding="utf-8") as f:

@@ -25,28 +25,24 @@ import argparse
 import os
 import signal
 
-from configurator import (TRAIN_RULES, ConfigError, check_values, exit_config_error, parse_config,
-                          train_defaults)
+from configurator import TRAIN_RULES, check_values, parse_config, train_defaults
+from errors import UsageError, UserError, end_with
 from tools import figures
 from tools.figures import make_figures
 from tools.grids import GRIDS, runs_of, stages
 from tools.report import build_table
 from tools.runner import UnlikeRuns, check_like, run_grid, sync_archive
-from utils import exit_on_bad_arguments, exit_unless_writable, save_text
+from utils import check_arguments, check_writable, save_text
 
 
 def check_overrides(grid, overrides):
     """Every run's train.py arguments (its config files, its own and the grid's overrides) as train.py
-    would read them, before any run starts: a misspelt key is one line (exit 2), not the first run's
-    failure an hour in."""
+    would read them, before any run starts: a misspelt key is a ConfigError (one line, exit 2), not
+    the first run's failure an hour in."""
     defaults = train_defaults()
     for _, seed, config, args, _ in runs_of(grid, "."):
         for config_file in stages(config):
-            try:
-                check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults),
-                             TRAIN_RULES)
-            except ConfigError as e:
-                exit_config_error(e)
+            check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults), TRAIN_RULES)
 
 
 def main(argv=None):
@@ -64,14 +60,14 @@ def main(argv=None):
     parser.add_argument("overrides", nargs="*", help="--key=value passed to every run (e.g. --max_iters=50)")
     args, unknown = parser.parse_known_args(argv)
     overrides = args.overrides + unknown
-    exit_on_bad_arguments((args.workers < 1, f"--workers must be >= 1 (runs at a time), got {args.workers}"))
+    check_arguments((args.workers < 1, f"--workers must be >= 1 (runs at a time), got {args.workers}"))
     only = selection(args.grid, args.methods, args.seeds)
     if args.results is None:
         args.results = "results" if args.archive == parser.get_default("archive") else args.archive
     if not args.table_only:
         check_overrides(args.grid, overrides)
     for name in ("results", "archive") if args.table_only else ("results", "archive", "root"):
-        exit_unless_writable(getattr(args, name), f"--{name}", directory=True)  # before hours of runs
+        check_writable(getattr(args, name), f"--{name}", directory=True)  # before hours of runs
     try:  # before hours of runs, and again on what the table will read
         for folder in (args.archive,) if args.table_only else (args.archive, args.root):
             check_like(args.grid, folder, overrides, only)
@@ -81,7 +77,7 @@ def main(argv=None):
         sync_archive(args.grid, args.root, args.archive)
         check_like(args.grid, args.archive, overrides)
     except UnlikeRuns as e:
-        exit_on_bad_arguments((True, str(e)))
+        raise UsageError(str(e)) from None
     table, _ = build_table(args.grid, args.archive)
     path = os.path.join(args.results, f"{args.grid}.md")
     drawn = make_figures(args.grid, args.archive, args.results)
@@ -113,21 +109,24 @@ def kept_figures(path):
 
 def selection(grid, methods, seeds):
     """The (method, seed) pairs --methods and --seeds name (None: all), the baseline always among
-    the methods; an unknown method, or a seed no method named uses, ends the call in one line."""
+    the methods; an unknown method, or a seed no method named uses, is a UsageError (one line)."""
     if methods is None and seeds is None:
         return None
     runs = {(method, seed) for method, seed, *_ in runs_of(grid, "")}
     known = sorted({method for method, _ in runs})
     unknown = [m for m in methods or () if m not in known]
-    exit_on_bad_arguments((unknown, f"--methods: {', '.join(map(repr, unknown))} not in grid '{grid}' "
+    check_arguments((unknown, f"--methods: {', '.join(map(repr, unknown))} not in grid '{grid}' "
                                     f"({', '.join(map(repr, known))})"))
     chosen = {next(iter(GRIDS[grid])), *methods} if methods else set(known)
     only = {(m, s) for m, s in runs if m in chosen and (seeds is None or s in seeds)}
     unused = [s for s in seeds or () if all(s != seed for _, seed in only)]
-    exit_on_bad_arguments((unused,
-                           f"--seeds: {', '.join(map(str, unused))} not among the chosen methods' seeds"))
+    check_arguments((unused,
+                     f"--seeds: {', '.join(map(str, unused))} not among the chosen methods' seeds"))
     return only
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)

@@ -33,22 +33,22 @@ import importlib
 import json
 import os
 import shutil
-import sys
 
 import torch
 
 import checkpoint as checkpoints
 import run
 from data import DataError, read_meta
+from errors import UserError, end_with
 from model import GPT, GPTConfig
 from tools import hf_tokenizer
-from utils import exit_unless_writable
+from utils import check_writable
 
 INSTALL = "pip install transformers safetensors"
 CHECK_TOLERANCE = 1e-4  # max |logit difference| / max(1, max |logit|) the load-back check accepts
 
 
-class ExportError(Exception):
+class ExportError(UserError):
     """A checkpoint, dataset or output directory that cannot be exported as asked."""
 
 
@@ -390,17 +390,14 @@ def main(argv=None):
     parser.add_argument("--no_check", action="store_true",
                         help="skip loading the export back to compare logits")
     args = parser.parse_args(argv)
-    exit_unless_writable(args.out_dir, "out_dir", directory=True)
-    try:
-        require_hf()
-        import transformers
-        # the check's load-back would print warnings meant for users
-        transformers.logging.set_verbosity_error()
-        transformers.logging.disable_progress_bar()
-        result = export(args.checkpoint, args.out_dir, args.data_dir, args.overwrite, not args.no_tokenizer,
-                        not args.no_check)
-    except ExportError as e:
-        sys.exit(f"error: {e}")
+    check_writable(args.out_dir, "out_dir", directory=True)
+    require_hf()
+    import transformers
+    # the check's load-back would print warnings meant for users
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    result = export(args.checkpoint, args.out_dir, args.data_dir, args.overwrite, not args.no_tokenizer,
+                    not args.no_check)
     print(f"wrote {args.out_dir}: {result['class']}, {result['params']:,} parameters")
     if result["tokenizer"].startswith("no tokenizer"):
         print(f"note: {result['tokenizer']}; AutoTokenizer will not load this directory")
@@ -412,4 +409,7 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)

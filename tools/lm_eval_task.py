@@ -21,10 +21,10 @@ import argparse
 import json
 import os
 import re
-import sys
 
 from data import DataError, gpt2_encoding, load_tokens, read_meta
-from utils import exit_on_bad_arguments, exit_unless_writable, save_text
+from errors import UserError, end_with
+from utils import check_arguments, check_writable, save_text
 
 # a line whose last word (letters, inner apostrophes) may be followed by punctuation and spaces
 LAST_WORD = re.compile(r"^(.*\S)[ \t]+([A-Za-z]+(?:'[A-Za-z]+)*)[^A-Za-z0-9'\n]*$")
@@ -114,18 +114,21 @@ def main(argv=None):
     parser.add_argument("--context_chars", type=int, default=256, help="characters of context at most")
     parser.add_argument("--min_words", type=int, default=4, help="lines with fewer words are not used")
     args = parser.parse_args(argv)
-    exit_on_bad_arguments((args.limit < 1, f"--limit must be >= 1, got {args.limit}"),
-                          (args.context_chars < 1, f"--context_chars must be >= 1, got {args.context_chars}"),
-                          (args.min_words < 1, f"--min_words must be >= 1, got {args.min_words}"),
-                          (args.name.strip() == "", "--name must not be empty"))
-    exit_unless_writable(args.out, "--out", directory=True)
+    check_arguments((args.limit < 1, f"--limit must be >= 1, got {args.limit}"),
+                    (args.context_chars < 1, f"--context_chars must be >= 1, got {args.context_chars}"),
+                    (args.min_words < 1, f"--min_words must be >= 1, got {args.min_words}"),
+                    (args.name.strip() == "", "--name must not be empty"))
+    check_writable(args.out, "--out", directory=True)
     try:
         items = write_task(args.data_dir, args.out, args.name, args.limit, args.context_chars, args.min_words)
-    except (DataError, ValueError, OSError) as e:
-        sys.exit(f"error: {e}")
+    except (ValueError, OSError) as e:  # a DataError (a UserError) goes to the caller
+        raise UserError(str(e)) from None
     print(f"wrote {len(items)} items: {os.path.join(args.out, args.name)}.jsonl and .yaml (task "
           f"'{args.name}')")
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)

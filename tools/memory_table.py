@@ -11,11 +11,11 @@ forward pass at the config's real width (see plan.py's docstring).
 
 import argparse
 import os
-import sys
 
 import torch
 
-from configurator import ConfigError, exit_config_error, parse_config, train_defaults
+from configurator import parse_config, train_defaults
+from errors import UserError, end_with
 from plan import make_plan
 
 
@@ -51,12 +51,12 @@ def main():
     torch.set_num_threads(max(1, torch.get_num_threads()))
     missing = [path for path in args.configs if not os.path.exists(path)]
     if missing:
-        sys.exit(f"error: no config file {missing[0]}")
-    try:
-        print("\n".join(table_lines(args.configs, args.gpus)))
-    except ConfigError as e:  # a config, a key or --gpus: the usage error's status
-        exit_config_error(e)
+        raise UserError(f"no config file {missing[0]}")
+    print("\n".join(table_lines(args.configs, args.gpus)))  # a config, a key or --gpus: a ConfigError, status 2
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)

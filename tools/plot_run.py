@@ -12,10 +12,10 @@ log.jsonl key. matplotlib is an optional extra, as for tools/figures.py, whose h
 
 import argparse
 import os
-import sys
 
+from errors import UserError, end_with
 from tools.figures import _grid_of_axes, _pyplot, _save
-from utils import LogError, exit_unless_writable, read_log  # noqa: F401 (read_log: this module's reader too)
+from utils import LogError, check_writable, read_log  # noqa: F401 (LogError, read_log: this module's too)
 
 # what a training record holds besides its loss terms (train.py's log); speed is not drawn
 NOT_TERMS = ("iter", "loss", "lr", "ms_per_iter", "tokens_per_s", "mfu", "loss_scale")
@@ -71,17 +71,17 @@ def main(argv=None):
     args = parser.parse_args(argv)
     plt = _pyplot()
     if plt is None:
-        sys.exit("error: tools.plot_run needs matplotlib (pip install matplotlib)")
-    try:
-        records = read_log(os.path.join(args.out_dir, "log.jsonl"))
-    except LogError as e:
-        sys.exit(f"error: {e}")
+        raise UserError("tools.plot_run needs matplotlib (pip install matplotlib)")
+    records = read_log(os.path.join(args.out_dir, "log.jsonl"))  # a LogError goes to the caller
     path = args.out or os.path.join(args.out_dir, "log.png")
-    exit_unless_writable(path, "--out" if args.out else "the figure")
+    check_writable(path, "--out" if args.out else "the figure")
     _save(draw(records, title=os.path.normpath(args.out_dir)), plt, path)
     print(f"wrote {path}")
     return path
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)
