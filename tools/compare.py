@@ -26,12 +26,12 @@ import os
 import signal
 
 from configurator import TRAIN_RULES, check_values, parse_config, train_defaults
-from errors import UsageError, UserError, end_with
+from errors import UserError, end_with
 from tools import figures
 from tools.figures import make_figures
 from tools.grids import GRIDS, runs_of, stages
 from tools.report import build_table
-from tools.runner import UnlikeRuns, check_like, run_grid, sync_archive
+from tools.runner import check_like, run_grid, sync_archive
 from utils import check_arguments, check_writable, save_text
 
 
@@ -68,16 +68,14 @@ def main(argv=None):
         check_overrides(args.grid, overrides)
     for name in ("results", "archive") if args.table_only else ("results", "archive", "root"):
         check_writable(getattr(args, name), f"--{name}", directory=True)  # before hours of runs
-    try:  # before hours of runs, and again on what the table will read
-        for folder in (args.archive,) if args.table_only else (args.archive, args.root):
-            check_like(args.grid, folder, overrides, only)
-        if not args.table_only:
-            signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the grid as Ctrl-C does
-            run_grid(args.grid, args.root, args.workers, overrides, args.archive, only)
-        sync_archive(args.grid, args.root, args.archive)
-        check_like(args.grid, args.archive, overrides)
-    except UnlikeRuns as e:
-        raise UsageError(str(e)) from None
+    # unlike runs (runner.UnlikeRuns) are refused before hours of runs, and again on what the table reads
+    for folder in (args.archive,) if args.table_only else (args.archive, args.root):
+        check_like(args.grid, folder, overrides, only)
+    if not args.table_only:
+        signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the grid as Ctrl-C does
+        run_grid(args.grid, args.root, args.workers, overrides, args.archive, only)
+    sync_archive(args.grid, args.root, args.archive)
+    check_like(args.grid, args.archive, overrides)
     table, _ = build_table(args.grid, args.archive)
     path = os.path.join(args.results, f"{args.grid}.md")
     drawn = make_figures(args.grid, args.archive, args.results)

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoint as checkpoints
+from errors import UsageError
 from tools import identity
 from tools.grids import run_dir, runs_of, stages
 from utils import atomic_write, measure_matmul_flops, read_log, save_json, save_text
@@ -294,8 +295,8 @@ def sync_archive(grid, root, archive):
     return done
 
 
-class UnlikeRuns(Exception):
-    pass
+class UnlikeRuns(UsageError):
+    """A grid's finished run trained with other keys than this call's: refused, one line."""
 
 
 def check_like(grid, folder, overrides, only=None):
