@@ -31,6 +31,7 @@ import socket
 import time
 
 
+import evaluate
 import parallelism
 import tracking
 from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, agree, check_dataset, load, load_latest,
@@ -170,9 +171,9 @@ def open_run(out_dir, init_from, overwrite, master, command):
 
 
 class RunComplete(UserError):
-    """A resume of a run that already reached its max_iters: nothing to do, and nothing is changed
-    (its line is printed on stdout and the status is 0, so a requeued job of a finished run ends);
-    every rank finds it in the checkpoint they agreed on."""
+    """A resume of a run that already reached its max_iters: nothing to do but the final evaluation a
+    stop cut short, if any (its line is printed on stdout and the status is 0, so a requeued job of a
+    finished run ends); every rank finds it in the checkpoint they agreed on."""
     status, agreed = 0, True
 
 
@@ -214,13 +215,17 @@ def resume(out_dir, config, device, master, modules, optimizers, parallel, dcp_s
     try:  # every rank checks and loads the same checkpoint: a refusal is the same on each (rank 0 says it)
         changes = check_resumable(checkpoint, config, config["data_dir"], parallelism.world_size())
         if checkpoint["iter_num"] >= config["max_iters"]:  # before anything is loaded, trimmed or saved
-            scored = os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]
-            raise RunComplete(f"{out_dir} holds a complete run (step {checkpoint['iter_num']}, max_iters "
-                              f"{config['max_iters']}): nothing to do, nothing changed; to train it further, "
-                              f"resume with a larger --max_iters"
-                              + ("" if scored else f"; it has no metrics.json yet: python evaluate.py "
-                                                   f"{os.path.join(out_dir, 'best.pt')} --out="
-                                                   f"{os.path.join(out_dir, 'metrics.json')}"))
+            complete = (f"{out_dir} holds a complete run (step {checkpoint['iter_num']}, max_iters "
+                        f"{config['max_iters']})")
+            if os.path.exists(os.path.join(out_dir, "metrics.json")) or not config["final_eval"]:
+                raise RunComplete(f"{complete}: nothing to do, nothing changed; to train it further, resume "
+                                  f"with a larger --max_iters")
+            # a stop in its last step or its final evaluation: the resume (a grid's, a requeued job's)
+            # runs that evaluation, on rank 0, with the FLOPs the run executed, and writes only metrics.json
+            if master:
+                evaluate.write_run_metrics(out_dir, checkpoint.get("flops_done") or {}, device)
+            raise RunComplete(f"{complete} without its final evaluation: wrote metrics.json, changed nothing "
+                              f"else; to train it further, resume with a larger --max_iters")
         restore(checkpoint, path, out_dir, modules, optimizers, parallel, dcp_slots)
     except CheckpointError as e:
         e.agreed = True

@@ -236,21 +236,18 @@ def test_compare_checks_its_overrides_before_any_run(tmp_path):
 
 def test_a_damaged_best_pt_at_the_final_evaluation_of_a_resume_is_one_line(tmp_path, data_dir, finished_run):
     """best.pt truncated, then the run resumed to its end (once: a CheckpointError traceback from
-    the final evaluation). A resume of the complete run now changes nothing and says how to score it
-    (case 5); the final evaluation itself, met with the damaged best.pt, is one line naming best.pt
-    that says training is complete and how to score it; ckpt.pt untouched by the failure."""
+    the final evaluation; later: a resume of the complete run changed nothing and printed how to
+    score it, so a grid's resume never scored it). Now the resume runs the final evaluation, which,
+    met with the damaged best.pt, is one line naming best.pt that says training is complete and how
+    to score ckpt.pt instead; ckpt.pt untouched, no metrics.json."""
     run_dir = tmp_path / "run"
     shutil.copytree(finished_run, run_dir)
     best = run_dir / "best.pt"
     best.write_bytes(best.read_bytes()[:1000])
+    ckpt = (run_dir / "ckpt.pt").read_bytes()
     result = run(train_command(str(run_dir), data_dir, "--init_from=resume", "--final_eval=True"))
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "holds a complete run" in result.stdout and f"python evaluate.py {best}" in result.stdout
-    final_evaluation = ("import errors, evaluate\nerrors.end_on_user_error()  # as train.py, whose last step this is\n"
-                        f"evaluate.write_run_metrics({str(run_dir)!r}, {{'train': 1, 'eval': 1}}, 'cpu')")
-    result = run([sys.executable, "-c", final_evaluation])
-    one_line(result, 1, f"{best}", "training is complete", "evaluate.py")
-    assert (run_dir / "ckpt.pt").exists() and not (run_dir / "metrics.json").exists()
+    one_line(result, 1, f"{best}", "training is complete", f"python evaluate.py {run_dir / 'ckpt.pt'}")
+    assert (run_dir / "ckpt.pt").read_bytes() == ckpt and not (run_dir / "metrics.json").exists()
 
 
 # 10. metrics.json written later by evaluate.py keeps the run's FLOPs ------------------------------
@@ -304,6 +301,8 @@ def test_ctrl_c_in_the_final_evaluation_is_one_line_whose_command_writes_metrics
     assert not any(name.endswith(".tmp") for name in os.listdir(out))
     command = lines[0].split("): ", 1)[1].removesuffix(" writes metrics.json").split()
     assert command[:2] == ["python", "evaluate.py"], lines[0]
+    resumed = tmp_path / "resumed"  # the same stopped run, resumed (a grid's resume, a requeued job)
+    shutil.copytree(out, resumed)
     before = snapshot(str(out))
     result = run([sys.executable, *command[1:]])
     assert result.returncode == 0, result.stderr[-2000:]
@@ -314,6 +313,19 @@ def test_ctrl_c_in_the_final_evaluation_is_one_line_whose_command_writes_metrics
     done = torch.load(out / "ckpt.pt", weights_only=True)["flops_done"]
     assert flops["train"] == done["train"] > 0 and flops["eval"] == done["eval"] > 0
     assert flops["total"] == flops["train"] + flops["eval"] + flops["final_eval"]
+    # the resume runs that final evaluation: the same metrics.json, and nothing else changed
+    before = snapshot(str(resumed))
+    for init_from in ("resume", "auto"):  # the second finds the run scored: nothing to do
+        result = run(train_command(str(resumed), str(big), "--final_eval=True", f"--init_from={init_from}"))
+        assert result.returncode == 0, result.stderr[-2000:]
+    after = snapshot(str(resumed))
+    assert {path for path in after if not path.endswith("run.lock") and after[path] != before.get(path)} == \
+        {str(resumed / "metrics.json")}
+    scored = json.loads((resumed / "metrics.json").read_text())
+    assert scored.pop("checkpoint")["path"] == str(resumed / "best.pt")
+    expected = json.loads((out / "metrics.json").read_text())
+    expected.pop("checkpoint")
+    assert scored == expected
 
 
 def test_a_stop_in_the_last_step_skips_the_final_evaluation_in_one_line(tmp_path, data_dir):  # noqa: F811
