@@ -645,3 +645,23 @@ def test_the_norm_term_ablation_is_judged_in_its_own_family(tmp_path, monkeypatc
     assert f"| {claims.NORM_METHOD} | CE | HR PPL ↓ |" in rows[0] and "-0.10 [" in rows[0] and "3/3 down" in rows[0]
     assert f"| {released} | HR PPL, against the released l2_repel ↓ |" in rows[1] and "+0.01 [" in rows[1]
     assert "of 2 claims." in section
+
+
+def test_a_grid_trained_on_a_gpu_names_it_and_computes_no_cpu_efficiency(tmp_path):
+    """wall.json names the device a call's runs trained on (runner.runs_device: cpu here); a call
+    whose runs used a GPU gets no efficiency against the CPU peak it measured. A call recorded
+    before the field existed is named from the runs' device key."""
+    assert runner.runs_device([]) == "cpu" and runner.runs_device(["--device=cpu"]) == "cpu"
+    call = {"runs": 15, "workers": 8, "threads_per_run": 2, "cpu": "Xeon", "cores": 16, "torch": "2.11",
+            "peak_flops": 4e12, "peak_dtype": "bfloat16", "wall_s": 240.0, "flops": 1.2e15}
+    seconds = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0}
+    for record, trained_on, named in (({**call, "device": "NVIDIA H200"}, {"cuda"}, "NVIDIA H200"),
+                                      (call, {"cuda"}, "a CUDA GPU (device=cuda"),
+                                      ({**call, "device": "cpu"}, {"auto"}, None)):
+        os.makedirs(tmp_path / "g", exist_ok=True)
+        (tmp_path / "g" / "wall.json").write_text(json.dumps({"calls": [record]}))
+        text = "\n".join(report.speed_summary("g", str(tmp_path), seconds, trained_on))
+        if named:
+            assert f"training on {named}" in text and "Efficiency: not computed" in text, text
+        else:
+            assert "training on" not in text and "**Efficiency = " in text, text

@@ -125,6 +125,14 @@ EXTRA_RUNS = {
     },
 }
 
+# train.py arguments every run of a grid gets. bpe_1600 ran on one GPU in float32, its pairs all in
+# one call, with TF32 off (NVIDIA_TF32_OVERRIDE=0 in the environment): a departure from its
+# registration's one CPU thread per run that results/README.md names. On a machine without CUDA,
+# --device=cpu to a separate --archive runs it there.
+GRID_ARGS = {
+    "bpe_1600": ("--device=cuda", "--dtype=float32", "--compile=False"),
+}
+
 # The authors' numbers, HR / LR: margins 2 and 1 from Stop Jostling's Table 7; the baseline and
 # margin 0.6 + SE from the authors' published code, one seed each (the paper's text gives LR PPL_best
 # 10.63 -> 6.11 for its best run: close to, not the same as, that row).
@@ -159,7 +167,8 @@ def run_dir(root, grid, method, seed):
 
 
 def runs_of(grid, root):
-    """(method, seed, config, extra train.py arguments, directory) of every run of the grid, its
+    """(method, seed, config, extra train.py arguments (GRID_ARGS, then the run's own), directory) of
+    every run of the grid, its
     tables' methods (GRIDS) and its extra runs (EXTRA_RUNS), in seed-major order: every method's
     first seed, then every method's second seed, ... so a grid cut short still holds paired runs."""
     runs = {method: (config, SEEDS[:seeds] if isinstance(seeds, int) else list(seeds), ())
@@ -168,5 +177,5 @@ def runs_of(grid, root):
     for seed in sorted({seed for _, seeds, _ in runs.values() for seed in seeds}):
         for method, (config, seeds, args) in runs.items():
             if seed in seeds:
-                yield (method, seed, config, args(seed) if callable(args) else args,
+                yield (method, seed, config, (*GRID_ARGS.get(grid, ()), *(args(seed) if callable(args) else args)),
                        run_dir(root, grid, method, seed))

@@ -96,7 +96,9 @@ def build_table(grid, root):
              "thresholded; the checkpoint with the best " + ("mixed " if g.low_resource else "")
              + "val loss." +
              (" `paper` rows: the authors' numbers (Stop Jostling Table 7; baseline and margin 0.6 + SE from "
-              "their published single-seed runs)." if grid in PAPER else ""), ""] + machine_lines(g)
+              "their published single-seed runs)." if grid in PAPER else ""), ""]
+    pair_lines, identities = machine_lines(g)
+    lines += pair_lines
     if grid == "jostling":  # what the grid found beyond the paper's claims: the transition
         transition_lines, record = transition.findings(g)
         lines += transition_lines
@@ -136,12 +138,15 @@ def build_table(grid, root):
         lines += transition.per_seed_table(g) + embedding_geometry_table(g)
     lines += hidden_geometry_table(g) + marginalization_table(g)
     speed_lines, seconds = speed_table(g)
-    lines += speed_lines + speed_summary(grid, root, seconds)
+    trained_on = {stage.get("device") for i in identities.values() if i and i.get("training")
+                  for stage in i["training"]}
+    lines += speed_lines + speed_summary(grid, root, seconds, trained_on)
     return "\n".join(lines) + "\n", g.results
 
 
 def machine_lines(g):
-    """How many of the pairs the tables compare (claims, paired differences) mix CPUs."""
+    """How many of the pairs the tables compare (claims, paired differences) mix CPUs; and every
+    run's identity (tools/identity.py), {run directory: identity or None}."""
     cpu = identity.grid_cpu(g.root, g.name)
     identities = {run["dir"]: identity.of_run(run["dir"], cpu) for per_seed in g.runs.values()
                   for run in per_seed.values()}
@@ -150,7 +155,7 @@ def machine_lines(g):
     pairs = [(g.runs[a][s]["dir"], g.runs[b][s]["dir"])
              for a, b in sorted(compared) if a in g.runs and b in g.runs
              for s in sorted(set(g.runs[a]) & set(g.runs[b]))]
-    return [identity.machines_line(pairs, identities), ""] if pairs else []
+    return ([identity.machines_line(pairs, identities), ""] if pairs else []), identities
 
 
 def metric_tables(g):
@@ -382,12 +387,14 @@ def peak_range(calls):
     return f"peaks measured at each call's start ({dtype}, all cores: {peaks[0]}–{peaks[-1]} GFLOP/s)"
 
 
-def speed_summary(grid, root, seconds):
+def speed_summary(grid, root, seconds, trained_on=()):
     """The grid's wall time over all compare.py calls and its efficiency:
     (grid FLOPs / peak) / wall time, where grid FLOPs are what the runs executed (training,
     evaluation, fine-tuning; train.py counts them) and peak is the matmul peak each call
-    measured on all cores before starting; then where the time went (time_breakdown of the
-    `seconds` build_table summed while it read the runs' logs)."""
+    measured on all cores before starting (the CPU's: calls whose runs trained on a GPU are left
+    out); then where the time went (time_breakdown of the `seconds` build_table summed while it
+    read the runs' logs). trained_on: the runs' `device` training keys, which name a call's device
+    where its wall.json record predates the `device` field."""
     calls = grid_calls(os.path.join(root, grid, "wall.json"))
     lines = ["", "MFU per run = model FLOPs (6N + attention) / that run's own measured fp32 2048² matmul "
              "peak on its thread(s), measured while other runs may share the machine."]
@@ -396,10 +403,18 @@ def speed_summary(grid, root, seconds):
     wall = sum(c["wall_s"] for c in calls)
     runs = sum(c["runs"] for c in calls)
     last = calls[-1]
+    unnamed = "a CUDA GPU (device=cuda; wall.json did not yet name it)" if "cuda" in trained_on else "cpu"
+    devices = [c.get("device", unnamed) for c in calls]
+    gpus = sorted({d for d in devices if d not in ("cpu", "mps")})
     lines += ["", f"Wall time: {runs} runs in {wall / 3600:.2f} h over {len(calls)} `tools.compare {grid}` "
               f"call(s), {last['workers']} runs at a time with {last['threads_per_run']} thread(s) each, on "
-              f"{last['cpu']} ({last['cores']} cores), torch {last['torch']}."]
-    counted = [c for c in calls if c.get("flops") is not None and c.get("peak_flops")]
+              f"{last['cpu']} ({last['cores']} cores)" + (f", training on {', '.join(gpus)}" if gpus else "")
+              + f", torch {last['torch']}."]
+    counted = [c for c, d in zip(calls, devices) if c.get("flops") is not None and c.get("peak_flops")
+               and d not in gpus]
+    if gpus and not counted:
+        return lines + ["", "Efficiency: not computed, as the runs trained on a GPU and the peak each call "
+                        "measures is its CPU's."] + time_breakdown(seconds, wall, last["workers"])
     if counted:
         flops = sum(c["flops"] for c in counted)
         at_peak = sum(c["flops"] / c["peak_flops"] for c in counted)

@@ -30,7 +30,7 @@ import checkpoint as checkpoints
 from errors import UsageError
 from tools import identity
 from tools.grids import run_dir, runs_of, stages
-from utils import atomic_write, measure_matmul_flops, read_log, save_json, save_text
+from utils import atomic_write, choose_device, measure_matmul_flops, read_log, save_json, save_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -235,6 +235,17 @@ def bf16_matrix_units():
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
+def runs_device(overrides):
+    """What the runs train on: the GPU's name when they use CUDA (--device=cuda[:N], or the default
+    auto on a machine that has one), else the device's kind (cpu, mps)."""
+    device = next((a.split("=", 1)[1] for a in reversed(overrides) if a.startswith("--device=")), "auto")
+    try:
+        device = choose_device(device)
+    except ValueError:  # a device this machine lacks: the runs will say so, each in one line
+        return device
+    return torch.cuda.get_device_name(torch.device(device)) if device.startswith("cuda") else device
+
+
 def machine_peak():
     """The machine's matmul peak on all its cores, the denominator of the grid's efficiency: a
     2048^2 fp32 matmul, and a bf16 one where the CPU has bf16 units and it is faster there."""
@@ -357,7 +368,7 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
           f"{os.cpu_count()} cores, {identity.cpu_name()})")
     t0, finished, flops = time.time(), 0, 0
     record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": identity.cpu_name(),
-              "cores": os.cpu_count(), "torch": torch.__version__, **peak}
+              "cores": os.cpu_count(), "device": runs_device(overrides), "torch": torch.__version__, **peak}
     pool = ThreadPoolExecutor(workers)
     try:
         with tqdm(total=len(todo), desc=grid, unit="run") as bar:
