@@ -168,14 +168,14 @@ def run_dir(root, grid, method, seed):
 
 def runs_of(grid, root):
     """(method, seed, config, extra train.py arguments (GRID_ARGS, then the run's own), directory) of
-    every run of the grid, its
-    tables' methods (GRIDS) and its extra runs (EXTRA_RUNS), in seed-major order: every method's
-    first seed, then every method's second seed, ... so a grid cut short still holds paired runs."""
+    every run of the grid, its tables' methods (GRIDS) and its extra runs (EXTRA_RUNS), in seed-major
+    order: every method's first seed, then every method's second seed, ... so a grid cut short still
+    holds paired runs."""
     runs = {method: (config, SEEDS[:seeds] if isinstance(seeds, int) else list(seeds), ())
             for method, (config, seeds) in GRIDS[grid].items()}
     runs.update(EXTRA_RUNS.get(grid, {}))
     for seed in sorted({seed for _, seeds, _ in runs.values() for seed in seeds}):
         for method, (config, seeds, args) in runs.items():
             if seed in seeds:
-                yield (method, seed, config, (*GRID_ARGS.get(grid, ()), *(args(seed) if callable(args) else args)),
-                       run_dir(root, grid, method, seed))
+                own = args(seed) if callable(args) else args
+                yield method, seed, config, (*GRID_ARGS.get(grid, ()), *own), run_dir(root, grid, method, seed)

@@ -29,7 +29,7 @@ from tqdm import tqdm
 import checkpoint as checkpoints
 from errors import UsageError
 from tools import identity
-from tools.grids import run_dir, runs_of, stages
+from tools.grids import GRID_ARGS, run_dir, runs_of, stages
 from utils import atomic_write, choose_device, measure_matmul_flops, read_log, save_json, save_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -368,7 +368,7 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
           f"{os.cpu_count()} cores, {identity.cpu_name()})")
     t0, finished, flops = time.time(), 0, 0
     record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": identity.cpu_name(),
-              "cores": os.cpu_count(), "device": runs_device(overrides), "torch": torch.__version__, **peak}
+              "cores": os.cpu_count(), "device": runs_device([*GRID_ARGS.get(grid, ()), *overrides]), "torch": torch.__version__, **peak}
     pool = ThreadPoolExecutor(workers)
     try:
         with tqdm(total=len(todo), desc=grid, unit="run") as bar:
