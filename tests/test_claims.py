@@ -96,9 +96,12 @@ def test_released_form_claims_pair_with_the_paper_form_and_are_their_own_family(
     assert against_paper["mean"] == pytest.approx(sum(r - p for r, p in zip(released, paper_form)) / 4)
     ps = sorted([against_ce["p"], against_paper["p"]])
     assert sorted(p for _, _, p, _ in evaluated[:2]) == pytest.approx([2 * ps[0], max(2 * ps[0], ps[1])])
-    assert all(r is None and p is None and v == stats.NOT_SHOWN for _, r, p, v in evaluated[2:])
+    assert all(r is None and p is None and v == claims.NO_RUNS for _, r, p, v in evaluated[2:])
     table = "\n".join(claims.claims_table("lowres", runs, "CE", claims.FORM_CLAIMS, with_rule=False))
-    assert "Verdict rule" not in table and table.count("| no runs |") == 4
+    assert "Verdict rule" not in table and table.count("| no runs | — | no runs | — |") == 4
+    # the untested rows are neither "not shown" nor counted among the claims
+    assert table.endswith(" of 2 claims. 4 of the table's 6 rows have no runs in this archive: they are "
+                          "neither counted nor judged.")
     assert "| Dispersion | dispersion, authors' form | dispersion | HR PPL, against the paper's form ↓ |" in table
     papers = claims.evaluate_claims("lowres", runs, "CE")
     without = claims.evaluate_claims("lowres", {k: v for k, v in runs.items() if "authors" not in k}, "CE")

@@ -543,6 +543,18 @@ def test_a_new_run_records_its_identity_and_the_report_counts_pairs_across_machi
     assert record["cpu"] == identity.cpu_name() and len(record["commit"].split("+")[0]) in (40, len(identity.UNKNOWN))
 
 
+def test_the_machines_line_says_which_runs_trained_off_the_cpu():
+    """A GPU run's recorded CPU is only its host's: the line says how many runs trained on which
+    device, and says nothing of devices when every run trained on the CPU."""
+    from tools import identity
+    gpu = {"training": [{"device": "cuda", "seed": 1}], "commit": "abc", "cpu": "Host CPU"}
+    cpu = {"training": [{"device": "cpu", "seed": 1}], "commit": "abc", "cpu": "Host CPU"}
+    line = identity.machines_line([("a", "b")], {"a": gpu, "b": gpu, "c": cpu, "d": None})
+    assert line.endswith("CPUs recorded: Host CPU. 2 of the 4 runs trained on device=cuda: for them the CPU "
+                         "is the host's (the wall time below names the GPU where wall.json recorded it).")
+    assert identity.machines_line([("c", "c")], {"c": cpu, "d": None}).endswith("CPUs recorded: Host CPU.")
+
+
 def test_every_archived_run_is_the_run_its_grid_plans():
     """The rule for runs archived before run.json recorded its identity (their command resolved by
     today's config files) finds every archived run like its grid's plan: --table_only rebuilds."""

@@ -94,6 +94,7 @@ def claim(paper, method, quantity, value, direction, paper_says, paper_effect=No
 
 
 DESCRIPTION = "description, not a claim"
+NO_RUNS = "no runs"  # the method or its baseline has no runs in the archive: nothing was tested
 CHECK_WORDS = {stats.REPRODUCES: "check passed", stats.NOT_SHOWN: "check not shown",
                stats.CONTRADICTED: "check failed"}
 
@@ -253,7 +254,7 @@ RULE = ("Verdict rule, the same for every row: for each claim the seeds shared b
 def evaluate_claims(grid, runs, baseline, family=None):
     """[(claim, stats.paired result or None, Holm-adjusted p, verdict)] for the grid's claims in
     family (CLAIMS unless given; FORM_CLAIMS is the other), Holm-adjusted together; a claim whose
-    method or baseline has no runs yet gets None and "not shown"."""
+    method or baseline has no runs yet gets None and NO_RUNS, whatever its role."""
     rows = []
     for c in (CLAIMS if family is None else family).get(grid, []):
         values = paired_values(c, runs, baseline)
@@ -261,7 +262,10 @@ def evaluate_claims(grid, runs, baseline, family=None):
     adjusted = stats.holm([r["p"] if r and c["role"] != "description" else None for c, r in rows])
     out = []
     for (c, r), p in zip(rows, adjusted):
-        v = stats.verdict(r["mean"], p, c["direction"]) if r else stats.NOT_SHOWN
+        if r is None:
+            out.append((c, r, p, NO_RUNS))
+            continue
+        v = stats.verdict(r["mean"], p, c["direction"])
         out.append((c, r, p, DESCRIPTION if c["role"] == "description" else
                     CHECK_WORDS[v] if c["role"] == "check" else v))
     return out
@@ -277,7 +281,7 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
         "paper's effect in CI |", "|---|---|---|---|---|---|---|---|---|"]
     for c, r, p, v in evaluated:
         arrow = "↑" if c["direction"] > 0 else "↓"
-        ours = paired_cell(r, c["digits"], c["direction"]) if r else "no runs"
+        ours = paired_cell(r, c["digits"], c["direction"]) if r else NO_RUNS
         holm_p = "—" if p is None else (f"{p:.3f}" if p >= 0.001 else f"{p:.0e}")
         within = "—"
         if c["paper_effect"] is not None and r and r["low"] is not None:
@@ -287,7 +291,7 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
                      f"{arrow} | {c['paper_says']} | {ours} | {holm_p} | {v} | {within} |")
     counts = {k: sum(v == k for *_, v in evaluated)
               for k in (stats.REPRODUCES, stats.NOT_SHOWN, stats.CONTRADICTED)}
-    judged = [c for c, *_ in evaluated if c["role"] == "claim"]
+    judged = [c for c, *_, v in evaluated if c["role"] == "claim" and v != NO_RUNS]
     lines += ["", f"{counts[stats.REPRODUCES]} reproduce, {counts[stats.NOT_SHOWN]} not shown, "
               f"{counts[stats.CONTRADICTED]} contradicted, of {len(judged)} claims."]
     others = [f"{w.split(',')[0]}: {sum(v == w for *_, v in evaluated)}"
@@ -297,6 +301,10 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
         lines[-1] += (f" Beside them: {', '.join(others)}. A check tests only that a loss lowered the "
                       "quantity it penalises; a description is measured beside a claim the paper makes "
                       "about something else, and is not tested (it stays out of the Holm adjustment).")
+    untested = sum(v == NO_RUNS for *_, v in evaluated)
+    if untested:
+        lines[-1] += (f" {untested} of the table's {len(evaluated)} rows have no runs in this archive: "
+                      "they are neither counted nor judged.")
     return lines
 
 

@@ -131,7 +131,16 @@ def machines_line(pairs, identities):
         unknown += UNKNOWN in cpus
         mixed += UNKNOWN not in cpus and cpus[0] != cpus[1]
     cpus = sorted({(i or {}).get("cpu", UNKNOWN) for i in identities.values()} - {UNKNOWN})
-    return (f"Machines: of the {len(pairs)} pairs (a method and its baseline on one seed) these tables "
+    line = (f"Machines: of the {len(pairs)} pairs (a method and its baseline on one seed) these tables "
             f"compare, {mixed} pair runs made on different CPUs and {unknown} include a run whose CPU is not "
             "recorded (archived before run.json recorded it; tools/identity.py gives the rule). CPUs "
             f"recorded: {', '.join(cpus) or 'none'}.")
+    # device is a training key, so a pair never mixes devices; a GPU run's CPU is only its host
+    devices = [stages[-1].get("device", "cpu") for stages in
+               ((i or {}).get("training") or [{}] for i in identities.values())]
+    off_cpu = sorted({d for d in devices if d != "cpu"})
+    if off_cpu:
+        line += (f" {sum(d != 'cpu' for d in devices)} of the {len(devices)} runs trained on "
+                 f"device={', '.join(off_cpu)}: for them the CPU is the host's (the wall time below names "
+                 "the GPU where wall.json recorded it).")
+    return line
