@@ -673,7 +673,14 @@ def test_a_grid_trained_on_a_gpu_names_it_and_computes_no_cpu_efficiency(tmp_pat
         os.makedirs(tmp_path / "g", exist_ok=True)
         (tmp_path / "g" / "wall.json").write_text(json.dumps({"calls": [record]}))
         text = "\n".join(report.speed_summary("g", str(tmp_path), seconds, trained_on))
+        gpu_peak = "On a GPU that utils.GPU_PEAK_BF16_FLOPS lists, the peak is instead its datasheet's"
         if named:
             assert f"training on {named}" in text and "Efficiency: not computed" in text, text
+            assert gpu_peak in text
         else:
-            assert "training on" not in text and "**Efficiency = " in text, text
+            assert "training on" not in text and "**Efficiency = " in text and gpu_peak not in text, text
+    # a grid with a CPU call and a GPU call: the efficiency's scope says it counts the CPU's calls
+    (tmp_path / "g" / "wall.json").write_text(json.dumps({"calls": [{**call, "device": "cpu"},
+                                                                     {**call, "device": "NVIDIA H200"}]}))
+    text = "\n".join(report.speed_summary("g", str(tmp_path), seconds, {"cuda", "cpu"}))
+    assert "(the 1 call(s) whose runs counted their FLOPs on the CPU: 15 runs, 0.07 h)" in text, text

@@ -371,7 +371,8 @@ def speed_table(g):
                    for k in ("tokens_per_s", "ms_per_iter", "mfu")}
             wall = f"{sum(walls) / len(walls) / 60:.1f} min" if walls else "n/a"
             rows.append((method, len(g.results.get(method, {})), f"{med['tokens_per_s']:.0f}",
-                         f"{med['ms_per_iter']:.1f}", f"{med['mfu']:.2f}", wall))
+                         f"{med['ms_per_iter']:.1f}", f"{med['mfu']:.2f}" if med["mfu"] >= 0.01 else
+                         f"{med['mfu']:.1e}", wall))
     header = ["method", "runs", "median tokens/s per run", "median ms/iter", "median MFU",
               "mean wall time per run"]
     return ["", "## Speed", ""] + table_lines(header, rows), seconds
@@ -398,6 +399,9 @@ def speed_summary(grid, root, seconds, trained_on=()):
     calls = grid_calls(os.path.join(root, grid, "wall.json"))
     lines = ["", "MFU per run = model FLOPs (6N + attention) / that run's own measured fp32 2048² matmul "
              "peak on its thread(s), measured while other runs may share the machine."]
+    if "cuda" in trained_on:
+        lines[-1] += (" On a GPU that utils.GPU_PEAK_BF16_FLOPS lists, the peak is instead its "
+                      "datasheet's dense bf16 peak, whatever dtype the run trained in.")
     if not calls:
         return lines
     wall = sum(c["wall_s"] for c in calls)
@@ -420,7 +424,7 @@ def speed_summary(grid, root, seconds, trained_on=()):
         at_peak = sum(c["flops"] / c["peak_flops"] for c in counted)
         counted_wall = sum(c["wall_s"] for c in counted)
         scope = "" if len(counted) == len(calls) else \
-            (f" (the {len(counted)} call(s) whose runs counted their FLOPs: "
+            (f" (the {len(counted)} call(s) whose runs counted their FLOPs{' on the CPU' if gpus else ''}: "
              f"{sum(c['runs'] for c in counted)} runs, {counted_wall / 3600:.2f} h)")
         lines += ["", "**Efficiency = (grid FLOPs / peak) / wall time = "
                   f"{at_peak / counted_wall:.2f}**{scope}: {flops / 1e15:.3f} PFLOP executed (training, "
