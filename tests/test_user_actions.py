@@ -17,6 +17,7 @@ import pytest
 from test_train import REPO, TINY, train
 from test_user_errors import (ENV, SHORT, in_tmpfs, needs_namespaces, one_line, run, said_lines, snapshot,
                               train_command)
+from tools import grids
 
 
 @pytest.fixture(scope="module")
@@ -232,6 +233,24 @@ def test_compare_checks_its_overrides_before_any_run(tmp_path):
         one_line(result, 2, message)
         assert result.stdout == ""
     assert not any(os.path.exists(tmp_path / name) for name in ("r", "a", "res"))
+
+
+def test_a_grid_run_that_fails_is_one_line_with_its_own_error(tmp_path):
+    """A grid's train.py that fails (here: its data folder holds no dataset) once ended compare.py
+    with a RuntimeError traceback that said only "see train.out"; now it is one line naming the run,
+    with train.py's own error line and where its whole output is; exit status 1."""
+    empty = tmp_path / "no_data"
+    empty.mkdir()
+    args = ["--root", str(tmp_path / "r"), "--archive", str(tmp_path / "a"), "--results", str(tmp_path / "res"),
+            "--methods", "CE", "--seeds", "1337", "--workers", "1", f"--data_dir={empty}"]
+    result = run([sys.executable, "-m", "tools.compare", "lowres", *args])
+    train_out = os.path.join(grids.run_dir(str(tmp_path / "r"), "lowres", "CE", 1337), "train.out")
+    with open(train_out) as f:
+        own = [line for line in f.read().splitlines() if line.startswith("error: ")]
+    assert len(own) == 1, own
+    assert "Traceback" not in result.stderr and result.returncode == 1, result.stderr[-2000:]
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert "failed (train.py exit status 1)" in line and own[0][len("error: "):] in line and train_out in line
 
 
 def test_a_damaged_best_pt_at_the_final_evaluation_of_a_resume_is_one_line(tmp_path, data_dir, finished_run):

@@ -24,6 +24,7 @@ tools/runner.py runs the grid, tools/report.py writes results/<grid>.md and tool
 import argparse
 import os
 import signal
+import sys
 
 from configurator import TRAIN_RULES, check_values, parse_config, train_defaults
 from errors import UserError, end_with
@@ -128,3 +129,5 @@ if __name__ == "__main__":
         main()
     except UserError as e:  # the one place a problem the user can fix ends the process
         end_with(e)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: run_grid printed what stopped and what goes on
+        sys.exit(130)

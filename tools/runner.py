@@ -27,7 +27,7 @@ import torch
 from tqdm import tqdm
 
 import checkpoint as checkpoints
-from errors import UsageError
+from errors import UsageError, UserError
 from tools import identity
 from tools.grids import GRID_ARGS, run_dir, runs_of, stages
 from utils import atomic_write, choose_device, measure_matmul_flops, read_log, save_json, save_text
@@ -87,7 +87,10 @@ def run_stages(configs, seed, out_dir, threads, overrides, env, commands):
         if code != 0 and _stopping.is_set():  # stopped by this call: it saved a checkpoint to go on from
             raise Stopped()
         if code != 0:
-            raise RuntimeError(f"run failed ({code}): {' '.join(cmd)}; see {stage_dir}/train.out")
+            raise RunFailed(f"run {stage_dir} failed (train.py exit status {code}): "
+                            f"{last_line(os.path.join(stage_dir, 'train.out'))}; its whole output: "
+                            f"{os.path.join(stage_dir, 'train.out')}. The grid's other runs were stopped "
+                            "at a checkpoint; the next call goes on from there.")
         flops += run_flops(stage_dir) or 0
     return flops
 
@@ -99,6 +102,21 @@ _running, _running_lock, _stopping = set(), threading.Lock(), threading.Event()
 
 class Stopped(Exception):
     pass
+
+
+class RunFailed(UserError):
+    """A train.py process of the grid ended with an error (its own line is in its train.out)."""
+
+
+def last_line(path):
+    """The last line train.py wrote (a progress bar's \r-separated updates: the last one), which
+    for a train.py that failed on a UserError is its one-line error."""
+    try:
+        with open(path, errors="replace") as f:
+            lines = [line.split("\r")[-1].strip() for line in f.read().splitlines()]
+    except OSError:
+        return "(no train.out)"
+    return next((line for line in reversed(lines) if line), "(train.out is empty)")
 
 
 def run_process(cmd, out, env):
