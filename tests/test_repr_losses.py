@@ -610,3 +610,27 @@ def test_released_l2_repel_on_states_far_apart_is_its_norm_term_plus_a_constant(
     full, norm = near.clone().requires_grad_(), near.clone().requires_grad_()
     dispersion(full, 1.0, "l2_repel", "authors").backward(), dispersion(norm, 1.0, "l2_repel_norm", "authors").backward()
     assert not torch.allclose(full.grad, norm.grad, rtol=1e-2)
+
+
+def test_repulsion_measure_against_a_loop_over_the_released_formula():
+    """tools.repulsion (issue 40, T6): |gradient of the released l2_repel's repulsion| / |gradient of
+    its norm term|, against autograd through a float64 loop over the pairs of each sequence; 0 on
+    states as far apart as unit-variance ones, large where two states of a sequence nearly meet."""
+    from tools.repulsion import repulsion_to_norm
+
+    def brute(z):
+        z = z.double().detach().requires_grad_()
+        B, T, C = z.shape
+        repulsion = sum(torch.logsumexp(torch.stack([-(z[b, i] - z[b, j]).square().sum() + 1e-2
+                                                     for i in range(T) for j in range(T)]), 0)
+                        - 2 * math.log(T) for b in range(B)) / B
+        norm = 0.1 * sum(z[b, t, c] ** 2 for b in range(B) for t in range(T) for c in range(C)) / z.numel()
+        g_rep, = torch.autograd.grad(repulsion, z)
+        g_norm, = torch.autograd.grad(norm, z)
+        return (g_rep.norm() / g_norm.norm()).item()
+
+    far = 10 * randn(2, 5, 8, seed=3)
+    assert repulsion_to_norm(far) == 0.0 and brute(far) < 1e-30
+    near = randn(2, 5, 8, seed=4)
+    near[:, 1] = near[:, 0] + 0.1 * randn(2, 8, seed=5)  # one pair almost meets in each sequence
+    assert repulsion_to_norm(near) == pytest.approx(brute(near), rel=1e-4) and brute(near) > 1

@@ -253,6 +253,18 @@ def test_a_grid_run_that_fails_is_one_line_with_its_own_error(tmp_path):
     assert "failed (train.py exit status 1)" in line and own[0][len("error: "):] in line and train_out in line
 
 
+def test_repulsion_tool_reads_a_run_and_names_a_missing_dataset(tmp_path, finished_run, data_dir):
+    """tools.repulsion on a finished run's best.pt: a row per block; given a data folder without a
+    dataset, one line naming the checkpoint and the folder."""
+    best = os.path.join(finished_run, "best.pt")
+    result = run([sys.executable, "-m", "tools.repulsion", best, f"--data_dir={data_dir}", "--blocks=4"])
+    assert result.returncode == 0, result.stderr[-2000:]
+    import torch
+    n_layer = torch.load(best, map_location="cpu", weights_only=False)["model_config"]["n_layer"]
+    assert len([line for line in result.stdout.splitlines() if line[:3] in {f"| {k}" for k in range(1, 10)}]) == n_layer
+    one_line(run([sys.executable, "-m", "tools.repulsion", best, f"--data_dir={tmp_path}"]), 1, best, str(tmp_path))
+
+
 def test_a_damaged_best_pt_at_the_final_evaluation_of_a_resume_is_one_line(tmp_path, data_dir, finished_run):
     """best.pt truncated, then the run resumed to its end (once: a CheckpointError traceback from
     the final evaluation; later: a resume of the complete run changed nothing and printed how to

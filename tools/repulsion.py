@@ -1,0 +1,74 @@
+"""
+How much the released l2_repel's repulsion pushes on a checkpoint's states (issue 40, T6).
+
+The released l2_repel (losses.dispersion, variant "l2_repel", form "authors") is a log-sum-exp of
+-|z_i - z_j|^2 over the pairs of one sequence's states, plus the norm term 0.1 * mean(z^2). The
+squared distances are not divided by C, so on states as spread as unit-variance 128-channel ones
+every off-diagonal exp(-|z_i - z_j|^2) is 0 in float32 and the gradient is the norm term's alone.
+This measures, on a checkpoint's states over the first val blocks, whether that holds: per block
+output, the median squared distance between two states of a sequence, the share of pairs closer
+than CLOSE, and |gradient of the repulsion| / |gradient of the norm term|.
+
+    python -m tools.repulsion out/compare/lowres/<method>/seed1337/best.pt [more checkpoints]
+"""
+
+import argparse
+import os
+
+import torch
+
+import losses
+from errors import UserError, end_with
+from evaluate import load_model, val_blocks
+
+CLOSE = 10.0  # a squared distance whose exp(-d) (4.5e-5) is still seen beside the diagonal's 1
+
+
+def repulsion_to_norm(z):
+    """|d repulsion / dz| / |d norm term / dz| for one layer's states z (B,T,C), where repulsion
+    is the released l2_repel less its norm term (losses._dispersion_l2_repel, form "authors")."""
+    z = z.detach().requires_grad_()
+    full, = torch.autograd.grad(losses._dispersion_l2_repel(z, 1.0, "authors"), z)
+    norm, = torch.autograd.grad(losses._dispersion_l2_repel_norm(z, 1.0, "authors"), z)
+    return ((full - norm).norm() / norm.norm()).item()
+
+
+def layer_rows(model, x):
+    """[(block, median squared distance, share of pairs closer than CLOSE, repulsion / norm)] of
+    every block's output on the token blocks x (B,T), the layers the dispersion losses read."""
+    with torch.no_grad():
+        _, hidden_states = model(x, return_hidden_states=True)
+    off_diagonal = ~torch.eye(x.size(1), dtype=torch.bool)
+    rows = []
+    for block, z in enumerate(hidden_states[1:model.config.n_layer + 1], 1):
+        squared = torch.cdist(z.double(), z.double()).square()[:, off_diagonal]
+        rows.append((block, squared.median().item(), (squared < CLOSE).double().mean().item(),
+                     repulsion_to_norm(z)))
+    return rows
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
+    parser.add_argument("checkpoints", nargs="+", help="best.pt or ckpt.pt files written by train.py")
+    parser.add_argument("--blocks", type=int, default=96, help="val blocks (sequences) to read")
+    parser.add_argument("--data_dir", help="default: the checkpoint's own data_dir")
+    args = parser.parse_args(argv)
+    for path in args.checkpoints:
+        model, checkpoint = load_model(path)
+        data_dir = args.data_dir or checkpoint["config"]["data_dir"]
+        if not os.path.exists(os.path.join(data_dir, "meta.json")):
+            raise UserError(f"{path}: its data_dir '{data_dir}' holds no dataset; give --data_dir")
+        x, _ = val_blocks(data_dir, model.config.block_size)
+        print(f"{path} (first {min(args.blocks, len(x))} val blocks)\n")
+        print("| block | median squared distance | pairs closer than 10 | repulsion / norm term (gradient) |")
+        print("|---|---|---|---|")
+        for block, median, close, ratio in layer_rows(model, x[:args.blocks]):
+            print(f"| {block} | {median:.0f} | {100 * close:.2f} % | {ratio:.3g} |")
+        print()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:  # the one place a problem the user can fix ends the process
+        end_with(e)
