@@ -122,6 +122,13 @@ def first_difference(trained, planned):
     return None
 
 
+def run_devices(identities):
+    """The device each run trained on (its last stage's `device` key; cpu when not recorded).
+    identities: {directory: of_run's identity or None}."""
+    return [stages[-1].get("device", "cpu") for stages in
+            ((i or {}).get("training") or [{}] for i in identities.values())]
+
+
 def machines_line(pairs, identities):
     """A sentence for the report: how many of the compared pairs mix CPUs. pairs: [(run, run)] of
     run directories; identities: {directory: of_run's identity or None}."""
@@ -136,8 +143,7 @@ def machines_line(pairs, identities):
             "recorded (archived before run.json recorded it; tools/identity.py gives the rule). CPUs "
             f"recorded: {', '.join(cpus) or 'none'}.")
     # device is a training key, so a pair never mixes devices; a GPU run's CPU is only its host
-    devices = [stages[-1].get("device", "cpu") for stages in
-               ((i or {}).get("training") or [{}] for i in identities.values())]
+    devices = run_devices(identities)
     off_cpu = sorted({d for d in devices if d != "cpu"})
     if off_cpu:
         line += (f" {sum(d != 'cpu' for d in devices)} of the {len(devices)} runs trained on "

@@ -138,9 +138,7 @@ def build_table(grid, root):
         lines += transition.per_seed_table(g) + embedding_geometry_table(g)
     lines += hidden_geometry_table(g) + marginalization_table(g)
     speed_lines, seconds = speed_table(g)
-    trained_on = {stage.get("device") for i in identities.values() if i and i.get("training")
-                  for stage in i["training"]}
-    lines += speed_lines + speed_summary(grid, root, seconds, trained_on)
+    lines += speed_lines + speed_summary(grid, root, seconds, set(identity.run_devices(identities)))
     return "\n".join(lines) + "\n", g.results
 
 

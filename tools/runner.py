@@ -87,10 +87,10 @@ def run_stages(configs, seed, out_dir, threads, overrides, env, commands):
         if code != 0 and _stopping.is_set():  # stopped by this call: it saved a checkpoint to go on from
             raise Stopped()
         if code != 0:
-            raise RunFailed(f"run {stage_dir} failed (train.py exit status {code}): "
-                            f"{last_line(os.path.join(stage_dir, 'train.out'))}; its whole output: "
-                            f"{os.path.join(stage_dir, 'train.out')}. The grid's other runs were stopped "
-                            "at a checkpoint; the next call goes on from there.")
+            train_out = os.path.join(stage_dir, "train.out")
+            raise RunFailed(f"run {stage_dir} failed (train.py exit status {code}): {last_line(train_out)}; "
+                            f"its whole output: {train_out}. The grid's other runs were stopped at a "
+                            "checkpoint; the next call goes on from there.")
         flops += run_flops(stage_dir) or 0
     return flops
 
@@ -109,11 +109,11 @@ class RunFailed(UserError):
 
 
 def last_line(path):
-    """The last line train.py wrote (a progress bar's \r-separated updates: the last one), which
+    """The last line train.py wrote (splitlines also splits a progress bar's \r updates), which
     for a train.py that failed on a UserError is its one-line error."""
     try:
         with open(path, errors="replace") as f:
-            lines = [line.split("\r")[-1].strip() for line in f.read().splitlines()]
+            lines = [line.strip() for line in f.read().splitlines()]
     except OSError:
         return "(no train.out)"
     return next((line for line in reversed(lines) if line), "(train.out is empty)")
