@@ -222,6 +222,50 @@ def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monk
     assert os.path.exists(os.path.join(out, "metrics.json"))
 
 
+def test_a_call_killed_without_warning_keeps_its_record_in_wall_json(tmp_path):
+    """compare.py killed by SIGKILL (no chance to clean up) after its first of two runs finished:
+    wall.json still holds the call, with that run and its FLOPs, since the record is written at the
+    start and rewritten as runs finish; the next call adds its own record beside it."""
+    import signal
+    import subprocess
+    import time
+    import prepare_shakespeare
+    text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
+    (tmp_path / "input.txt").write_text(text)
+    prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
+    root, archive = str(tmp_path / "runs"), str(tmp_path / "archive")
+    command = [sys.executable, "-m", "tools.compare", "lowres", f"--root={root}", f"--archive={archive}",
+               f"--results={tmp_path / 'results'}", "--methods", "CE", "--seeds", "1337", "1338", "--workers=1",
+               f"--data_dir={tmp_path / 'data'}", "--eval_interval=3", "--eval_iters=1", "--warmup_iters=1",
+               "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--max_iters=6"]
+    grid = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wall_path = os.path.join(archive, "lowres", "wall.json")
+    deadline, calls = time.time() + 120, []
+    while time.time() < deadline and grid.poll() is None:
+        calls = runner.grid_calls(wall_path) if os.path.exists(wall_path) else []
+        if calls and calls[0]["runs"] == 1:
+            break
+        time.sleep(0.05)
+    grid.send_signal(signal.SIGKILL)
+    _, stderr = grid.communicate(timeout=60)
+    assert calls and calls[0]["runs"] == 1, stderr[-2000:]
+    for pid in filter(str.isdigit, os.listdir("/proc")):  # the second run's train.py, orphaned
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if root.encode() in f.read():
+                    os.kill(int(pid), signal.SIGKILL)
+        except OSError:
+            pass
+    (killed,) = runner.grid_calls(wall_path)
+    first = grids.run_dir(archive, "lowres", "CE", 1337)
+    with open(os.path.join(first, "metrics.json")) as f:
+        run_flops = json.load(f)["flops"]["total"]
+    assert killed["runs"] == 1 and killed["flops"] == run_flops > 0 and killed["wall_s"] > 0
+    subprocess.run(command, cwd=REPO, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    before, after = runner.grid_calls(wall_path)
+    assert before == killed and after["runs"] == 1 and after["call"] != killed["call"]
+
+
 def test_efficiency_sums_calls_and_says_when_runs_did_not_count(tiny_grid):
     """A grid run in several compare.py calls: its wall time is the sum of theirs, and its
     efficiency sum(FLOPs_i / peak_i) / sum(wall_i) over the calls whose runs counted FLOPs."""

@@ -5,22 +5,23 @@ finishes, and a run another grid already made copied rather than trained again. 
 is its command line.
 
 Each run is `python train.py <config> --seed=S [its own arguments] --out_dir=<root>/<grid>/<method>/seed<S>`.
-(or `kill`) stops a call cleanly: train.py finishes its step and saves it, the call's wall time
+Ctrl-C (or `kill`) stops a call cleanly: train.py finishes its step and saves it, the call's wall time
 is recorded, and the runs it stopped go on from exactly there next time. Runs go `workers` at a
 time, each on cores/workers threads (two 1-thread processes keep both cores of a laptop busier
 than one 2-thread process). Before a call starts its runs it measures the machine's matmul peak on
-all cores; wall.json keeps one record per call, from which tools/report.py computes the grid's
-efficiency.
+all cores; wall.json keeps one record per call, rewritten while the call runs, from which
+tools/report.py computes the grid's efficiency.
 """
 
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import numpy as np
 import torch
@@ -33,6 +34,7 @@ from tools.grids import GRID_ARGS, run_dir, runs_of, stages
 from utils import atomic_write, choose_device, measure_matmul_flops, read_log, save_json, save_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECORD_EVERY_S = 60  # how often a running call rewrites its wall.json record
 
 
 def launch(config, seed, out_dir, threads, overrides):
@@ -385,22 +387,33 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
     print(f"machine peak: {peak['peak_flops'] / 1e9:.0f} GFLOP/s ({peak['peak_dtype']} 2048^2 matmul on "
           f"{os.cpu_count()} cores, {identity.cpu_name()})")
     t0, finished, flops = time.time(), 0, 0
-    record = {"runs": 0, "workers": workers, "threads_per_run": threads, "cpu": identity.cpu_name(),
-              "cores": os.cpu_count(), "device": runs_device([*GRID_ARGS.get(grid, ()), *overrides]), "torch": torch.__version__, **peak}
+    wall_path = os.path.join(archive, grid, "wall.json")
+    record = {"call": f"pid {os.getpid()} on {socket.gethostname()}, started {t0:.3f}", "runs": 0,
+              "workers": workers, "threads_per_run": threads, "cpu": identity.cpu_name(),
+              "cores": os.cpu_count(), "device": runs_device([*GRID_ARGS.get(grid, ()), *overrides]),
+              "torch": torch.__version__, **peak, "wall_s": 0.0, "flops": 0}
+    # the record is written now and rewritten each minute and at each finished run, so a call killed
+    # without warning (SIGKILL, a machine's end) still counts all but its last minute
+    record_call(wall_path, record)
     pool = ThreadPoolExecutor(workers)
     try:
         with tqdm(total=len(todo), desc=grid, unit="run") as bar:
             futures = {pool.submit(launch, config, seed, out, threads, [*args, *overrides]):
                        (method, seed, out)
                        for method, seed, config, args, out in todo}
-            for future in as_completed(futures):
-                future.result()
-                method, seed, out = futures[future]
-                archive_run(out, run_dir(archive, grid, method, seed))
-                finished += 1
-                run = run_flops(out)
-                flops = None if flops is None or run is None else flops + run
-                bar.update(1)
+            pending = set(futures)
+            while pending:
+                done_now, pending = wait(pending, timeout=RECORD_EVERY_S, return_when=FIRST_COMPLETED)
+                for future in done_now:
+                    future.result()
+                    method, seed, out = futures[future]
+                    archive_run(out, run_dir(archive, grid, method, seed))
+                    finished += 1
+                    run = run_flops(out)
+                    flops = None if flops is None or run is None else flops + run
+                    bar.update(1)
+                record.update(wall_s=time.time() - t0, runs=finished, flops=flops)
+                record_call(wall_path, record)
     except BaseException:  # Ctrl-C, SIGTERM or a failed run: stop everything, keep what finished
         pool.shutdown(wait=False, cancel_futures=True)
         stopped = stop_runs()
@@ -412,15 +425,21 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
         pool.shutdown(wait=True)
         _stopping.clear()
         record.update(wall_s=time.time() - t0, runs=finished, flops=flops)
-        record_call(os.path.join(archive, grid, "wall.json"), record)
+        record_call(wall_path, record)
     return record["wall_s"]
 
 
 def record_call(path, record):
-    """Append one compare.py call's record to wall.json (a grid may take several calls, in
-    several sessions: its wall time is the sum of theirs)."""
+    """Write one compare.py call's record into wall.json: appended, or in place of the record with
+    its `call` id (a grid may take several calls, in several sessions: its wall time is the sum of
+    theirs)."""
     calls = grid_calls(path)
-    save_json({"calls": calls + [record]}, path)
+    same = [i for i, c in enumerate(calls) if "call" in record and c.get("call") == record["call"]]
+    if same:
+        calls[same[0]] = record
+    else:
+        calls.append(record)
+    save_json({"calls": calls}, path)
 
 
 def grid_calls(path):
