@@ -19,7 +19,10 @@ def parallelize_then_stop(*args, **kwargs):
     parallelize(*args, **kwargs)
     with open("/proc/self/status") as status:
         peak_kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
-    print(f"setup peak rss rank {os.environ.get('RANK', 0)}: {peak_kib * 1024} bytes", flush=True)
+    # one write of the whole line: print() writes the text and its newline apart, and under
+    # PYTHONUNBUFFERED the two processes' lines could run together on the shared pipe
+    sys.stdout.write(f"setup peak rss rank {os.environ.get('RANK', 0)}: {peak_kib * 1024} bytes\n")
+    sys.stdout.flush()
     parallelism.shutdown()
     sys.exit(0)
 
