@@ -22,6 +22,14 @@ def fake_metrics(acc_lr, ppl_hr):
             "translations": {"twin_top3_fraction": 0.1, "cases_12": 2, "cases_letters": 30, "cases_letters_total": 312}}
 
 
+def tiny_dataset(tmp_path):
+    """A two-line character dataset in tmp_path/data, prepared as tiny Shakespeare is."""
+    import prepare_shakespeare
+    text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
+    (tmp_path / "input.txt").write_text(text)
+    prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
+
+
 @pytest.fixture
 def tiny_grid(tmp_path, monkeypatch):
     monkeypatch.setitem(grids.GRIDS, "tiny", {"ce": ("config/lowres_baseline.py", 2),
@@ -66,10 +74,7 @@ def test_existing_runs_are_skipped_and_archived(tiny_grid, tmp_path):
 
 
 def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch):
-    import prepare_shakespeare
-    text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
-    (tmp_path / "input.txt").write_text(text)
-    prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
+    tiny_dataset(tmp_path)
     monkeypatch.setitem(grids.GRIDS, "mini", {"CE": ("config/lowres_baseline.py", 1),
                                                 "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), 1)})
     monkeypatch.chdir(REPO)
@@ -163,10 +168,7 @@ def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monk
     wall.json, and the next call continues a stopped run from its last checkpoint."""
     import subprocess
     import time
-    import prepare_shakespeare
-    text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
-    (tmp_path / "input.txt").write_text(text)
-    prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
+    tiny_dataset(tmp_path)
     root, archive = str(tmp_path / "runs"), str(tmp_path / "archive")
     tiny = [f"--data_dir={tmp_path / 'data'}", "--eval_interval=3", "--eval_iters=1", "--warmup_iters=1",
             "--n_layer=1", "--n_embd=16", "--n_head=2", "--block_size=16", "--log_interval=1"]
@@ -229,10 +231,7 @@ def test_a_call_killed_without_warning_keeps_its_record_in_wall_json(tmp_path):
     import signal
     import subprocess
     import time
-    import prepare_shakespeare
-    text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
-    (tmp_path / "input.txt").write_text(text)
-    prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
+    tiny_dataset(tmp_path)
     root, archive = str(tmp_path / "runs"), str(tmp_path / "archive")
     command = [sys.executable, "-m", "tools.compare", "lowres", f"--root={root}", f"--archive={archive}",
                f"--results={tmp_path / 'results'}", "--methods", "CE", "--seeds", "1337", "1338", "--workers=1",
