@@ -1,6 +1,7 @@
 """tools/compare.py and its parts (grids, runner, report): the results table from known metrics files,
 resumability, run reuse, the grids' commands."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -28,6 +29,19 @@ def tiny_dataset(tmp_path):
     text = "\n".join("And the king shall jest, Away!" if i % 2 else "QUEEN: so my lord? Ho, mercy." for i in range(400))
     (tmp_path / "input.txt").write_text(text)
     prepare_shakespeare.prepare(input_path=str(tmp_path / "input.txt"), out_dir=str(tmp_path / "data"))
+
+
+def processes_naming(path):
+    """The pids of the running processes whose command line contains path."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if path.encode() in f.read():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
 
 
 @pytest.fixture
@@ -195,15 +209,7 @@ def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monk
     with open(os.path.join(archive, "lowres", "wall.json")) as f:
         (call,) = json.load(f)["calls"]
     assert call["runs"] == 0 and call["flops"] == 0 and call["wall_s"] > 0
-    left = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if root.encode() in f.read():
-                    left.append(pid)
-        except OSError:
-            pass
-    assert left == [], "train.py processes outlived compare.py"
+    assert processes_naming(root) == [], "train.py processes outlived compare.py"
     with open(os.path.join(out, "ckpt.json")) as f:
         stopped_at = json.load(f)["iter_num"]
     with open(os.path.join(out, "stopped_wall.json")) as f:  # the stopped call's time on this run
@@ -248,13 +254,9 @@ def test_a_call_killed_without_warning_keeps_its_record_in_wall_json(tmp_path):
     grid.send_signal(signal.SIGKILL)
     _, stderr = grid.communicate(timeout=60)
     assert calls and calls[0]["runs"] == 1, stderr[-2000:]
-    for pid in filter(str.isdigit, os.listdir("/proc")):  # the second run's train.py, orphaned
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if root.encode() in f.read():
-                    os.kill(int(pid), signal.SIGKILL)
-        except OSError:
-            pass
+    for pid in processes_naming(root):  # the second run's train.py, orphaned
+        with contextlib.suppress(ProcessLookupError):  # unless it has just finished
+            os.kill(pid, signal.SIGKILL)
     (killed,) = runner.grid_calls(wall_path)
     first = grids.run_dir(archive, "lowres", "CE", 1337)
     with open(os.path.join(first, "metrics.json")) as f:
