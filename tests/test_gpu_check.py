@@ -63,7 +63,8 @@ def test_smoke_runs_every_section_on_the_cpu(tmp_path, bpe_data):
     for name in gpu_measurements.LOSS_COSTS:
         assert f"| {name} |" in sections[4]
     if not fsdp:
-        assert "bit-identical" in sections[7] and "NOT bit-identical" not in sections[7]
+        # the CPU's kernels are deterministic: the round trip, the resumed run and a second run all exact
+        assert sections[7].count("| 0.0e+00 (bit-identical) |") == 3, sections[7]
     if bpe_data:
         assert "sample.py" in sections[8] and "validation loss at step 0" in sections[8]
 

@@ -24,8 +24,9 @@ so far and its one-line error, and the next one runs):
                     cross-entropy's transient against the plan's (which measures the CPU path)
     6 MoE 8x1B      config/baseline_moe_8x1b.py cut to 2 blocks: ms per step, the router's loss, the
                     share of slots dropped
-    7 checkpoint    DCP save and load at the 1.3B width (4 blocks): GB/s, and three steps with a
-                    save and load after the first equal to three uninterrupted steps
+    7 checkpoint    DCP save and load at the 1.3B width (4 blocks): GB/s; the states read back equal
+                    to those written, bit for bit; three steps with a save and load after the first
+                    against three uninterrupted steps, beside two uninterrupted runs' difference
     8 end to end    train.py config/c4_tiny.py for 200 steps, compiled, on data prepared beforehand,
                     then sample.py from its best.pt
 

@@ -294,7 +294,44 @@ def moe_8x1b(check):
 
 # 7 -------------------------------------------------------------------------------------------
 
+def full_state(modules, optimizers):
+    """Every tensor and number of the model's and optimizers' states, by DCP's own keys, gathered whole
+    and copied (so that it survives the run that produced it)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.tensor import DTensor
+    flat = {}
+
+    def walk(prefix, value):
+        if isinstance(value, dict):
+            for key, item in value.items():
+                walk(f"{prefix}.{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                walk(f"{prefix}.{i}", item)
+        elif isinstance(value, torch.Tensor):
+            flat[prefix] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        else:
+            flat[prefix] = value
+    model_state, optimizer_state = get_state_dict(modules, optimizers)
+    walk("model", model_state)
+    walk("optimizers", optimizer_state)
+    return flat
+
+
+def largest_difference(a, b):
+    """max |a - b| over the tensors of two full_state()s (inf where their keys or other values differ)."""
+    if a.keys() != b.keys() or any(a[k] != b[k] for k in a if not isinstance(a[k], torch.Tensor)):
+        return math.inf
+    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a if isinstance(a[k], torch.Tensor)),
+               default=0.0)
+
+
 def checkpoint_dcp(check):
+    """Save and load through DCP. The checkpoint's own property is exact and is the section's test: the
+    states read back equal the states written, bit for bit. Three steps with a save and load after the
+    first are then compared with three uninterrupted ones, beside how far two uninterrupted runs differ:
+    on a device whose kernels are not deterministic even two identical runs can differ (one H200 gave
+    1.3e-4 or 0 from call to call, for either pair), so that comparison is reported, not judged."""
     layers = check.sizes["ckpt_layers"]
     config = check.config("config/baseline_1b3.py", n_layer=layers, batch_size=2, global_batch_size=2,
                           compile=False)
@@ -302,38 +339,49 @@ def checkpoint_dcp(check):
     batches = [random_batches(config, 2, 1, check.device, seed=s) for s in range(3)]
 
     def fresh():
-        return build(check, config, fsdp=True)
-    model, objective, optimizers, scaler = fresh()
-    for b in batches:
-        train_step(model, objective, optimizers, scaler, b, check.autocast)
-    uninterrupted = {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-    del model, objective, optimizers
+        model, objective, optimizers, scaler = build(check, config, fsdp=True)
+        return model, torch.nn.ModuleDict({"model": model, "objective": objective}), optimizers, scaler
 
-    model, objective, optimizers, scaler = fresh()
-    train_step(model, objective, optimizers, scaler, batches[0], check.autocast)
-    modules = torch.nn.ModuleDict({"model": model, "objective": objective})
+    def uninterrupted_run():
+        model, modules, optimizers, scaler = fresh()
+        for b in batches:
+            train_step(model, modules["objective"], optimizers, scaler, b, check.autocast)
+        return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
+    uninterrupted, again = uninterrupted_run(), uninterrupted_run()
+
+    model, modules, optimizers, scaler = fresh()
+    train_step(model, modules["objective"], optimizers, scaler, batches[0], check.autocast)
+    written = full_state(modules, optimizers)
     with tempfile.TemporaryDirectory() as directory:
         save_s, _ = timed(check, lambda: checkpoint.save_sharded(directory, modules, optimizers))
         size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-        del model, objective, optimizers, modules
-        model, objective, optimizers, scaler = fresh()
-        modules = torch.nn.ModuleDict({"model": model, "objective": objective})
+        del model, modules, optimizers
+        model, modules, optimizers, scaler = fresh()
         load_s, _ = timed(check, lambda: checkpoint.load_sharded(directory, modules, optimizers))
+    read_back = largest_difference(written, full_state(modules, optimizers))
+    del written
     for b in batches[1:]:
-        train_step(model, objective, optimizers, scaler, b, check.autocast)
+        train_step(model, modules["objective"], optimizers, scaler, b, check.autocast)
     resumed = {k: v.full_tensor().detach() for k, v in model.state_dict().items()}
+    noise = max((again[k].float() - uninterrupted[k].float()).abs().max().item() for k in again)
     difference = max((resumed[k].float() - uninterrupted[k].float()).abs().max().item() for k in resumed)
-    identical = all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
+
+    def exactly(d):
+        return f"{d:.1e}" + (" (bit-identical)" if d == 0 else "")
     check.line(f"baseline_1b3.py's width (2048) at {layers} blocks, FSDP on one process: model and AdamW "
                "states through torch.distributed.checkpoint (checkpoint.save_sharded / load_sharded) on "
                "local disk.\n")
     check.table(["figure", "measured"], [
         ("checkpoint size, GB", f"{size / 1e9:.2f}"), ("save, GB/s", f"{size / 1e9 / save_s:.2f}"),
         ("load, GB/s", f"{size / 1e9 / load_s:.2f}"),
-        ("3 steps with a save and load after the first vs 3 uninterrupted: max |difference|",
-         f"{difference:.1e} ({'bit-identical' if identical else 'NOT bit-identical'})")])
-    if difference > 1e-6:
-        raise RuntimeError(f"the resumed weights differ from the uninterrupted run's by {difference:.1e}")
+        ("states read back vs written (weights, AdamW moments, step counts): max |difference|",
+         exactly(read_back)),
+        ("3 steps with a save and load after the first vs 3 uninterrupted: max |difference| of the weights",
+         exactly(difference)),
+        ("two uninterrupted runs of 3 steps: max |difference| of the weights (the device's run-to-run noise)",
+         exactly(noise))])
+    if read_back != 0:
+        raise RuntimeError(f"the states read back differ from those written by {read_back:.1e}")
 
 
 # 8 -------------------------------------------------------------------------------------------
