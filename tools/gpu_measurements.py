@@ -319,7 +319,8 @@ def full_state(modules, optimizers):
 
 
 def largest_difference(a, b):
-    """max |a - b| over the tensors of two full_state()s (inf where their keys or other values differ)."""
+    """max |a - b| over the tensors of two flat states ({key: tensor or number}, as full_state gives);
+    inf where their keys or their numbers differ."""
     if a.keys() != b.keys() or any(a[k] != b[k] for k in a if not isinstance(a[k], torch.Tensor)):
         return math.inf
     return max(((a[k].float() - b[k].float()).abs().max().item() for k in a if isinstance(a[k], torch.Tensor)),
@@ -363,8 +364,7 @@ def checkpoint_dcp(check):
     for b in batches[1:]:
         train_step(model, modules["objective"], optimizers, scaler, b, check.autocast)
     resumed = {k: v.full_tensor().detach() for k, v in model.state_dict().items()}
-    noise = max((again[k].float() - uninterrupted[k].float()).abs().max().item() for k in again)
-    difference = max((resumed[k].float() - uninterrupted[k].float()).abs().max().item() for k in resumed)
+    noise, difference = largest_difference(again, uninterrupted), largest_difference(resumed, uninterrupted)
 
     def exactly(d):
         return f"{d:.1e}" + (" (bit-identical)" if d == 0 else "")
