@@ -38,7 +38,6 @@ loss does not change with the number of GPUs as long as batch_size does.
 import contextlib
 import functools
 import gc
-import inspect
 import math
 import os
 
@@ -121,6 +120,7 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
     assert parallel == "fsdp", parallel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
     world, mesh_device = dist.get_world_size(), "cuda" if device.startswith("cuda") else "cpu"
     if shard_size and shard_size < world:  # (replicate, shard): FSDP2 over a 2-D mesh is hybrid sharding
         mesh = init_device_mesh(mesh_device, (world // shard_size, shard_size),
@@ -129,10 +129,7 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
         mesh = init_device_mesh(mesh_device, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shards = mesh.size(mesh.ndim - 1)
-    placed = {}
-    if PLACES_SHARDS:
-        from torch.distributed.tensor import Shard
-        placed = {"shard_placement_fn": lambda p: Shard(shard_dim(p.shape, shards))}
+    placed = {"shard_placement_fn": lambda p: Shard(shard_dim(p.shape, shards))}
     for block in model.h:
         fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered, **placed)
     # the root holds the embeddings, ln_f and the LM head; FSDP2 keeps a root's parameters
@@ -231,23 +228,13 @@ def local_rows(full, sharded):
 
 # FSDP2 cuts a parameter on dim 0 and pads it to a multiple of the ranks: a MoE's (8, hidden, C)
 # experts on 64 ranks would be 8 rows on 8 ranks and none on 56, each all-gather 8x the weights.
-# fully_shard's shard_placement_fn (torch >= 2.6) cuts another dimension, which must divide evenly.
-def _places_shards():
-    try:
-        from torch.distributed.fsdp import fully_shard
-    except ImportError:  # a torch built without distributed
-        return False
-    return "shard_placement_fn" in inspect.signature(fully_shard).parameters
-
-
-PLACES_SHARDS = _places_shards()
-
-
+# fully_shard's shard_placement_fn (torch >= 2.6, the floor of requirements.txt) cuts another
+# dimension, which must divide evenly.
 def shard_dim(shape, shards):
     """The dimension FSDP cuts a parameter of `shape` on over `shards` ranks: 0 where `shards`
     divides it (FSDP2's own), else the first dimension that it divides (the hidden dimension of
-    stacked experts), else 0, padded (all of them on a torch without shard_placement_fn)."""
-    if not PLACES_SHARDS or not shape:
+    stacked experts), else 0, padded."""
+    if not shape:
         return 0
     return next((d for d, n in enumerate(shape) if n % shards == 0), 0)
 
@@ -273,8 +260,8 @@ def padding_note(named_parameters, shards):
     extra = sum(e for e, _, _ in padded)
     # the most padded
     names = ", ".join(f"{n} {s}" for _, n, s in padded[:3]) + (" ..." if len(padded) > 3 else "")
-    why = "no dimension divides" if PLACES_SHARDS else "this torch cuts dim 0 only"
-    return (f"note: fsdp pads {len(padded)} parameters to a multiple of {shards} ranks ({why}: {names}): "
+    return (f"note: fsdp pads {len(padded)} parameters to a multiple of {shards} ranks "
+            f"(no dimension divides: {names}): "
             f"its all-gathers and reduce-scatters move {100 * extra / total:.1f} % more than the weights")
 
 

@@ -445,18 +445,16 @@ def test_moe_shards_on_a_dimension_the_ranks_divide_and_the_plan_counts_the_padd
     them on E ranks and pad every all-gather to ranks/E times the weights; parallelism.shard_dim cuts
     them on the hidden dimension. The 8x1B on 64 ranks: each holds (8, 88, 2048) of each expert
     weight and nothing is padded, so the plan's bytes and memory are the weights'. Where no dimension
-    divides (or on a torch without shard_placement_fn), the plan counts the padding and says so."""
-    assert parallelism.shard_dim((8, 5632, 2048), 64) == (1 if parallelism.PLACES_SHARDS else 0)
+    divides, the plan counts the padding and says so."""
+    assert parallelism.shard_dim((8, 5632, 2048), 64) == 1
     assert parallelism.shard_dim((50304, 2048), 64) == 0  # the router's (8, 2048): dim 1, as the experts'
-    assert parallelism.shard_dim((8, 2048), 64) == (1 if parallelism.PLACES_SHARDS else 0)
+    assert parallelism.shard_dim((8, 2048), 64) == 1
     assert parallelism.padded_numel((2, 30, 18), 4) == 4 * 30 * 18  # nothing divides 4: 2 experts padded to 4
     assert parallelism.padded_numel((10, 3), 4) == 12 * 3  # torch.chunk's rows: 3, 3, 3, 1, padded to 3 each
     config = {**config_of("config/simreg_moe_8x1b.py"), "batch_size": 8}
     p = plan.make_plan(config, 64, measure=False)
     model, objective = memory.meta_model(config, plan.run_vocab(config))
     n = model.num_params()
-    if not parallelism.PLACES_SHARDS:
-        pytest.skip(f"torch {torch.__version__} has no shard_placement_fn: FSDP pads the experts (the plan says so)")
     assert p["padding"] is None and sum(memory.fsdp_units(model, 64)[0]) + memory.fsdp_units(model, 64)[1] == n
     assert p["communication"]["all_gather"] == pytest.approx(63 / 64 * 2 * n)  # bf16, kept gathered: once a step
     assert p["communication"]["reduce_scatter"] == pytest.approx(63 / 64 * 4 * n)
