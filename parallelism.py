@@ -129,18 +129,20 @@ def parallelize(model, objective, parallel, device, param_dtype=None, unused_par
         mesh = init_device_mesh(mesh_device, (world,))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     shards = mesh.size(mesh.ndim - 1)
-    placed = {"shard_placement_fn": lambda p: Shard(shard_dim(p.shape, shards))}
+    def placement(p):  # each parameter cut on a dimension the shard count divides, where one does
+        return Shard(shard_dim(p.shape, shards))
     for block in model.h:
-        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered, **placed)
+        fully_shard(block, mesh=mesh, mp_policy=policy, reshard_after_forward=not keep_gathered,
+                    shard_placement_fn=placement)
     # the root holds the embeddings, ln_f and the LM head; FSDP2 keeps a root's parameters
     # unsharded from its forward to its backward, which is why losses.cwt can use
     # model.input_embedding() (the gathered wte) after the forward pass
-    fully_shard(model, mesh=mesh, mp_policy=policy, **placed)
+    fully_shard(model, mesh=mesh, mp_policy=policy, shard_placement_fn=placement)
     if (note := padding_note([*model.named_parameters(), *objective.named_parameters()], shards)) \
             and dist.get_rank() == 0:
         print(note, flush=True)
     if has_params:  # the objective is its own root; it gets float32 logits and states as they are
-        fully_shard(objective, mesh=mesh, **placed,
+        fully_shard(objective, mesh=mesh, shard_placement_fn=placement,
                     mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32,
                                                    cast_forward_inputs=False))
     if on_meta:

@@ -12,6 +12,16 @@ sys.path.insert(0, REPO)
 import prepare_shakespeare  # noqa: E402
 
 
+# The files whose tests start several processes or train for a minute run first: with pytest-xdist
+# (.ci/run) the suite then ends on short tests that every worker shares, not on one worker's long test.
+LONG_FILES = ("test_distributed.py", "test_reliability.py", "test_requeue.py", "test_compare.py",
+              "test_train.py", "test_user_actions.py", "test_run_lock.py", "test_plan.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: os.path.basename(item.fspath) not in LONG_FILES)  # stable: file order kept
+
+
 @pytest.fixture(scope="session")
 def data_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("data")

@@ -327,24 +327,19 @@ def test_fsdp_set_up_holds_shards_not_the_whole_model(tmp_path, data_dir):
     with torch.device("meta"):
         size = sum(p.numel() * p.element_size() for p in GPT(GPTConfig(**shape)).parameters())
     assert size > 2.5e9
+    # the run goes on to step 0's checkpoint, the source of the second part
+    source = tmp_path / "source"
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/setup_peak.py",
-         "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'run'}",
-         "--parallel=fsdp", "--batch_size=2", "--check_memory=False", "--num_threads=1",
-         *(f"--{key}={value}" for key, value in shape.items())],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+         "--then_train", "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={source}",
+         "--parallel=fsdp", "--batch_size=2", "--check_memory=False", "--num_threads=1", "--max_iters=0",
+         "--eval_iters=1", "--final_eval=False", *(f"--{key}={value}" for key, value in shape.items())],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     peaks = [int(peak) for peak in re.findall(r"setup peak rss rank \d+: (\d+) bytes", result.stdout)]
     assert len(peaks) == 2 and max(peaks) < size, (peaks, size, result.stdout[-2000:])
     # starting from that model's FSDP checkpoint (its shards): each rank reads its own rows, the
     # whole model is never in one process (issue 42); reading it back whole peaked above the model
-    source = tmp_path / "source"
-    subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train.py",
-         "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={source}", "--parallel=fsdp",
-         "--batch_size=2", "--check_memory=False", "--num_threads=1", "--max_iters=0", "--eval_iters=1",
-         "--final_eval=False", *(f"--{key}={value}" for key, value in shape.items())],
-        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=900, check=True)
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/setup_peak.py",
          "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'start'}",
@@ -429,12 +424,12 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, data_d
 
 
 def test_a_signal_to_one_rank_ends_an_evaluation_on_every_rank_between_batches(tmp_path, data_dir):
-    """SIGUSR1 to rank 1 alone while the evaluation at step 3 runs (2,000 batches over 2 ranks): the
+    """SIGUSR1 to rank 1 alone while the evaluation at step 3 runs (1,000 batches over 2 ranks): the
     ranks agree between two batches (issue 43, case 12), abandon it together, save step 3 without it
     and exit; resuming evaluates step 3 again and finishes the uninterrupted run bit for bit."""
     import signal
     import time
-    args = ["--parallel=ddp", "--eval_iters=2000"]
+    args = ["--parallel=ddp", "--eval_iters=1000"]  # seconds: the signal comes 0.5 s into it
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     reference, process = launch(whole, data_dir, *args, processes=2), launch(stopped, data_dir, *args, processes=2)
     log = stopped / "log.jsonl"
