@@ -302,6 +302,16 @@ def test_time_breakdown_splits_step_time_from_the_rest(tiny_grid):
     # share: 3 x 10 s of 3 x 20 s; fill: (3 x 20 + 100) s / (2 x 100 s)
     assert "training steps (iterations × median ms/iter) are 50 % of the single-stage runs' wall time" in table
     assert "the runs' wall times fill 80 % of 2 × the grid's wall time" in table
+    # the record of a call that trained 2 of the runs is missing: their 160 s would "fill" 160 % of 2 x 50 s
+    with open(os.path.join(tiny_grid, "tiny", "wall.json"), "w") as f:
+        json.dump({"calls": [{"workers": 2, "threads_per_run": 1, "cpu": "Test CPU", "cores": 2, "torch": "x",
+                              "peak_dtype": "float32", "wall_s": 50.0, "runs": 2, "flops": 5e11,
+                              "peak_flops": 1e11}]}, f)
+    table, _ = report.build_table("tiny", tiny_grid)
+    assert ("wall.json's call records account for 2 of the 4 runs this grid trained: the calls that trained "
+            "the other 2 left no record") in table
+    assert "of the single-stage runs' wall time, the rest being evaluation, checkpoints and process start.\n" in table
+    assert "fill" not in table
 
 
 def test_machine_peak_measures_fp32_and_bf16_only_with_bf16_units(monkeypatch):
@@ -712,7 +722,7 @@ def test_a_grid_trained_on_a_gpu_names_it_and_computes_no_cpu_efficiency(tmp_pat
     assert runner.runs_device([]) == "cpu" and runner.runs_device(["--device=cpu"]) == "cpu"
     call = {"runs": 15, "workers": 8, "threads_per_run": 2, "cpu": "Xeon", "cores": 16, "torch": "2.11",
             "peak_flops": 4e12, "peak_dtype": "bfloat16", "wall_s": 240.0, "flops": 1.2e15}
-    seconds = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0}
+    seconds = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0, "trained_runs": 0}
     for record, trained_on, named in (({**call, "device": "NVIDIA H200"}, {"cuda"}, "NVIDIA H200"),
                                       (call, {"cuda"}, "a CUDA GPU (device=cuda"),
                                       ({**call, "device": "cpu"}, {"auto"}, None)):

@@ -346,7 +346,7 @@ def marginalization_table(g):
 def speed_table(g):
     """Training throughput from each run's log and wall times from run.json; also returns the
     seconds time_breakdown needs, summed while reading them."""
-    seconds, rows = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0}, []
+    seconds, rows = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0, "trained_runs": 0}, []
     for method in g.methods:
         speeds, walls = [], []
         for out in (run["dir"] for run in g.runs.get(method, {}).values()):
@@ -358,6 +358,7 @@ def speed_table(g):
                 walls.append(run["wall_s"])
                 if "reused_from" not in run:  # a run copied from another grid took none of this grid's time
                     seconds["runs"] += run["wall_s"]
+                    seconds["trained_runs"] += 1
                 # a chained run's log holds its last stage
                 if run_speeds and len(run.get("commands", [])) == 1:
                     iterations = run_speeds[-1]["iter"] + 1
@@ -412,11 +413,19 @@ def speed_summary(grid, root, seconds, trained_on=()):
               f"call(s), {last['workers']} runs at a time with {last['threads_per_run']} thread(s) each, on "
               f"{last['cpu']} ({last['cores']} cores)" + (f", training on {', '.join(gpus)}" if gpus else "")
               + f", torch {last['torch']}."]
+    # a call killed before compare.py rewrote its record each minute left no record, while its
+    # runs' own wall times (run.json, summed over the calls that worked on them) were kept
+    unrecorded = seconds["trained_runs"] - runs
+    if unrecorded > 0:
+        lines[-1] += (f" wall.json's call records account for {runs} of the {seconds['trained_runs']} runs "
+                      f"this grid trained: the calls that trained the other {unrecorded} left no record, so "
+                      "this wall time and the figures drawn from it cover the recorded calls only.")
+    grid_wall = wall if unrecorded <= 0 else None
     counted = [c for c, d in zip(calls, devices) if c.get("flops") is not None and c.get("peak_flops")
                and d not in gpus]
     if gpus and not counted:
         return lines + ["", "Efficiency: not computed, as the runs trained on a GPU and the peak each call "
-                        "measures is its CPU's."] + time_breakdown(seconds, wall, last["workers"])
+                        "measures is its CPU's."] + time_breakdown(seconds, grid_wall, last["workers"])
     if counted:
         flops = sum(c["flops"] for c in counted)
         at_peak = sum(c["flops"] / c["peak_flops"] for c in counted)
@@ -431,7 +440,7 @@ def speed_summary(grid, root, seconds, trained_on=()):
     else:
         lines += ["", "Efficiency: not available (these runs were made before train.py counted the FLOPs it "
                       "executes)."]
-    return lines + time_breakdown(seconds, wall, last["workers"])
+    return lines + time_breakdown(seconds, grid_wall, last["workers"])
 
 
 def time_breakdown(seconds, grid_wall, workers):
@@ -439,12 +448,16 @@ def time_breakdown(seconds, grid_wall, workers):
     (each run's iterations x its median ms/iter; single-stage runs only, since a chained run's log
     holds its last stage), and how much of workers x grid wall time the runs themselves filled
     (the rest: the grid's tail, when fewer runs than workers are left, and the gaps between runs).
-    `seconds` is summed over the runs by build_table."""
+    `seconds` is summed over the runs by build_table; grid_wall is None where wall.json lacks
+    some calls' records (the fill is then left out)."""
     step_s, run_s, all_runs_s = seconds["steps"], seconds["single_stage_runs"], seconds["runs"]
     if not run_s:
         return []
-    return ["", "Where the time went: training steps (iterations × median ms/iter) are "
+    line = ("Where the time went: training steps (iterations × median ms/iter) are "
             f"{100 * step_s / run_s:.0f} % of the single-stage runs' wall time, the rest being evaluation, "
-            "checkpoints and process start; the runs' wall times fill "
-            f"{100 * all_runs_s / (workers * grid_wall):.0f} % of {workers} × the grid's wall time, the "
-            "rest being the grid's tail (fewer runs left than run at a time) and the gaps between runs."]
+            "checkpoints and process start")
+    if grid_wall is None:
+        return ["", line + "."]
+    return ["", line + f"; the runs' wall times fill {100 * all_runs_s / (workers * grid_wall):.0f} % of "
+            f"{workers} × the grid's wall time, the rest being the grid's tail (fewer runs left than run "
+            "at a time) and the gaps between runs."]
