@@ -284,6 +284,11 @@ def test_efficiency_sums_calls_and_says_when_runs_did_not_count(tiny_grid):
     assert ("**Efficiency = (grid FLOPs / peak) / wall time = 0.44** (the 2 call(s) whose runs counted their "
             "FLOPs: 3 runs, 1.50 h): 0.260 PFLOP executed") in table
     assert "at the peaks measured at each call's start (float32, all cores: 100–150 GFLOP/s) would take 40.0 min" in table
+    # a CPU with bf16 units measures its peak in bf16: the range says which peak is which dtype's
+    runner.record_call(path, {**common, "peak_dtype": "bfloat16", "wall_s": 600.0, "runs": 1, "flops": 1.2e14,
+                              "peak_flops": 4.0e11})
+    table, _ = report.build_table("tiny", tiny_grid)
+    assert "peaks measured at each call's start (all cores; float32: 100–150, bfloat16: 400 GFLOP/s)" in table
 
 
 def test_time_breakdown_splits_step_time_from_the_rest(tiny_grid):

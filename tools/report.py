@@ -379,12 +379,21 @@ def speed_table(g):
 
 def peak_range(calls):
     """'measured peak of 176 GFLOP/s (float32, all cores)', or, when calls measured different
-    peaks, their range: each call's FLOPs are divided by the peak measured at that call's start."""
+    peaks, their range per dtype: each call's FLOPs are divided by the peak measured at that call's
+    start, in the dtype it chose (bf16 on a CPU with bf16 units)."""
     calls = [c for c in calls if c["flops"]] or calls  # a call stopped before any FLOPs used no peak
-    peaks, dtype = sorted({round(c["peak_flops"] / 1e9) for c in calls}), calls[-1]["peak_dtype"]
-    if len(peaks) == 1:
-        return f"measured peak of {peaks[0]} GFLOP/s ({dtype}, all cores)"
-    return f"peaks measured at each call's start ({dtype}, all cores: {peaks[0]}–{peaks[-1]} GFLOP/s)"
+    by_dtype = {}
+    for c in calls:
+        by_dtype.setdefault(c["peak_dtype"], set()).add(round(c["peak_flops"] / 1e9))
+    if len(by_dtype) == 1 and len(next(iter(by_dtype.values()))) == 1:
+        (dtype, (peak,)), = by_dtype.items()
+        return f"measured peak of {peak} GFLOP/s ({dtype}, all cores)"
+    spans = {dtype: f"{min(p)}–{max(p)}" if len(p) > 1 else str(min(p)) for dtype, p in by_dtype.items()}
+    if len(spans) == 1:
+        ((dtype, span),) = spans.items()
+        return f"peaks measured at each call's start ({dtype}, all cores: {span} GFLOP/s)"
+    return ("peaks measured at each call's start (all cores; "
+            + ", ".join(f"{dtype}: {span}" for dtype, span in spans.items()) + " GFLOP/s)")
 
 
 def speed_summary(grid, root, seconds, trained_on=()):
