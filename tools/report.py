@@ -385,12 +385,11 @@ def peak_range(calls):
     by_dtype = {}
     for c in calls:
         by_dtype.setdefault(c["peak_dtype"], set()).add(round(c["peak_flops"] / 1e9))
-    if len(by_dtype) == 1 and len(next(iter(by_dtype.values()))) == 1:
-        (dtype, (peak,)), = by_dtype.items()
-        return f"measured peak of {peak} GFLOP/s ({dtype}, all cores)"
     spans = {dtype: f"{min(p)}–{max(p)}" if len(p) > 1 else str(min(p)) for dtype, p in by_dtype.items()}
     if len(spans) == 1:
         ((dtype, span),) = spans.items()
+        if len(by_dtype[dtype]) == 1:
+            return f"measured peak of {span} GFLOP/s ({dtype}, all cores)"
         return f"peaks measured at each call's start ({dtype}, all cores: {span} GFLOP/s)"
     return ("peaks measured at each call's start (all cores; "
             + ", ".join(f"{dtype}: {span}" for dtype, span in spans.items()) + " GFLOP/s)")
