@@ -24,6 +24,7 @@ import torch
 import parallelism
 from data import DataError, dataset_mismatch, read_meta
 from errors import UsageError, UserError
+from model import GPTConfig
 from utils import atomic_write, save_json, torch_save, write_failure
 
 DCP_SLOTS = ("a", "b", "c")  # FSDP shard folders of ckpt.pt: latest, previous, being written (save_full)
@@ -282,7 +283,7 @@ def starting_weights(path, model_config, head_from_embedding, data_dir, device="
     the sharded model (load_shards_into); for any other run, its whole weights read back from the shards."""
     source = load(path, device, mmap=device == "cpu")
     check_dataset(source, data_dir, whole=False)
-    for key, value in source["model_config"].items():
+    for key, value in GPTConfig.from_checkpoint(source["model_config"]).__dict__.items():
         if key not in ("tie_weights", "dropout") and getattr(model_config, key) != value:
             raise UsageError(f"cannot start from {path}: model key '{key}' is "
                              f"{getattr(model_config, key)!r} here but {value!r} there")

@@ -159,7 +159,7 @@ TRAIN_RULES = {
                      "gradient_accumulation_steps", "n_layer", "n_head", "n_embd", "n_expert", "top_k",
                      "lr_decay_iters"), POSITIVE),
     **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size", "vocab_size",
-                     "ffn_hidden", "simreg_chunk_size", "dispersion_positions", "nitp_layer", "nitp_hidden",
+                     "ffn_hidden", "ce_chunk_size", "simreg_chunk_size", "dispersion_positions", "nitp_layer", "nitp_hidden",
                      "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
     **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight",
                      "moe_aux_weight", "min_lr", "weight_decay", "grad_clip", "capacity_factor"),
@@ -178,6 +178,7 @@ TRAIN_RULES = {
     **dict.fromkeys(("out_dir", "data_dir", "init_from", "wandb_project"), NON_EMPTY),
     "arch": _choice("gpt2", "llama"),
     "moe_routing": _choice("capacity", "dropless"),
+    "rope_layout": _choice("half", "interleaved"),
     "dispersion_variant": _choice("angular", "decorrelation", "decorrelation_features", "l2_repel",
                                   "l2_repel_norm", "orthogonalization"),
     "dispersion_form": _choice("paper", "authors"),
@@ -211,9 +212,9 @@ def check_train_config(config, world_size):
         fsdp_problem = parallelism.fsdp_unavailable(c["device"])
     for problem, message in (
         (c["log_marginalization"] and (c["dropout"] > 0 or not c["tie_weights"] or c["ce_weight"] == 0
-                                       or c["cwt_weight"] > 0),
-         "log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0 and cwt_weight=0 "
-         "(it splits the tied embedding's cross-entropy gradient)"),
+                                       or c["cwt_weight"] > 0 or c["ce_chunk_size"]),
+         "log_marginalization needs dropout=0, tie_weights=True, ce_weight > 0, cwt_weight=0 and "
+         "ce_chunk_size=0 (it splits the tied embedding's cross-entropy gradient, read from the logits)"),
         (c["init_from"] not in ("scratch", "resume", "auto") and not os.path.isfile(c["init_from"]),
          f"key 'init_from' must be 'scratch', 'resume', 'auto' or an existing checkpoint file, "
          f"got {c['init_from']!r}"),

@@ -31,7 +31,7 @@ import checkpoint as checkpoints
 import metrics
 import parallelism
 from data import DataError, load_tokens, read_windows, sample_windows
-from losses import simreg
+from losses import linear_cross_entropy, simreg
 from model import GPT, GPTConfig
 from errors import UserError, end_with
 from utils import (PathError, check_writable, choose_device, keep_freed_memory, save_json, widest_float,
@@ -46,7 +46,7 @@ def load_model(path, device="cpu"):
     from the file on the CPU."""
     checkpoint = checkpoints.load_with_weights(path, "cpu", mmap=True)
     with torch.device("meta"):
-        model = GPT(GPTConfig(**checkpoint["model_config"]))
+        model = GPT(GPTConfig.from_checkpoint(checkpoint["model_config"]))
     model.load_state_dict(checkpoint["model"], assign=True)
     model.tie_weights()  # assign gave the tied matrix two parameters
     return model.to(device).eval(), checkpoint
@@ -254,6 +254,7 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     model.eval()
     generator = torch.Generator().manual_seed(0)
     languages = (("high", 0), ("low", shift)) if low_resource else (("high", 0),)
+    chunk = objective.ce_chunk_size  # > 0: no whole logits (losses.linear_cross_entropy)
     aux = [name for name, weight in objective.weights.items() if weight and name != "ce"]
     B = batch_size
     # every batch's draw on every rank (cheap: window starts and language picks), the same everywhere
@@ -272,7 +273,13 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
             passes = {}
             for k, (lang, offset) in enumerate(languages):
                 with autocast:
-                    passes[lang] = model(x + offset, return_hidden_states=bool(aux))
+                    passes[lang] = model(x + offset, return_hidden_states=bool(aux) or chunk > 0,
+                                         compute_logits=not chunk)
+                    if chunk:  # the head and the loss a chunk of positions at a time, as in training
+                        row[k * B:(k + 1) * B] = linear_cross_entropy(
+                            passes[lang][1][-1], model.output_embedding(), y + offset, chunk_size=chunk,
+                            reduction="none").view(B, -1).mean(1)
+                        continue
                 logits = passes[lang][0] if aux else passes[lang]
                 # a window at a time: beside the logits only one window's log-softmax is held, not the
                 # batch's (at a 50304-token vocabulary the batch's would make evaluation the run's peak)
@@ -283,7 +290,7 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
                 logits, hidden = passes["high"]
                 if low_resource:
                     pick = is_low.to(device).view(-1, 1, 1)
-                    logits = torch.where(pick, passes["low"][0], logits)
+                    logits = None if chunk else torch.where(pick, passes["low"][0], logits)
                     hidden = [torch.where(pick, low_h, high_h)
                               for low_h, high_h in zip(passes["low"][1], hidden)]
                 with autocast:
@@ -310,7 +317,7 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
         embedding = model.input_embedding()  # 2V x 2V cosines are cheap; a BPE table's are not)
         full = embedding.full_tensor() if hasattr(embedding, "full_tensor") else embedding
         out.update(metrics.twin_alignment(full, shift))
-    if not objective.needs_logits:
+    if not objective.trains_head:
         out["val_ce"] = out["val"]
         out["val"] = sum(objective.weights[name] * value for name, value in term_sums.items())
     return out

@@ -6,6 +6,7 @@ train.py calls the functions here and adds them up with the weights a config nam
 Each docstring gives its loss's formula, defaults and edge cases, and the paper section it follows.
 """
 
+import functools
 import math
 
 import torch
@@ -55,6 +56,87 @@ def cross_entropy(logits, targets, ignore_index=-1, margin=None):
         logits = threshold_logits(logits, targets, margin, ignore_index)
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
                            ignore_index=ignore_index)
+
+
+def _head_chunk(logits, targets, ignore_index, margin):
+    """(token losses (n,) in float32, d token loss / d logits (n, V) in the logits' dtype) of one
+    chunk of the LM head's logits, upcast to float32 and thresholded if margin is set. The gradient
+    is softmax minus the one-hot target, 0 on ignored rows. Written as reductions and pointwise
+    operations only, so that on a GPU torch.compile fuses it into kernels that never write float32
+    logits (_head_chunk_kernel)."""
+    z = at_least_fp32(logits)
+    if margin is not None:
+        z = threshold_logits(z, targets, margin, ignore_index)
+    valid = (targets != ignore_index).unsqueeze(-1)
+    target = torch.where(valid, targets.unsqueeze(-1), 0)
+    lse = torch.logsumexp(z, -1, keepdim=True)
+    token_loss = torch.where(valid, lse - z.gather(-1, target), 0.0).squeeze(-1)
+    one_hot = torch.arange(z.size(-1), device=z.device) == target
+    gradient = torch.where(valid, torch.exp(z - lse) - one_hot.to(z.dtype), 0.0)
+    return token_loss, gradient.to(logits.dtype)
+
+
+@functools.cache
+def _head_chunk_kernel(device_type):
+    """_head_chunk compiled where inductor fuses it on a GPU, as it is elsewhere."""
+    return torch.compile(_head_chunk, dynamic=False) if device_type == "cuda" else _head_chunk
+
+
+class _ChunkedHeadCrossEntropy(torch.autograd.Function):
+    """cross_entropy(h @ weight^T, targets) over rows of h, chunk_size rows at a time. The forward
+    pass also computes the gradients (through the head, from _head_chunk's), so the head's matmuls
+    run once each, as without chunks, and backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, ignore_index, margin, chunk_size):
+        want_h, want_weight = ctx.needs_input_grad[:2]
+        grad_h = torch.empty_like(h) if want_h else None
+        grad_weight = torch.zeros_like(weight, dtype=at_least_fp32(weight).dtype) if want_weight else None
+        head_chunk = _head_chunk_kernel(h.device.type)
+        total = 0.0
+        for start in range(0, h.size(0), chunk_size):
+            rows = slice(start, start + chunk_size)
+            token_loss, g = head_chunk(F.linear(h[rows], weight), targets[rows], ignore_index, margin)
+            total = total + token_loss.sum()
+            if want_h:
+                grad_h[rows] = g @ weight
+            if want_weight:
+                grad_weight += g.t() @ h[rows]
+        count = (targets != ignore_index).sum()
+        ctx.save_for_backward(grad_h, grad_weight, count)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return total / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_weight, count = ctx.saved_tensors
+        scale = grad_loss / count
+        return (None if grad_h is None else (grad_h * scale).to(ctx.dtypes[0]),
+                None if grad_weight is None else (grad_weight * scale).to(ctx.dtypes[1]),
+                None, None, None, None)
+
+def linear_cross_entropy(h, weight, targets, ignore_index=-1, margin=None, chunk_size=4096,
+                         reduction="mean"):
+    """cross_entropy(h @ weight^T, targets, ignore_index, margin) -- the LM head and its loss in
+    one -- without ever holding the whole (N, V) float32 logits: chunk_size rows of h at a time.
+    At a 50k vocabulary and 32k positions the whole logits are 6.6 GB in float32 (and as much
+    again for their gradient); a chunk of 4096 rows is 0.8 GB. Values and gradients are those of
+    cross_entropy on the whole logits (thresholding included); a mean over no valid position is
+    NaN, as there. reduction="none": each position's loss (0 where ignored), without gradient --
+    evaluation's per-token losses. h (..., C), weight (V, C), targets (...)."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size}")
+    if margin is not None and margin < 0:
+        raise ValueError(f"margin must be >= 0 (a negative margin would remove the target), got {margin}")
+    h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
+    if reduction == "none":
+        with torch.no_grad():
+            return torch.cat([_head_chunk(F.linear(h[i:i + chunk_size], weight), targets[i:i + chunk_size],
+                                          ignore_index, margin)[0]
+                              for i in range(0, h.size(0), chunk_size)])
+    if reduction != "mean":
+        raise ValueError(f"reduction must be 'mean' or 'none', got {reduction!r}")
+    return _ChunkedHeadCrossEntropy.apply(h, weight, targets, ignore_index, margin, chunk_size)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -378,6 +460,8 @@ class Objective(nn.Module):
 
     Options (the docstrings of the losses above cite their papers):
       margin               logit thresholding of the CE term (None = plain CE)
+      ce_chunk_size        n > 0: the LM head and CE computed together, n positions at a time
+                           (linear_cross_entropy; the model returns no logits); 0 = the model's logits
       simreg_layer         -1 = final normed state (default), l = output of block l (0 = embedding)
       simreg_chunk_size    0 = full sequences
       dispersion_form      'paper' (default) or 'authors' (the released code's constants; see dispersion)
@@ -393,7 +477,7 @@ class Objective(nn.Module):
     """
 
     LOSSES = ("ce", "simreg", "dispersion", "nitp", "cwt")  # train.py's <name>_weight
-    SETTINGS = ("margin", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau",
+    SETTINGS = ("margin", "ce_chunk_size", "simreg_tau", "simreg_chunk_size", "simreg_layer", "dispersion_tau",
                 "dispersion_variant", "dispersion_form", "dispersion_layers", "dispersion_positions",
                 "nitp_layer", "nitp_prenorm", "nitp_hidden", "cwt_tau")
 
@@ -406,7 +490,7 @@ class Objective(nn.Module):
         return cls(config["n_layer"], config["n_embd"], **weights,
                    **{key: config[key] for key in cls.SETTINGS if key in config}, moe_aux=moe_aux)
 
-    def __init__(self, n_layer, n_embd, ce=1.0, margin=None, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
+    def __init__(self, n_layer, n_embd, ce=1.0, margin=None, ce_chunk_size=0, simreg=0.0, simreg_tau=0.01, simreg_chunk_size=0,
                  simreg_layer=-1, dispersion=0.0, dispersion_tau=1.0, dispersion_variant="angular",
                  dispersion_form="paper", dispersion_layers="all", dispersion_positions=0, nitp=0.0,
                  nitp_layer=0, nitp_prenorm=False, nitp_hidden=0, cwt=0.0, cwt_tau=1.0,
@@ -427,7 +511,11 @@ class Objective(nn.Module):
         if not -1 <= simreg_layer <= n_layer:
             raise ValueError(f"simreg_layer must be -1 (final normed state) or 0..{n_layer}, "
                              f"got {simreg_layer}")
-        self.n_layer, self.margin = n_layer, margin
+        if ce_chunk_size < 0:
+            raise ValueError(f"ce_chunk_size must be >= 0 (0: the model's whole logits), got {ce_chunk_size}")
+        self.n_layer = n_layer
+        self.margin = margin
+        self.ce_chunk_size = ce_chunk_size
         self.moe_aux = moe_aux  # not in weights: a term of the router, not of the representations
         self.simreg_tau, self.simreg_layer = simreg_tau, simreg_layer
         self.simreg_chunk_size = simreg_chunk_size or None
@@ -441,8 +529,14 @@ class Objective(nn.Module):
         self.nitp_head = SwiGLU(n_embd, nitp_hidden or 4 * n_embd) if nitp > 0 else None
 
     @property
-    def needs_logits(self):
+    def trains_head(self):
+        """Whether the LM head is trained (it is not in a headless run)."""
         return self.weights["ce"] > 0
+
+    @property
+    def needs_logits(self):
+        """Whether the model must compute the logits: not in a headless run, nor with ce_chunk_size."""
+        return self.trains_head and not self.ce_chunk_size
 
     def initializers(self, std=0.02):
         """(name, fill) for every parameter in the order init_weights draws them (model.GPT.initializers)."""
@@ -462,7 +556,10 @@ class Objective(nn.Module):
         added with weight moe_aux (computed per micro-batch like every term)."""
         terms = {}
         final = hidden_states[-1]
-        if self.weights["ce"]:
+        if self.weights["ce"] and logits is None:  # ce_chunk_size: the head's rows, not its logits
+            terms["ce"] = linear_cross_entropy(final, embeddings["output"], targets, ignore_index,
+                                               self.margin, self.ce_chunk_size)
+        elif self.weights["ce"]:
             terms["ce"] = cross_entropy(logits, targets, ignore_index, self.margin)
         if self.weights["simreg"]:
             h = final if self.simreg_layer == -1 else hidden_states[self.simreg_layer]

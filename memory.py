@@ -11,8 +11,9 @@ Activations are measured, not guessed: the model at its real width with 1 and 2 
 training micro-step (forward, the run's objective, backward) on the meta device (nothing
 allocated) at the run's batch and sequence length, PeakTensorBytes keeps the peak of the tensors
 it creates, and the difference of the two is extrapolated to the run's depth (activation_gib).
-They are float32 figures, an upper bound for bf16 autocast, except the logits: for a GPU they are
-measured in the compute dtype, as autocast's LM head gives them. tools/bench.py --section
+For a GPU in bf16 (fp16) they are measured in that dtype, as autocast stores them (the residual
+stream, the matmuls' outputs; model.GPT.residual_in_compute_dtype), the norms and losses still in
+float32; elsewhere in float32. tools/bench.py --section
 plan_memory sets the figures against the measured peak of real runs (docs/performance.md).
 """
 
@@ -96,6 +97,15 @@ def cpu_flash_attention_on_meta(q, k, v, attn_mask=None, dropout_p=0.0, is_causa
                                           is_causal=is_causal, **kwargs)
 
 
+def compute_dtype(config):
+    """The dtype a run's activations are stored in: on a GPU, bf16 under autocast (dtype 'auto'
+    too: every GPU plan.py names has bf16; an older GPU's fp16 is the same size), fp16, or float32;
+    float32 elsewhere (an upper bound for a CPU run under bf16)."""
+    if not str(config.get("device", "")).startswith("cuda"):
+        return torch.float32
+    return {"float32": torch.float32, "float16": torch.float16}.get(config.get("dtype"), torch.bfloat16)
+
+
 @functools.lru_cache(maxsize=64)
 def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_len, device):
     config, model_config = dict(config_items), GPTConfig(**dict(model_config_items))
@@ -114,10 +124,10 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
         p.grad = torch.zeros_like(p)  # the gradients are the plan's states, not the step's
     x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
     model.use_attention(cpu_flash_attention_on_meta)
-    # the logits as autocast's LM head gives them
-    if str(config.get("device", "")).startswith("cuda") and config.get("dtype") in ("bfloat16", "float16"):
-        model.lm_head.register_forward_hook(
-            lambda module, args, logits: logits.to(getattr(torch, config["dtype"])))
+    # in the compute dtype, as autocast's matmuls store the activations (the weights' own dtype does
+    # not matter here: their memory is the plan's states, not the step's)
+    model.to(compute_dtype(config))
+    objective.to(compute_dtype(config))
     with PeakTensorBytes() as counter:
         loss, _, logits, hidden = objective_step(model, objective, x, x)
         loss.backward()
@@ -127,11 +137,10 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_
 
 def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len, device="meta"):
     """Peak bytes of the tensors one training micro-step creates (forward, the run's objective,
-    backward into gradients that already exist) with the model cut to n_layer blocks, in fp32. On
+    backward into gradients that already exist) with the model cut to n_layer blocks, in the
+    activations' dtype (compute_dtype). On
     the meta device by default: nothing is allocated, any width takes a fraction of a second, and
-    the attention is the CPU flash kernel's (cpu_flash_attention_on_meta). The loss is the device's:
-    where config['device'] is cuda (plan.py's plans, train.py on a GPU), the logits reach the objective
-    in the compute dtype, else in fp32.
+    the attention is the CPU flash kernel's (cpu_flash_attention_on_meta).
     A mixture of experts runs there too (static shapes: its capacity buffers are counted; dropless
     routing with the k N routed rows spread evenly over the experts, moe.balanced_sizes).
     Cached: a plan asks for the same step often."""
@@ -150,7 +159,7 @@ def activation_gib(config, model_config, batch_size, seq_len, device="meta"):
     between 1024 and 2048 tokens, and a 350M block's peak grows 2.4x there instead of 2x.)"""
     one, two = (step_peak_bytes(config, model_config, n, batch_size, seq_len, device) for n in (1, 2))
     block, rest = max(two - one, 0), max(2 * one - two, 0)
-    block_input = batch_size * seq_len * model_config.n_embd * 4
+    block_input = batch_size * seq_len * model_config.n_embd * compute_dtype(config).itemsize
     return {"act": (rest + model_config.n_layer * block) / GiB,
             "act_ckpt": (rest + model_config.n_layer * block_input + block) / GiB, "block": block / GiB}
 

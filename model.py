@@ -52,6 +52,8 @@ class GPTConfig:
     #                               path, the reference); dropless: tokens sorted by expert, each expert over
     #                               its own rows only, nothing dropped, the routed FLOPs (moe.py)
     rope_theta: float = 10000.0
+    rope_layout: str = "half"  # which dimensions RoPE rotates together (apply_rope); checkpoints that
+    #                            do not record it were written before it was, and rotate "interleaved"
     init_std: float = 0.01    # std of every weight matrix (LLaMA recipe); gpt2 uses 0.02
 
     @classmethod
@@ -69,6 +71,8 @@ class GPTConfig:
         if self.arch == "llama" and (self.n_embd // self.n_head) % 2:
             raise ValueError(f"RoPE needs an even head size, "
                              f"got n_embd / n_head = {self.n_embd // self.n_head}")
+        if self.rope_layout not in ("half", "interleaved"):
+            raise ValueError(f"rope_layout must be 'half' or 'interleaved', got {self.rope_layout!r}")
         if self.n_expert > 1 and not (self.arch == "llama" and 1 <= self.top_k <= self.n_expert):
             raise ValueError(f"n_expert > 1 needs arch='llama' and 1 <= top_k <= n_expert, "
                              f"got arch={self.arch!r}, top_k={self.top_k}, n_expert={self.n_expert}")
@@ -79,6 +83,13 @@ class GPTConfig:
         if self.moe_routing == "dropless" and self.capacity_factor:
             raise ValueError(f"moe_routing='dropless' has no capacity to set: capacity_factor must be 0, "
                              f"got {self.capacity_factor}")
+
+    @classmethod
+    def from_checkpoint(cls, model_config):
+        """The model a checkpoint's 'model_config' describes; a LLaMA one written before the RoPE
+        layout was recorded was trained with the interleaved one."""
+        before = {"rope_layout": "interleaved"} if model_config.get("arch") == "llama" else {}
+        return cls(**{**before, **model_config})
 
     @property
     def ffn_width(self):
@@ -199,17 +210,24 @@ class RMSNorm(nn.Module):
 
 
 def rope_angles(seq_len, head_dim, theta, device):
-    """cos and sin (T, head_dim/2) of RoPE (Su et al. 2021): the pair (2i, 2i+1) of a head at
-    position t is rotated by t * theta^(-2i/head_dim). Computed per forward pass: it is
-    T * head_dim / 2 numbers, nothing next to the matmuls, and there is no buffer to keep in
-    sync when the model is built on the meta device."""
+    """cos and sin (T, head_dim/2), float32, of RoPE (Su et al. 2021): pair i of a head at position
+    t is rotated by t * theta^(-2i/head_dim)."""
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
 
-def apply_rope(x, cos, sin):
-    """Rotate (B, n_head, T, head_dim) by the angles; relative positions end up in q . k."""
+def apply_rope(x, cos, sin, layout="half"):
+    """Rotate (..., T, head_dim) by the angles (cos and sin broadcast to (..., T, head_dim/2));
+    relative positions end up in q . k.
+    layout "half": pair i is dimensions (i, i + head_dim/2), LLaMA's and Hugging Face's layout,
+    rotated in x's dtype (bf16 under autocast) with cos and sin cast to it, as LLaMA does: two
+    contiguous halves, one pointwise kernel. "interleaved": pair i is (2i, 2i+1), rotated in
+    float32, exactly as runs before the layout was recorded were trained."""
+    if layout == "half":
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     x1, x2 = at_least_fp32(x).unflatten(-1, (-1, 2)).unbind(-1)
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x)
@@ -223,12 +241,16 @@ class RotaryAttention(nn.Module):
         self.wqkv = nn.Linear(config.n_embd, 3 * config.n_embd, bias=False)
         self.wo = nn.Linear(config.n_embd, config.n_embd, bias=False)
         self.n_head = config.n_head
+        self.rope_layout = config.rope_layout
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-                   for t in self.wqkv(x).split(C, dim=2))
-        y = self.attention(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, is_causal=True)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.wqkv(x).split(C, dim=2))
+        # rotated before the heads move in front of T: the rotation writes (B, T, n_head, head_dim) in
+        # the order the projection wrote it, and the attention reads the transposed views as they are
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # (T, 1, head_dim/2): the same for every head
+        q, k = (apply_rope(t, cos, sin, self.rope_layout) for t in (q, k))
+        y = self.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.wo(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -280,7 +302,23 @@ class GPT(nn.Module):
         self.aux_loss = None  # MoE: the router's load-balancing loss of the last forward, mean over layers
         # MoE: share of routed slots past their expert's capacity, mean over layers
         self.dropped_fraction = None
+        self._rope = {}  # (T, device) -> RoPE's cos and sin (rope_cache)
         self.tie_weights()
+
+    # Under autocast the residual stream is kept in the compute dtype (bf16), as it is under FSDP's
+    # bf16 parameters: half the activation memory, and no float32 copy cast again by every matmul.
+    # The norms and the losses still compute in float32. (The GPU check turns it off to measure it.)
+    residual_in_compute_dtype = True
+
+    def rope_cache(self, seq_len, device):
+        """rope_angles for this length on this device, computed once (outside any inference mode,
+        so that a later training step may save them for backward)."""
+        key = (seq_len, str(device))
+        if key not in self._rope:
+            with torch.inference_mode(False):
+                self._rope[key] = rope_angles(seq_len, self.config.n_embd // self.config.n_head,
+                                              self.config.rope_theta, device)
+        return self._rope[key]
 
     def tie_weights(self):
         # Weight tying (Press & Wolf 2017): one matrix is both the input embedding and the output
@@ -382,12 +420,14 @@ class GPT(nn.Module):
         assert T <= self.config.block_size, f"sequence length {T} > block_size {self.config.block_size}"
         if self.wpe is None:  # llama: positions enter as rotations of q and k in every block
             x = self.drop(self.wte(idx))
-            cos, sin = rope_angles(T, self.config.n_embd // self.config.n_head, self.config.rope_theta,
-                                   idx.device)
+            cos, sin = self.rope_cache(T, idx.device)
             run = lambda block, x: block(x, cos, sin)  # noqa: E731
         else:
             x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
             run = lambda block, x: block(x)  # noqa: E731
+        device_type = idx.device.type
+        if self.residual_in_compute_dtype and device_type != "meta" and torch.is_autocast_enabled(device_type):
+            x = x.to(torch.get_autocast_dtype(device_type))
         hidden_states = [x]
         for block in self.h:
             x = run(block, x)

@@ -97,7 +97,7 @@ def training_flops_per_token(model, objective, micro_batch_tokens, cwt):
     losses' similarity products are not counted. train.py uses this for its MFU."""
     head = sum(p.numel() for p in objective.parameters() if p.dim() >= 2)
     contrastive = 6 * micro_batch_tokens * model.config.n_embd if cwt else 0
-    return model.flops_per_token(with_head=objective.needs_logits) + 6 * head + contrastive
+    return model.flops_per_token(with_head=objective.trains_head) + 6 * head + contrastive
 
 
 def evaluation_flops(model, config, processes=1):
@@ -308,7 +308,7 @@ def format_plan(p):
              f"(evaluations included) = {p['hours']:,.1f} h on {p['processes']} x {p['gpu']} "
              f"at MFU {p['mfu']:.0%}",
              *communication_lines(p), *([p["padding"]] if p["padding"] else []),
-             "memory per GPU (GiB; activations fp32, an upper bound under bf16):"]
+             "memory per GPU (GiB; activations in the compute dtype):"]
     chosen = p["parallel"] if p["parallel"] != "none" else "ddp"
     for mode in ("ddp", "fsdp"):
         m = p["memory"][mode]

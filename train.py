@@ -90,10 +90,12 @@ capacity_factor = 0.0                # expert slots: x tokens * top_k / n_expert
 moe_routing = "capacity"             # capacity (static shapes) | dropless (routed FLOPs only; moe.py)
 moe_aux_weight = 0.02                # weight of the router's load-balancing loss (Mixtral-8x7B's 0.02)
 rope_theta = 10000.0
+rope_layout = "half"                 # llama: RoPE pairs (i, i + d/2), LLaMA's; "interleaved" = (2i, 2i+1)
 init_std = 0.01                      # llama: std of every weight matrix
 # loss: a weighted sum of the terms of losses.py, each *_weight = 0 switches it off (losses.Objective)
 ce_weight = 1.0                      # next-token cross-entropy; 0 with cwt_weight > 0 = headless
 margin = None                        # logit thresholding margin of the CE term (Stop Jostling); None = off
+ce_chunk_size = 0                    # n > 0: LM head + CE n positions at a time, no whole logits; 0 = off
 simreg_weight = 0.0                  # SimReg (Sec. 3, Eq. 3); paper's rule (App. A.2): 10 sqrt(n_embd / 1024)
 simreg_tau = 0.01
 simreg_chunk_size = 0                # 0 = whole sequences
@@ -240,7 +242,7 @@ if activation_checkpointing:
 train_model, train_objective = parallelism.parallelize(
     model, objective, parallel, device, param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # parameters without a gradient: a headless run's untied LM head (experts always get one, stacked)
-    unused_parameters=not (objective.needs_logits or tie_weights), weights=start_weights,
+    unused_parameters=not (objective.trains_head or tie_weights), weights=start_weights,
     keep_gathered=fsdp_keep_gathered, shard_size=fsdp_shard_size)
 del start_weights  # copied in (whole in memory if read from FSDP shards); parameters are shards under fsdp
 optimizers = configure_optimizers(model, learning_rate, weight_decay, (beta1, beta2), separate_embeddings,

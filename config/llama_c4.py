@@ -13,6 +13,7 @@ bias = False
 dropout = 0.0
 init_std = 0.01
 rope_theta = 10000.0
+ce_chunk_size = 4096        # the LM head and CE 4096 positions at a time: no whole (B*T, 50304) float32 logits
 block_size = 2048
 beta1 = 0.9
 beta2 = 0.95

@@ -107,3 +107,16 @@ def test_losses_keep_full_fp32_when_the_step_uses_tf32():
         assert torch.get_float32_matmul_precision() == "high"  # restored
     finally:
         torch.set_float32_matmul_precision(saved)
+
+
+@pytest.mark.parametrize("margin", [None, 0.6])
+def test_the_chunked_heads_loss_and_gradient_compile_as_one_graph(margin):
+    """losses._head_chunk is what torch.compile fuses on a GPU (linear_cross_entropy): it is
+    captured whole (fullgraph, no graph break) and gives eager's token losses and gradient."""
+    import losses
+    g = torch.Generator().manual_seed(0)
+    logits, targets = torch.randn(7, 13, generator=g), torch.randint(0, 13, (7,), generator=g)
+    targets[2] = -1
+    compiled = torch.compile(losses._head_chunk, backend="aot_eager", fullgraph=True, dynamic=False)
+    for got, expected in zip(compiled(logits, targets, -1, margin), losses._head_chunk(logits, targets, -1, margin)):
+        torch.testing.assert_close(got, expected)

@@ -33,20 +33,23 @@ ARCHS = {  # tiny models with every option the mapping has to get right
     "gpt2_nobias_untied": dict(arch="gpt2", bias=False, tie_weights=False),
     "llama_untied": dict(arch="llama", tie_weights=False, ffn_hidden=40, rope_theta=500.0),
     "llama_tied": dict(arch="llama", tie_weights=True, ffn_hidden=24),
+    "llama_interleaved": dict(arch="llama", rope_layout="interleaved", tie_weights=False, ffn_hidden=24),
     "mixtral_top2": dict(arch="llama", n_expert=4, top_k=2, ffn_hidden=24, tie_weights=False),
     "mixtral_top1": dict(arch="llama", n_expert=3, top_k=1, ffn_hidden=16, tie_weights=True),
 }
 
 
-def write_checkpoint(path, config, meta=None, seed=0, **train_config):
+def write_checkpoint(path, config, meta=None, seed=0, before_layout=False, **train_config):
     """A checkpoint as train.py writes its best.pt (checkpoint.write of run_state plus the weights),
-    with every parameter random -- norm weights and biases too, so a wrong or missing one shows."""
+    with every parameter random -- norm weights and biases too, so a wrong or missing one shows.
+    before_layout: written before the RoPE layout was recorded (no 'rope_layout' key)."""
     torch.manual_seed(seed)
     model = build_model(config)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.3)
-    state = {"model_config": config.__dict__, "config": {**train_defaults(), "data_dir": "/nonexistent", **train_config},
+    model_config = {k: v for k, v in config.__dict__.items() if not (before_layout and k == "rope_layout")}
+    state = {"model_config": model_config, "config": {**train_defaults(), "data_dir": "/nonexistent", **train_config},
              "iter_num": 0, "best_val_loss": 0.0, "last_eval": None, "model": model.state_dict(), "objective": {}}
     if meta is not None:
         state["meta"] = meta
@@ -64,12 +67,15 @@ def meta(data_dir):
     return read_meta(data_dir)
 
 
-@pytest.mark.parametrize("name", list(ARCHS))
+@pytest.mark.parametrize("name", [*ARCHS, "llama_before_layout"])
 def test_exported_logits_equal_ours(tmp_path, meta, name):
-    """Random ids over the whole vocabulary (both languages), the whole block: max |Δlogit| <= 1e-5."""
+    """Random ids over the whole vocabulary (both languages), the whole block: max |Δlogit| <= 1e-5.
+    llama_before_layout: a checkpoint that does not record its RoPE layout, trained interleaved."""
     from transformers import AutoModelForCausalLM
 
-    model = write_checkpoint(tmp_path / "best.pt", char_config(meta, **ARCHS[name]), meta)
+    before = name == "llama_before_layout"
+    arch = ARCHS["llama_interleaved" if before else name]
+    model = write_checkpoint(tmp_path / "best.pt", char_config(meta, **arch), meta, before_layout=before)
     result = export_hf.export(str(tmp_path / "best.pt"), str(tmp_path / "hf"), check=False)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), dtype=torch.float32).eval()
     expected = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model.config.arch]

@@ -24,17 +24,70 @@ def test_rmsnorm_matches_formula():
     torch.testing.assert_close(norm(x), expected)
 
 
-def test_rope_rotates_pairs_by_position_times_frequency():
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+def test_rope_rotates_pairs_by_position_times_frequency(layout):
+    """Pair i is (i, i + D/2) in the half layout, (2i, 2i+1) in the interleaved one."""
     T, D, theta = 6, 8, 10000.0
     x = torch.randn(1, 1, T, D, dtype=torch.float64)
     cos, sin = rope_angles(T, D, theta, "cpu")
-    out = apply_rope(x, cos.double(), sin.double())
+    out = apply_rope(x, cos.double(), sin.double(), layout)
     for t in range(T):
         for i in range(D // 2):
             angle = t * theta ** (-2 * i / D)
-            a, b = x[0, 0, t, 2 * i].item(), x[0, 0, t, 2 * i + 1].item()
-            assert out[0, 0, t, 2 * i].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-6)
-            assert out[0, 0, t, 2 * i + 1].item() == pytest.approx(a * math.sin(angle) + b * math.cos(angle), abs=1e-6)
+            first, second = (i, i + D // 2) if layout == "half" else (2 * i, 2 * i + 1)
+            a, b = x[0, 0, t, first].item(), x[0, 0, t, second].item()
+            assert out[0, 0, t, first].item() == pytest.approx(a * math.cos(angle) - b * math.sin(angle), abs=1e-6)
+            assert out[0, 0, t, second].item() == pytest.approx(a * math.sin(angle) + b * math.cos(angle), abs=1e-6)
+
+
+def test_rope_half_rotates_in_the_compute_dtype():
+    """Under bf16 the half layout stays in bf16 (cos and sin cast to it); the interleaved one in float32."""
+    cos, sin = rope_angles(8, 16, 10000.0, "cpu")
+    x = torch.randn(1, 2, 8, 16).bfloat16()
+    half = apply_rope(x, cos, sin, "half")
+    assert half.dtype == torch.bfloat16
+    expected = apply_rope(x.double(), cos.double(), sin.double(), "half")
+    torch.testing.assert_close(half.double(), expected, atol=0.05, rtol=0.02)
+    assert apply_rope(x, cos, sin, "interleaved").dtype == torch.bfloat16
+
+
+def test_layouts_are_one_function_up_to_a_permutation():
+    """An interleaved model whose q and k rows are permuted within each head (tools/export_hf) is the
+    half-layout model: the same logits."""
+    from tools.export_hf import permute_heads
+    torch.manual_seed(0)
+    interleaved = build_model(GPTConfig(**{**LLAMA.__dict__, "rope_layout": "interleaved"})).double()
+    half = build_model(LLAMA).double()
+    weights = interleaved.state_dict()
+    for key in [k for k in weights if k.endswith("attn.wqkv.weight")]:
+        q, k, v = weights[key].split(LLAMA.n_embd)
+        weights[key] = torch.cat([permute_heads(q, LLAMA.n_head), permute_heads(k, LLAMA.n_head), v])
+    half.load_state_dict(weights)
+    idx = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.block_size))
+    torch.testing.assert_close(half(idx), interleaved(idx))
+    assert not torch.allclose(build_model(LLAMA).double()(idx), interleaved(idx))
+
+
+def test_a_checkpoint_without_its_layout_was_trained_interleaved():
+    """GPTConfig.from_checkpoint: a LLaMA model_config written before 'rope_layout' was recorded
+    is interleaved; one that records it keeps it; a GPT-2 one has no RoPE to fill in."""
+    old = {k: v for k, v in LLAMA.__dict__.items() if k != "rope_layout"}
+    assert GPTConfig.from_checkpoint(old).rope_layout == "interleaved"
+    assert GPTConfig.from_checkpoint(LLAMA.__dict__).rope_layout == "half"
+    assert GPTConfig.from_checkpoint({"arch": "gpt2"}).rope_layout == "half"
+    with pytest.raises(ValueError, match="rope_layout"):
+        GPTConfig(rope_layout="halves")
+
+
+def test_residual_stream_in_the_compute_dtype_under_autocast():
+    """Every hidden state a block returns is bf16 under bf16 autocast (the one-GPU and DDP path, as
+    FSDP's bf16 parameters give), float32 without it; the final norm computes in float32."""
+    model = build_model(LLAMA)
+    idx = torch.randint(0, LLAMA.vocab_size, (2, LLAMA.block_size))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits, hidden = model(idx, return_hidden_states=True)
+    assert {h.dtype for h in hidden} == {torch.bfloat16} and logits.dtype == torch.bfloat16
+    assert {h.dtype for h in model(idx, return_hidden_states=True)[1]} == {torch.float32}
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -42,6 +95,7 @@ def test_rope_scores_depend_only_on_relative_position():
     q, k = torch.randn(D, dtype=torch.float64), torch.randn(D, dtype=torch.float64)
     cos, sin = (a.double() for a in rope_angles(12, D, 10000.0, "cpu"))
     rotated = lambda v, t: apply_rope(v.view(1, 1, 1, D).expand(1, 1, 12, D), cos, sin)[0, 0, t]  # noqa: E731
+    # (either layout: the pairs differ, not the angles)
     s1 = rotated(q, 7) @ rotated(k, 4)
     s2 = rotated(q, 3) @ rotated(k, 0)
     assert s1.item() == pytest.approx(s2.item(), rel=1e-6)  # the angles are computed in float32

@@ -78,7 +78,7 @@ def test_a_plan_for_a_gpu_counts_the_gpus_cross_entropy():
     meta device where the plan measures holds what a GPU holds: on (8 x 2048, 50304) bf16 logits
     its forward and backward hold 9.21 GiB above the logits, what one H100 measured (results/gpu.md,
     section 5): the upcast copy, log-softmax and the gradient, 4 bytes per logit each. A plan for a
-    GPU (plan.py, train.py on cuda) measures its step with the logits in the compute dtype."""
+    GPU (plan.py, train.py on cuda) measures its step in the compute dtype (memory.compute_dtype)."""
     import losses
     logits = torch.empty(8, 2048, 50304, device="meta", dtype=torch.bfloat16, requires_grad=True)
     targets = torch.zeros(8, 2048, dtype=torch.long, device="meta")
@@ -89,9 +89,12 @@ def test_a_plan_for_a_gpu_counts_the_gpus_cross_entropy():
     config = {**train_defaults(), "arch": "llama", "tie_weights": False, "n_layer": 2, "n_head": 4, "n_embd": 64,
               "block_size": 128, "vocab_size": 4096, "dtype": "bfloat16", "batch_size": 4}
     model_config = GPTConfig.from_config(config, 4096)
-    act = {device: memory.activation_gib({**config, "device": device}, model_config, 4, 128)["act"]
-           for device in ("cpu", "cuda")}
-    # the CUDA step's logits are bf16: 2 bytes per logit fewer than the CPU's fp32 logits
-    assert (act["cpu"] - act["cuda"]) * memory.GiB == pytest.approx(2 * 4 * 128 * 4096, rel=0.05)
+    parts = {device: memory.activation_gib({**config, "device": device}, model_config, 4, 128)
+             for device in ("cpu", "cuda")}
+    act = {device: parts[device]["act"] for device in parts}
+    # the CUDA step is measured in bf16: its logits 2 bytes each fewer than the CPU's fp32 ones, and
+    # a block's activations between half and two thirds of the CPU's (the norms' float32 copies stay)
+    assert (act["cpu"] - act["cuda"]) * memory.GiB > 2 * 4 * 128 * 4096
+    assert 0.5 < parts["cuda"]["block"] / parts["cpu"]["block"] < 0.67
     p = plan.make_plan({**config, "device": "cpu", "max_iters": 10, "global_batch_size": 4}, 1)
     assert p["memory_parts"]["act"] == act["cuda"]

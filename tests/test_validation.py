@@ -20,15 +20,17 @@ def loop_nll(model, x, y):
                for t in range(len(y))) / len(y)
 
 
-@pytest.mark.parametrize("shift", [0, 20])
-def test_validation_losses_match_a_loop(shift):
+@pytest.mark.parametrize("shift,ce_chunk_size,simreg", [(0, 0, 0.0), (20, 0, 0.0), (0, 5, 0.0), (20, 5, 1.0)])
+def test_validation_losses_match_a_loop(shift, ce_chunk_size, simreg):
     """val_high / val_low: mean over the eval windows of each window's mean NLL in that language;
-    val: each window in the language its (fixed) draw picked, as in training."""
+    val: each window in the language its (fixed) draw picked, as in training. ce_chunk_size: the
+    same figures from the head and the loss in chunks (no logits), beside another term."""
     torch.manual_seed(0)
     vocab, block, batch, iters, prob = 20, 8, 3, 2, 0.5
     model = GPT(GPTConfig(vocab_size=vocab + shift, block_size=block, n_layer=1, n_head=2, n_embd=8))
     val_data = np.random.default_rng(0).integers(0, vocab, 200).astype(np.uint16)
-    out = validation_losses(model, Objective(1, 8), val_data, batch, block, iters, shift, prob if shift else 0.0,
+    objective = Objective(1, 8, ce_chunk_size=ce_chunk_size, simreg=simreg)
+    out = validation_losses(model, objective, val_data, batch, block, iters, shift, prob if shift else 0.0,
                             "cpu", contextlib.nullcontext())
     generator = torch.Generator().manual_seed(0)  # the draw validation_losses makes
     high, low, mixed = [], [], []
@@ -45,3 +47,4 @@ def test_validation_losses_match_a_loop(shift):
     assert out["val"] == pytest.approx(np.mean(mixed), rel=1e-5)
     if shift:
         assert out["val_low"] == pytest.approx(np.mean(low), rel=1e-5)
+    assert ("val_simreg" in out) == bool(simreg)

@@ -7,13 +7,13 @@ transformers.AutoModelForCausalLM / AutoTokenizer and lm-evaluation-harness can 
     python -m tools.export_hf run/best.pt hf/run --data_dir=data/shakespeare_char --overwrite
 
     arch gpt2                 -> GPT2LMHeadModel (exact GELU, zero biases when bias=False)
-    arch llama                -> LlamaForCausalLM (wqkv split into q/k/v, RoPE pairs permuted)
+    arch llama                -> LlamaForCausalLM (wqkv split into q/k/v; interleaved RoPE pairs permuted)
     arch llama, n_expert > 1  -> MixtralForCausalLM
 
-Our RoPE rotates the interleaved pairs (2i, 2i+1) of a head (model.rope_angles); HF rotates
-(i, i + head_dim/2). Permuting the rows of the q and k projections within each head (even
-dimensions first, then odd ones) moves every pair where HF expects it and leaves q . k unchanged,
-so the exported model computes the same function. Our Mixtral router (softmax over all experts in
+Our RoPE (model.apply_rope) rotates the pairs (i, i + head_dim/2) of a head, HF's layout; a model
+trained before the layout was recorded rotates the interleaved pairs (2i, 2i+1). Permuting the rows
+of its q and k projections within each head (even dimensions first, then odd ones) moves every pair
+where HF expects it and leaves q . k unchanged, so the exported model computes the same function. Our Mixtral router (softmax over all experts in
 fp32, top_k, renormalised to sum 1) is HF Mixtral's, so the router weight is copied as it is.
 
 Any checkpoint of a run exports, an FSDP run's ckpt.pt too (its weights are read back from the
@@ -70,7 +70,7 @@ def read_checkpoint(path):
     except checkpoints.CheckpointError as e:
         raise ExportError(str(e)) from None
     try:
-        config = GPTConfig(**ckpt["model_config"])
+        config = GPTConfig.from_checkpoint(ckpt["model_config"])
     except (TypeError, ValueError) as e:
         raise ExportError(f"{path}: its 'model_config' is not a model.GPTConfig ({e})") from None
     train_config = ckpt["config"]
@@ -94,6 +94,12 @@ def permute_heads(weight, n_head):
     C = weight.shape[0]
     head_dim = C // n_head
     return weight.view(n_head, head_dim, -1)[:, rope_permutation(head_dim)].reshape(C, -1)
+
+
+def to_half_layout(weight, config):
+    """A q or k projection as HF's LLaMA rotates it: the half layout is HF's own; an interleaved
+    model's rows are permuted (permute_heads)."""
+    return weight if config.rope_layout == "half" else permute_heads(weight, config.n_head)
 
 
 def gpt2_weights(sd, config):
@@ -128,8 +134,8 @@ def llama_weights(sd, config):
         q, k, v = sd[ours + "attn.wqkv.weight"].split(C, dim=0)
         out.update({hf + "input_layernorm.weight": sd[ours + "attn_norm.weight"],
                     hf + "post_attention_layernorm.weight": sd[ours + "mlp_norm.weight"],
-                    hf + "self_attn.q_proj.weight": permute_heads(q, config.n_head),
-                    hf + "self_attn.k_proj.weight": permute_heads(k, config.n_head),
+                    hf + "self_attn.q_proj.weight": to_half_layout(q, config),
+                    hf + "self_attn.k_proj.weight": to_half_layout(k, config),
                     hf + "self_attn.v_proj.weight": v,
                     hf + "self_attn.o_proj.weight": sd[ours + "attn.wo.weight"]})
         if config.n_expert > 1:

@@ -18,6 +18,7 @@ import checkpoint
 import losses
 import memory
 import plan
+from model import GPT
 from optim import configure_optimizers
 from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, plan_gib, random_batches, step_times,
                              timed, train_step)
@@ -45,33 +46,53 @@ def model_350m(check):
     return config
 
 
+# Issue 62's changes to the 350M step, each switched back in turn to measure its gain on the same
+# GPU in the same process: (row, config keys, residual stream in the compute dtype, batch divisor)
+STEP_CHANGES = (
+    ("as before (interleaved RoPE in fp32, whole fp32 logits, fp32 residual), half the batch",
+     {"rope_layout": "interleaved", "ce_chunk_size": 0}, False, 2),
+    ("as before, at the batch the bf16 plan picks", {"rope_layout": "interleaved", "ce_chunk_size": 0}, False, 1),
+    ("+ RoPE in the half-split layout, in bf16", {"ce_chunk_size": 0}, False, 1),
+    ("+ LM head and cross-entropy in chunks (ce_chunk_size)", {}, False, 1),
+    ("+ residual stream in bf16: the config as it is", {}, True, 1))
+
+
+def measure_step(check, config, residual_in_compute_dtype):
+    """(ms per step, first step's s, first step's CE, max allocated GiB, model, objective, optimizers,
+    scaler, batches) of one optimizer step of config, built and compiled afresh."""
+    torch._dynamo.reset()
+    check.reset_memory()
+    GPT.residual_in_compute_dtype = residual_in_compute_dtype
+    ce = []
+    try:
+        model, objective, optimizers, scaler = build(check, config)
+        batches = random_batches(config, config["batch_size"], 1, check.device)
+
+        def step():
+            stepped, terms = train_step(model, objective, optimizers, scaler, batches, check.autocast)
+            ce.append(terms["ce"].detach())
+            return stepped, terms
+        first, ms = step_times(check, step, check.sizes["warmup"], check.sizes["steps"])
+    finally:
+        GPT.residual_in_compute_dtype = True
+    return ms, first, ce[0].item(), check.peak_gib()[0], (model, objective, optimizers, scaler, batches, step)
+
+
 def throughput_350m(check):
     config = model_350m(check)
     B, T = config["batch_size"], config["block_size"]
-    # the plan counts fp32 activations (an upper bound under bf16), so 'auto' may leave memory unused:
-    # twice its batch, measured first in a process state of its own (no graphs shared with the run below)
-    doubled = {**config, "batch_size": 2 * B, "global_batch_size": max(config["global_batch_size"], 2 * B)}
-    try:
-        check.reset_memory()
-        model, objective, optimizers, scaler = build(check, doubled)
-        batches = random_batches(doubled, 2 * B, 1, check.device)
-        step = lambda: train_step(model, objective, optimizers, scaler, batches, check.autocast)  # noqa: E731
-        _, ms2 = step_times(check, step, check.sizes["warmup"], check.sizes["steps"] // 2)
-        flops2 = plan.training_flops_per_token(model, objective, 2 * B * T, False) * 2 * B * T
-        double_row = (f"{1000 * ms2:.1f} ms, MFU {flops2 / ms2 / check.peak:.3f}, {check.peak_gib()[0]:.1f} "
-                      "GiB allocated", f"{plan_gib(doubled):.1f} GiB")
-    except torch.OutOfMemoryError:
-        double_row = ("out of memory", f"{plan_gib(doubled):.1f} GiB")
-    model = objective = optimizers = batches = None
-    torch._dynamo.reset()
-
-    check.reset_memory()
-    model, objective, optimizers, scaler = build(check, config)
-    batches = random_batches(config, B, 1, check.device)
-    step = lambda: train_step(model, objective, optimizers, scaler, batches, check.autocast)  # noqa: E731
-    first, ms = step_times(check, step, check.sizes["warmup"], check.sizes["steps"])
-    allocated, reserved = check.peak_gib()
-    flops = plan.training_flops_per_token(model, objective, B * T, False) * B * T
+    rows, losses_seen, built = [], [], None
+    for name, keys, residual, divisor in STEP_CHANGES:
+        run = {**config, **keys, "batch_size": max(1, B // divisor)}
+        b = run["batch_size"]
+        built = None  # the previous row's model and states go before the next is built
+        ms, first, loss, allocated, built = measure_step(check, run, residual)
+        flops = plan.training_flops_per_token(built[0], built[1], b * T, False) * b * T
+        if divisor == 1:
+            losses_seen.append(loss)
+        rows.append((name, f"{b} x {T}", f"{1000 * ms:.1f}", f"{b * T / ms:,.0f}",
+                     f"{flops / ms / check.peak:.3f}", f"{loss:.4f}", f"{allocated:.1f}"))
+    model, objective, optimizers, scaler, batches, step = built
     mfu = flops / ms / check.peak
     planned = plan_gib(config)
     kernels = top_kernels(check, step)
@@ -86,12 +107,20 @@ def throughput_350m(check):
         (f"MFU of {check.peak / 1e12:.0f} TFLOP/s (goal >= {MFU_GOAL})", f"**{mfu:.3f}**"
          + ("" if mfu >= MFU_GOAL else " (below the goal)"), f"{PLAN_MFU}"),
         ("first step (compilation included), s", f"{first:.1f}", ""),
-        ("max_memory_allocated, GiB", f"{allocated:.1f}",
-         f"{planned:.1f} (fp32 activations: an upper bound)"),
-        ("max_memory_reserved, GiB", f"{reserved:.1f}", ""),
-        (f"twice the batch ({2 * B} x {T})", *double_row)])
+        ("max_memory_allocated, GiB", f"{allocated:.1f}", f"{planned:.1f} (activations in bf16)"),
+        ("max_memory_reserved, GiB", f"{check.peak_gib()[1]:.1f}", "")])
+    spread = max(losses_seen) - min(losses_seen)
+    check.line(f"\nEach change's gain: the step built and compiled afresh with the changes above it, on the "
+               f"same batch of random tokens; the first step's CE is the same weights on the same batch "
+               f"(rows at {B} x {T}: spread {spread:.2e}, tolerance {LOSS_TOLERANCE}"
+               + ("" if spread <= LOSS_TOLERANCE else ", **FAILED**") + ").\n")
+    check.table(["step", "batch", "ms per step", "tokens/s", "MFU", "first step's CE", "max allocated GiB"],
+                rows)
     check.line(f"\nWhere the step's device time goes (torch.profiler over 2 steps of {B} x {T}):\n")
     check.table(["kernel", "share of device time", "calls"], kernels)
+
+
+LOSS_TOLERANCE = 2e-2  # bf16 autocast: the layouts and precisions round differently, the function is one
 
 
 # each kernel counts in the first kind whose words its name holds (cuDNN's attention is "wgmma")
@@ -224,24 +253,33 @@ def wide_7b(check):
 
 
 def cross_entropy_transient(check):
-    """losses.cross_entropy's forward + backward on (8 x 2048, 50304) bf16 logits: the device's
-    peak above the logits themselves, against what the plan counts for it (memory.PeakTensorBytes on
-    the meta device, where the CPU path runs)."""
-    B, T, V = (check.sizes["wide_batch"], check.sizes["wide_seq"], 50304 if check.cuda else 512)
-    check.reset_memory()
-    logits = torch.randn(B, T, V, device=check.device, dtype=torch.bfloat16, requires_grad=True)
-    y = torch.randint(0, V, (B, T), device=check.device)
-    base = torch.cuda.memory_allocated() if check.cuda else 0
-    losses.cross_entropy(logits, y).backward()
-    check.synchronize()
-    device_gib = (torch.cuda.max_memory_allocated() - base) / GiB if check.cuda else float("nan")
-    del logits
-    meta_logits = torch.empty(B, T, V, device="meta", dtype=torch.bfloat16, requires_grad=True)
-    with memory.PeakTensorBytes() as counter:
-        losses.cross_entropy(meta_logits, torch.zeros(B, T, dtype=torch.long, device="meta")).backward()
-    check.line(f"- cross-entropy on {B} x {T} x {V} bf16 logits, forward + backward: {device_gib:.2f} GiB "
-               f"above the logits on {check.device}; the plan counts {counter.peak / GiB:.2f} GiB (the CPU "
-               f"path, on meta): {device_gib - counter.peak / GiB:+.2f} GiB unplanned")
+    """The LM head and cross-entropy's forward + backward on 8 x 2048 bf16 states of the 7B's width
+    (C 4096, V 50304), whole (the head's bf16 logits, then losses.cross_entropy) and in chunks
+    (losses.linear_cross_entropy at the config's ce_chunk_size): the device's peak above its inputs,
+    against what the plan counts (memory.PeakTensorBytes on the meta device)."""
+    B, T = check.sizes["wide_batch"], check.sizes["wide_seq"]
+    C, V = (4096, 50304) if check.cuda else (64, 512)
+    chunk = check.config("config/simreg_7b.py")["ce_chunk_size"]
+    ways = {"whole logits": lambda h, w, y: losses.cross_entropy(h @ w.t(), y),
+            f"chunks of {chunk}": lambda h, w, y: losses.linear_cross_entropy(h, w, y, chunk_size=chunk)}
+    for name, loss in ways.items():
+        check.reset_memory()
+        h = torch.randn(B, T, C, device=check.device, dtype=torch.bfloat16, requires_grad=True)
+        w = (torch.randn(V, C, device=check.device, dtype=torch.bfloat16) * 0.02).requires_grad_()
+        y = torch.randint(0, V, (B, T), device=check.device)
+        base = torch.cuda.memory_allocated() if check.cuda else 0
+        loss(h, w, y).backward()
+        check.synchronize()
+        device_gib = (torch.cuda.max_memory_allocated() - base) / GiB if check.cuda else float("nan")
+        del h, w
+        with memory.PeakTensorBytes() as counter:
+            h, w = (torch.empty(*shape, device="meta", dtype=torch.bfloat16, requires_grad=True)
+                    for shape in ((B, T, C), (V, C)))
+            loss(h, w, torch.zeros(B, T, dtype=torch.long, device="meta")).backward()
+        del h, w
+        check.line(f"- LM head and cross-entropy, {name}, on {B} x {T} bf16 states (C {C}, V {V}), forward + "
+                   f"backward: {device_gib:.2f} GiB above the inputs on {check.device}; the plan counts "
+                   f"{counter.peak / GiB:.2f} GiB (on meta): {device_gib - counter.peak / GiB:+.2f} GiB unplanned")
 
 
 # 6 -------------------------------------------------------------------------------------------

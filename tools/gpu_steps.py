@@ -151,7 +151,7 @@ def step_times(check, step, warmup, steps):
     return first, statistics.median(timed(check, step)[0] for _ in range(steps))
 
 
-def plan_gib(config, processes=1):
-    """The plan's memory for this process (train.py's memory check), GiB."""
-    return memory.process_gib(config, processes, config["vocab_size"])[0]
+def plan_gib(config, processes=1, device="cuda"):
+    """The plan's memory for this process on the device (train.py's memory check), GiB."""
+    return memory.process_gib({**config, "device": device}, processes, config["vocab_size"])[0]
 
