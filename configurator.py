@@ -159,8 +159,8 @@ TRAIN_RULES = {
                      "gradient_accumulation_steps", "n_layer", "n_head", "n_embd", "n_expert", "top_k",
                      "lr_decay_iters"), POSITIVE),
     **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size", "vocab_size",
-                     "ffn_hidden", "ce_chunk_size", "simreg_chunk_size", "dispersion_positions", "nitp_layer", "nitp_hidden",
-                     "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
+                     "ffn_hidden", "ce_chunk_size", "simreg_chunk_size", "dispersion_positions", "nitp_layer",
+                     "nitp_hidden", "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
     **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight",
                      "moe_aux_weight", "min_lr", "weight_decay", "grad_clip", "capacity_factor"),
                     NON_NEGATIVE_NUMBER),
@@ -261,13 +261,13 @@ def check_train_config(config, world_size):
 
 
 def model_problem(config):
-    """What the model's or the objective's own rules (GPTConfig, losses.Objective) say of config's keys,
-    None if nothing: asked here, so that no later step (the memory check, the plan) that builds them
+    """What the model's or the objective's own rules (GPTConfig, objective.Objective) say of
+    config's keys, None if nothing: asked here, so that no later step (the memory check, the plan) that builds them
     meets a bad key as a traceback."""
     import torch  # (only where a config is checked for training: train.py and plan.py import it anyway)
 
-    from losses import Objective
     from model import GPTConfig
+    from objective import Objective
     try:
         GPTConfig(**{k: config[k] for k in GPTConfig.__dataclass_fields__
                      if k in config and k != "vocab_size"})

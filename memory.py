@@ -26,9 +26,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import parallelism
-from losses import Objective, objective_step
 from model import GPT, GPTConfig
 from errors import UserError
+from objective import Objective, objective_step
 from utils import available_memory
 
 GiB = 2 ** 30
@@ -106,12 +106,24 @@ def compute_dtype(config):
     return {"float32": torch.float32, "float16": torch.float16}.get(config.get("dtype"), torch.bfloat16)
 
 
+def objective_on_blocks(config, n_layer):
+    """The run's objective on its model cut to n_layer blocks: a loss that reads block l's state
+    (simreg_layer, nitp_layer) reads the last block the cut model has when l is beyond it. Every
+    block's state has the same shape, so the loss costs what it costs in the run."""
+    cut = {"n_layer": n_layer}
+    if config.get("simreg_layer", -1) > n_layer:
+        cut["simreg_layer"] = n_layer
+    if config.get("nitp_layer", 0) > n_layer:
+        cut["nitp_layer"] = n_layer
+    return Objective.from_config({**config, **cut})
+
+
 @functools.lru_cache(maxsize=64)
 def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size, seq_len, device):
     config, model_config = dict(config_items), GPTConfig(**dict(model_config_items))
     cfg = GPTConfig(**{**model_config.__dict__, "n_layer": n_layer, "block_size": seq_len})
     with torch.device("meta"):
-        model, objective = GPT(cfg), Objective.from_config(config)
+        model, objective = GPT(cfg), objective_on_blocks(config, n_layer)
     if device != "meta":
         model.to_empty(device=device)  # sizes are all we need: leave the memory uninitialised...
         objective.to_empty(device=device)

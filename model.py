@@ -15,7 +15,7 @@ hidden states that representation-level losses work on:
     hidden_states[-1]     the final state after ln_f, the one that feeds the LM head
 
 A mixture-of-experts model also leaves its router's load-balancing loss of the last forward
-pass in `model.aux_loss`. losses.Objective turns these into weighted losses, the router's
+pass in `model.aux_loss`. objective.Objective turns these into weighted losses, the router's
 included. Parallelism, optimizers and the Stop Jostling "separated embeddings" (an
 optimizer-side property, see optim.py) live outside.
 """
@@ -367,7 +367,7 @@ class GPT(nn.Module):
                 module.attention = kernel
 
     def embeddings(self):
-        """The weights a loss may need, by name (losses.Objective): 'input', the rows looked up for
+        """The weights a loss may need, by name (objective.Objective): 'input', the rows looked up for
         input tokens, and 'output', the rows the final state is scored against; on a tied model
         both are the one matrix."""
         return {"input": self.input_embedding(), "output": self.output_embedding()}
@@ -426,7 +426,8 @@ class GPT(nn.Module):
             x = self.drop(self.wte(idx) + self.wpe(torch.arange(T, device=idx.device)))
             run = lambda block, x: block(x)  # noqa: E731
         device_type = idx.device.type
-        if self.residual_in_compute_dtype and device_type != "meta" and torch.is_autocast_enabled(device_type):
+        autocast = device_type != "meta" and torch.is_autocast_enabled(device_type)
+        if self.residual_in_compute_dtype and autocast:
             x = x.to(torch.get_autocast_dtype(device_type))
         hidden_states = [x]
         for block in self.h:

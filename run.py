@@ -356,12 +356,12 @@ RESUME_KEYS = ("arch", "n_layer", "n_head", "n_embd", "ffn_hidden", "n_expert", 
 # other key changes what is trained or what the run's record means, and must equal the checkpoint's
 # unless --resume_changes names it. The batch may be split differently (batch_size, accumulation,
 # processes) as long as the global batch stays the same: the data order does not depend on the split.
-RESUME_MAY_CHANGE = ("ce_chunk_size", "out_dir", "data_dir", "data_source", "init_from", "head_from_embedding", "overwrite",
+RESUME_MAY_CHANGE = ("out_dir", "data_dir", "data_source", "init_from", "head_from_embedding", "overwrite",
                      "resume_changes", "max_iters", "eval_interval", "checkpoint_interval", "log_interval",
                      "final_eval", "dry_run", "check_memory", "device", "num_threads", "compile", "parallel",
                      "activation_checkpointing", "fsdp_keep_gathered", "fsdp_shard_size", "wandb_log",
                      "wandb_project", "wandb_run_name", "batch_size", "gradient_accumulation_steps",
-                     "global_batch_size")
+                     "global_batch_size", "ce_chunk_size")
 
 
 def global_batch(config, processes):
@@ -379,7 +379,8 @@ def check_resumable(checkpoint, config, data_dir, processes=1):
     vocabulary, split sizes and the hashes recorded at preparation), wherever it now is."""
     from configurator import train_defaults  # a key newer than the checkpoint: it trained with its default
     saved = {**train_defaults(), **checkpoint["config"]}  # (data_order before the key: 'random', its default)
-    saved["rope_layout"] = GPTConfig.from_checkpoint(checkpoint["model_config"]).rope_layout
+    if "rope_layout" not in checkpoint["config"]:  # written before the layout was recorded
+        saved["rope_layout"] = GPTConfig.from_checkpoint({"arch": saved["arch"]}).rope_layout
     for key in RESUME_KEYS:
         if saved.get(key, config[key]) != config[key]:
             raise CheckpointError(f"cannot resume: key '{key}' is {config[key]!r} but the checkpoint was "

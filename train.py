@@ -36,8 +36,8 @@ import tracking
 from configurator import TRAIN_RULES, ConfigError, check_train_config, parse_config
 from data import EpochWindows, load_tokens, read_meta, read_windows, sample_windows
 from errors import end_on_user_error
-from losses import Objective, objective_step
 from model import GPT, GPTConfig, initial_weights
+from objective import Objective, objective_step
 from optim import AdaGC, apply_gradients, configure_optimizers, gradient_clipping, learning_rate_at
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
                    save_json)
@@ -92,7 +92,7 @@ moe_aux_weight = 0.02                # weight of the router's load-balancing los
 rope_theta = 10000.0
 rope_layout = "half"                 # llama: RoPE pairs (i, i + d/2), LLaMA's; "interleaved" = (2i, 2i+1)
 init_std = 0.01                      # llama: std of every weight matrix
-# loss: a weighted sum of the terms of losses.py, each *_weight = 0 switches it off (losses.Objective)
+# loss: a weighted sum of the terms of losses.py, each *_weight = 0 switches it off (objective.Objective)
 ce_weight = 1.0                      # next-token cross-entropy; 0 with cwt_weight > 0 = headless
 margin = None                        # logit thresholding margin of the CE term (Stop Jostling); None = off
 ce_chunk_size = 0                    # n > 0: LM head + CE n positions at a time, no whole logits; 0 = off

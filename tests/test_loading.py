@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -60,3 +61,35 @@ def test_load_model_holds_one_copy_of_the_weights(tmp_path):
     # measured here on torch 2.6, 2.13 and 2.14.1; a model built for real, then given the loaded
     # weights, held 2.29
     assert growth < 1.6 * weight_bytes, (growth, weight_bytes)
+
+
+def test_a_llama_checkpoint_from_before_the_rope_layout_loads_interleaved(tmp_path, data_dir):
+    """A LLaMA checkpoint whose model_config does not record 'rope_layout' was trained with the
+    interleaved layout: evaluate.load_model rebuilds it so (the logits it was trained to give), and
+    starting a half-layout run from it is refused by name."""
+    import checkpoint
+    import evaluate
+    from data import read_meta
+    from configurator import train_defaults
+    meta = read_meta(data_dir)
+    config = GPTConfig(vocab_size=meta["vocab_size"], block_size=16, n_layer=1, n_head=2, n_embd=16, arch="llama",
+                       rope_layout="interleaved", ffn_hidden=24)
+    torch.manual_seed(0)
+    model = GPT(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    path = str(tmp_path / "best.pt")
+    old_config = {k: v for k, v in dataclasses.asdict(config).items() if k != "rope_layout"}
+    checkpoint.write(path, {"model_config": old_config, "config": {**train_defaults(), "data_dir": data_dir},
+                            "iter_num": 0, "best_val_loss": 0.0, "last_eval": None, "meta": meta,
+                            "model": model.state_dict(), "objective": {}})
+    loaded, _ = evaluate.load_model(path)
+    idx = torch.randint(0, config.vocab_size, (2, 16))
+    assert loaded.config.rope_layout == "interleaved"
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(idx), model(idx))
+    half = dataclasses.replace(config, rope_layout="half")
+    with pytest.raises(checkpoint.UsageError, match="model key 'rope_layout' is 'half' here but 'interleaved' there"):
+        checkpoint.starting_weights(path, half, False, data_dir)
+    assert set(checkpoint.starting_weights(path, config, False, data_dir)) == set(model.state_dict())

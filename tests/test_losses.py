@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from losses import Objective, cross_entropy, linear_cross_entropy, threshold_logits  # noqa: E402
+from losses import cross_entropy, linear_cross_entropy, threshold_logits  # noqa: E402
+from objective import Objective  # noqa: E402
 
 
 def brute_force_ce(logits, targets, margin=None, ignore_index=-1):

@@ -98,3 +98,28 @@ def test_a_plan_for_a_gpu_counts_the_gpus_cross_entropy():
     assert 0.5 < parts["cuda"]["block"] / parts["cpu"]["block"] < 0.67
     p = plan.make_plan({**config, "device": "cpu", "max_iters": 10, "global_batch_size": 4}, 1)
     assert p["memory_parts"]["act"] == act["cuda"]
+
+
+LAYER_KEYS = ([{"simreg_weight": 1.0, "simreg_layer": layer} for layer in range(-1, 5)]
+              + [{"nitp_weight": 1.0, "nitp_layer": k, "nitp_prenorm": prenorm}
+                 for k in range(0, 5) for prenorm in (False, True)]
+              + [{"dispersion_weight": 0.1, "dispersion_layers": which} for which in ("all", "last")])
+
+
+@pytest.mark.parametrize("keys", LAYER_KEYS, ids=lambda keys: ",".join(f"{k}={v}" for k, v in keys.items()))
+def test_every_layer_key_passes_the_memory_check_and_trains_a_step(keys):
+    """Each key that picks a hidden state by its block, at every valid value of a 4-block toy: the
+    memory check (which measures the objective on the model cut to 1 and 2 blocks) and one training
+    step of the whole model (issue 57: simreg_layer=3 ended before step 0)."""
+    from model import build_model
+    from objective import Objective, objective_step
+    config = {**train_defaults(), **keys, "vocab_size": 130, "batch_size": 4}
+    assert config["n_layer"] == 4
+    assert memory.device_memory_problem(config, 1, 130, "cpu") is None
+    model = build_model(GPTConfig.from_config(config, 130))
+    objective = Objective.from_config(config)
+    x = torch.randint(0, 130, (2, config["block_size"]))
+    loss, terms, _, _ = objective_step(model, objective, x, x)
+    loss.backward()
+    assert torch.isfinite(loss) and len(terms) == 2
+    assert memory.objective_on_blocks(config, 2).n_layer == 2

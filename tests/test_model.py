@@ -38,10 +38,10 @@ def test_untied_model_has_its_own_head():
 
 
 def test_a_loss_reaches_each_embedding_by_name_on_tied_and_untied_models():
-    """losses.objective_step hands the objective model.embeddings(): 'input' is the table looked up
+    """objective.objective_step hands the objective model.embeddings(): 'input' is the table looked up
     for input tokens, 'output' the LM head. A term on 'output' trains the LM head of an untied
     model and the one shared matrix of a tied one; a term on 'input' (CWT) trains the token table."""
-    from losses import Objective, objective_step
+    from objective import Objective, objective_step
     x = torch.randint(0, 30, (2, 8))
     for tied in (True, False):
         model = build_model(GPTConfig(**{**TINY.__dict__, "tie_weights": tied}))

@@ -570,3 +570,10 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
         run.check_resumable(saved, {**defaults, "cwt_tau": 0.5, "dispersion_form": "authors"}, defaults["data_dir"])
     assert "cwt_tau: 1.0 there, 0.5 here" in str(refused.value)
     assert "dispersion_form: 'paper' there, 'authors' here" in str(refused.value)
+    # except the RoPE layout: a LLaMA checkpoint from before it was recorded rotated interleaved pairs
+    llama = {**defaults, "arch": "llama"}
+    saved["config"] = {k: v for k, v in llama.items() if k != "rope_layout"}
+    with pytest.raises(run.CheckpointError, match="key 'rope_layout' is 'half' but the checkpoint was trained "
+                                                  "with 'interleaved'"):
+        run.check_resumable(saved, llama, defaults["data_dir"])
+    assert run.check_resumable(saved, {**llama, "rope_layout": "interleaved"}, defaults["data_dir"]) == {}

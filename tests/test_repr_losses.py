@@ -389,7 +389,7 @@ def test_dispersion_paper_form_pushes_condensed_states_several_times_harder():
 
 def test_dispersion_form_is_checked_by_the_function_objective_and_configurator():
     from configurator import TRAIN_RULES, ConfigError, check_values, parse_config, train_defaults
-    from losses import Objective
+    from objective import Objective
     with pytest.raises(ValueError, match="unknown dispersion form 'released'; valid: paper, authors"):
         dispersion(randn(1, 4, 3), form="released")
     with pytest.raises(ValueError, match="dispersion_form must be one of paper, authors, got 'released'"):
@@ -484,7 +484,7 @@ def test_cwt_temperature_divides_the_logits(tau):
     assert cwt(h, targets, wte, tau=tau).item() != pytest.approx(cwt(h, targets, wte).item(), rel=1e-3)
     assert torch.autograd.gradcheck(lambda x: cwt(x, targets, wte, tau=tau), (h.clone().requires_grad_(),))
     from configurator import TRAIN_RULES, ConfigError, check_values, parse_config, train_defaults
-    from losses import Objective
+    from objective import Objective
     total, terms = Objective(1, 3, ce=0.0, cwt=1.0, cwt_tau=tau)(None, [h, h, h], targets, {"input": wte})
     assert torch.equal(terms["cwt"], cwt(h, targets, wte, tau=tau))
     assert train_defaults()["cwt_tau"] == 1.0
@@ -502,7 +502,8 @@ def test_cwt_bf16_autocast_gives_float32():
 
 
 def test_objective_is_the_weighted_sum_of_the_plain_functions():
-    from losses import Objective, cross_entropy, dispersion, nitp, simreg
+    from losses import cross_entropy, dispersion, nitp, simreg
+    from objective import Objective
     torch.manual_seed(0)
     B, T, C, V, L = 2, 6, 8, 11, 3
     hidden = [torch.randn(B, T, C, dtype=torch.float64) for _ in range(L + 2)]
@@ -526,7 +527,8 @@ def test_objective_is_the_weighted_sum_of_the_plain_functions():
 def test_objective_adds_the_router_loss_of_a_mixture_of_experts():
     """Mixtral's load-balancing term comes into the total through Objective, with weight moe_aux,
     only when the config has experts; a dense model's router_loss (None) changes nothing."""
-    from losses import Objective, cross_entropy
+    from losses import cross_entropy
+    from objective import Objective
     torch.manual_seed(0)
     B, T, C, V, L = 2, 5, 8, 11, 2
     hidden = [torch.randn(B, T, C, dtype=torch.float64) for _ in range(L + 2)]

@@ -356,6 +356,14 @@ def test_every_loss_together_logs_each_term_and_resumes_exactly(tmp_path, data_d
     assert train_losses(part) == train_losses(full)
 
 
+def test_layer_keys_beyond_the_memory_checks_cut_model_train(tmp_path, data_dir):
+    """simreg_layer, nitp_layer and nitp_prenorm on blocks the memory check's 1- and 2-block models
+    do not have: train.py's whole setup, memory check included, then its steps (issue 57)."""
+    train(tmp_path / "layers", data_dir, "--n_layer=4", "--simreg_weight=1.0", "--simreg_layer=3",
+          "--nitp_weight=1.0", "--nitp_layer=4", "--nitp_prenorm=True", "--max_iters=2", "--final_eval=False")
+    assert [r["iter"] for r in read_log(tmp_path / "layers") if "loss" in r] == [0, 1]
+
+
 def test_headless_cwt_run(tmp_path, data_dir):
     out = tmp_path / "cwt"
     train(out, data_dir, "--ce_weight=0.0", "--cwt_weight=1.0")
@@ -424,7 +432,7 @@ def test_divergence_before_the_first_checkpoint_names_none(tmp_path):
     import torch
 
     import run
-    from losses import Objective
+    from objective import Objective
     from model import GPT, GPTConfig
     from errors import UserError
     modules = torch.nn.ModuleDict({"model": GPT(GPTConfig(vocab_size=8, block_size=4, n_layer=1, n_head=1, n_embd=4)),

@@ -8,7 +8,7 @@ import torch
 
 from data import read_windows, sample_windows
 from evaluate import validation_losses
-from losses import Objective
+from objective import Objective
 from model import GPT, GPTConfig
 
 

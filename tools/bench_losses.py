@@ -15,8 +15,9 @@ import sys
 import torch
 
 import parallelism
-from losses import Objective, cross_entropy, objective_step, simreg
+from losses import cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
+from objective import Objective, objective_step
 from optim import configure_optimizers
 from utils import autocast_context, keep_freed_memory, measure_matmul_flops, seconds
 

@@ -24,8 +24,8 @@ import parallelism
 import memory
 import plan
 from errors import UserError
-from losses import Objective, objective_step
 from model import GPTConfig, MixtureOfExperts, build_model
+from objective import Objective, objective_step
 from optim import configure_optimizers
 from tools.bench_losses import emit, table
 from utils import seconds

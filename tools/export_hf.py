@@ -13,8 +13,9 @@ transformers.AutoModelForCausalLM / AutoTokenizer and lm-evaluation-harness can 
 Our RoPE (model.apply_rope) rotates the pairs (i, i + head_dim/2) of a head, HF's layout; a model
 trained before the layout was recorded rotates the interleaved pairs (2i, 2i+1). Permuting the rows
 of its q and k projections within each head (even dimensions first, then odd ones) moves every pair
-where HF expects it and leaves q . k unchanged, so the exported model computes the same function. Our Mixtral router (softmax over all experts in
-fp32, top_k, renormalised to sum 1) is HF Mixtral's, so the router weight is copied as it is.
+where HF expects it and leaves q . k unchanged, so the exported model computes the same function.
+Our Mixtral router (softmax over all experts in fp32, top_k, renormalised to sum 1) is HF
+Mixtral's, so the router weight is copied as it is.
 
 Any checkpoint of a run exports, an FSDP run's ckpt.pt too (its weights are read back from the
 shards). Refused with one error: a headless run (ce_weight=0, its LM head never trained: fine-tune

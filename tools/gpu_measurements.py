@@ -19,6 +19,7 @@ import losses
 import memory
 import plan
 from model import GPT
+from objective import Objective
 from optim import configure_optimizers
 from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, plan_gib, random_batches, step_times,
                              timed, train_step)
@@ -51,7 +52,8 @@ def model_350m(check):
 STEP_CHANGES = (
     ("as before (interleaved RoPE in fp32, whole fp32 logits, fp32 residual), half the batch",
      {"rope_layout": "interleaved", "ce_chunk_size": 0}, False, 2),
-    ("as before, at the batch the bf16 plan picks", {"rope_layout": "interleaved", "ce_chunk_size": 0}, False, 1),
+    ("as before, at the batch the bf16 plan picks",
+     {"rope_layout": "interleaved", "ce_chunk_size": 0}, False, 1),
     ("+ RoPE in the half-split layout, in bf16", {"ce_chunk_size": 0}, False, 1),
     ("+ LM head and cross-entropy in chunks (ce_chunk_size)", {}, False, 1),
     ("+ residual stream in bf16: the config as it is", {}, True, 1))
@@ -180,11 +182,11 @@ def loss_costs(check):
     for name, keys in LOSS_COSTS.items():
         keys = {k: (min(v, T // 2) if k in ("simreg_chunk_size", "dispersion_positions") else v)
                 for k, v in keys.items()}
-        objective = losses.Objective.from_config({**config, **keys}).to(check.device)
+        objective = Objective.from_config({**config, **keys}).to(check.device)
         objective.init_weights()
         optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
         flops = plan.training_flops_per_token(model, objective, B * T, keys.get("cwt_weight", 0) > 0)
-        base_flops = plan.training_flops_per_token(model, losses.Objective.from_config(config), B * T, False)
+        base_flops = plan.training_flops_per_token(model, Objective.from_config(config), B * T, False)
         check.reset_memory()
         try:
             def step():
@@ -277,9 +279,10 @@ def cross_entropy_transient(check):
                     for shape in ((B, T, C), (V, C)))
             loss(h, w, torch.zeros(B, T, dtype=torch.long, device="meta")).backward()
         del h, w
+        planned = counter.peak / GiB
         check.line(f"- LM head and cross-entropy, {name}, on {B} x {T} bf16 states (C {C}, V {V}), forward + "
                    f"backward: {device_gib:.2f} GiB above the inputs on {check.device}; the plan counts "
-                   f"{counter.peak / GiB:.2f} GiB (on meta): {device_gib - counter.peak / GiB:+.2f} GiB unplanned")
+                   f"{planned:.2f} GiB (on meta): {device_gib - planned:+.2f} GiB unplanned")
 
 
 # 6 -------------------------------------------------------------------------------------------

@@ -11,11 +11,11 @@ import time
 
 import torch
 
-import losses
 import memory
 import parallelism
 from configurator import parse_config, train_defaults
 from model import GPT, GPTConfig
+from objective import Objective, objective_step
 from optim import apply_gradients, configure_optimizers
 from utils import GPU_PEAK_BF16_FLOPS, autocast_context, measure_matmul_flops, save_text
 
@@ -92,7 +92,7 @@ def train_step(model, objective, optimizers, scaler, batches, autocast, keep_gat
     for i, (x, y) in enumerate(batches):
         with parallelism.gradient_sync((model, objective), i == len(batches) - 1, keep_gathered):
             with autocast:
-                loss, terms, logits, hidden = losses.objective_step(model, objective, x, y)
+                loss, terms, logits, hidden = objective_step(model, objective, x, y)
             scaler.scale(loss / len(batches)).backward()
             del logits, hidden, loss
     return apply_gradients(optimizers, scaler), terms
@@ -121,7 +121,7 @@ def build(check, config, fsdp=False):
     torch.manual_seed(config["seed"])
     with torch.device("meta"):
         model = GPT(GPTConfig.from_config(config, config["vocab_size"]))
-        objective = losses.Objective.from_config(config)
+        objective = Objective.from_config(config)
     if config["compile"] is True:  # in train.py's order: compile, checkpointing, FSDP
         compile_blocks(check, model)
     if config["activation_checkpointing"]:
