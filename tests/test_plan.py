@@ -133,25 +133,27 @@ def test_hybrid_sharding_plan_shards_within_a_node_and_all_reduces_between_nodes
 
 
 def test_batch_size_auto_takes_the_largest_split_of_the_global_batch_that_fits_the_gpu(tmp_path):
-    """The paper configs' batch_size='auto' on 64 H100s: a divisor of each GPU's 32 sequences of the
-    global batch whose plan fits 90 % of the H100's memory, the next larger divisor's does not."""
+    """The paper configs' batch_size='auto' on N H100s: the largest divisor of each GPU's share of the
+    global batch whose plan fits 90 % of the H100's memory (the next larger divisor's does not)."""
     config = config_of("config/baseline_7b.py", f"--data_dir={tmp_path / 'c4'}")
     assert config["batch_size"] == "auto"
     vocab, room = plan.run_vocab(config), memory.AUTO_BATCH_MEMORY * memory.GPU_MEMORY_GIB["H100"]
     p = plan.make_plan(config, 64, measure=False)
     batch = p["micro_batch"]
     assert 32 % batch == 0 and p["micro_steps"] == 32 // batch and p["tokens_per_step"] == 2048 * 2048
-    assert memory.process_gib({**config, "batch_size": batch}, 64, vocab)[0] <= room
-    larger = min(b for b in (2, 4, 8, 16, 32) if b > batch)
-    assert memory.process_gib({**config, "batch_size": larger}, 64, vocab)[0] > room
+    on_gpu = {**config, "device": "cuda"}  # the plan's step, measured in the GPU's compute dtype
+    assert memory.process_gib({**on_gpu, "batch_size": batch}, 64, vocab)[0] <= room
     assert batch > 1 and "batch_size='auto'" in plan.format_plan(p)
     assert plan.make_plan(config, 64, gpu="H200", measure=False)["micro_batch"] >= batch  # more memory, no smaller
-    # on 8 GPUs the states take most of an 80 GiB card: fewer sequences fit; on 4 GPUs not even one does:
-    # the plan is made at 1, and says so
-    assert plan.make_plan(config, 8, measure=False)["micro_batch"] <= batch
-    p = plan.make_plan(config, 4, measure=False)
+    # on 8 GPUs the states take most of an 80 GiB card: fewer sequences fit, and the next larger
+    # divisor of the 256 sequences each GPU takes does not
+    fewer = plan.make_plan(config, 8, measure=False)["micro_batch"]
+    assert fewer < batch and memory.process_gib({**on_gpu, "batch_size": fewer}, 8, vocab)[0] <= room
+    assert memory.process_gib({**on_gpu, "batch_size": 2 * fewer}, 8, vocab)[0] > room
+    # on 2 GPUs not even one sequence does: the plan is made at 1, and says so
+    p = plan.make_plan(config, 2, measure=False)
     assert p["micro_batch"] == 1 and "batch_size='auto': not even 1 fits 90% of one H100" in plan.format_plan(p)
-    assert memory.process_gib({**config, "batch_size": 1}, 4, vocab)[0] > room
+    assert memory.process_gib({**on_gpu, "batch_size": 1}, 2, vocab)[0] > room
     with pytest.raises(ConfigError, match="batch_size='auto' needs a global_batch_size"):
         plan.make_plan({**config, "global_batch_size": 0}, 64, measure=False)
 

@@ -27,7 +27,7 @@ def read_config(path):
 def table_lines(paths, gpus, measure=True):
     """The Markdown table for each config file (tools/bench.py puts it in results/bench.md)."""
     lines = [f"GiB per GPU on {gpus} GPU(s), the config's own parallelism; activations of one micro-batch, "
-             "fp32 upper bound", "",
+             "in the compute dtype", "",
              "| config | params | parallel | micro-batch x T x micro-steps | weights + grads + AdamW (+ "
              "FSDP's gathered unit and unsharded grads) | activations | with activation checkpointing | "
              "total |",
