@@ -81,6 +81,17 @@ def _head_chunk_kernel(device_type):
     return torch.compile(_head_chunk, dynamic=False) if device_type == "cuda" else _head_chunk
 
 
+def _in_matmul_dtype(*tensors):
+    """The tensors cast to the dtype autocast would run their matmul in (themselves without
+    autocast). Cast here, not by autocast inside a forward that runs without gradients: autocast
+    keeps its cast of a weight for the rest of the region, and a later use of that weight that needs
+    its gradient would get the cast without one (torch 2.6 does)."""
+    device_type = tensors[0].device.type
+    if device_type == "meta" or not torch.is_autocast_enabled(device_type):
+        return tensors
+    return tuple(t.to(torch.get_autocast_dtype(device_type)) for t in tensors)
+
+
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """cross_entropy(h @ weight^T, targets) over rows of h, chunk_size rows at a time. The forward
     pass also computes the gradients (through the head, from _head_chunk's), so the head's matmuls
@@ -88,9 +99,11 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, ignore_index, margin, chunk_size):
+        ctx.dtypes = (h.dtype, weight.dtype)
         want_h, want_weight = ctx.needs_input_grad[:2]
-        grad_h = torch.empty_like(h) if want_h else None
         grad_weight = torch.zeros_like(weight, dtype=at_least_fp32(weight).dtype) if want_weight else None
+        h, weight = _in_matmul_dtype(h, weight)
+        grad_h = torch.empty_like(h) if want_h else None
         head_chunk = _head_chunk_kernel(h.device.type)
         total = 0.0
         for start in range(0, h.size(0), chunk_size):
@@ -103,7 +116,6 @@ class _ChunkedHeadCrossEntropy(torch.autograd.Function):
                 grad_weight += g.t() @ h[rows]
         count = (targets != ignore_index).sum()
         ctx.save_for_backward(grad_h, grad_weight, count)
-        ctx.dtypes = (h.dtype, weight.dtype)
         return total / count
 
     @staticmethod
@@ -130,6 +142,7 @@ def linear_cross_entropy(h, weight, targets, ignore_index=-1, margin=None, chunk
     h, targets = h.reshape(-1, h.size(-1)), targets.reshape(-1)
     if reduction == "none":
         with torch.no_grad():
+            h, weight = _in_matmul_dtype(h, weight)
             return torch.cat([_head_chunk(F.linear(h[i:i + chunk_size], weight), targets[i:i + chunk_size],
                                           ignore_index, margin)[0]
                               for i in range(0, h.size(0), chunk_size)])

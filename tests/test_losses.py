@@ -156,7 +156,10 @@ def test_linear_cross_entropy_edge_cases():
 
 def test_linear_cross_entropy_under_bf16_autocast_is_close_to_the_whole_logits():
     """Under autocast the head's matmuls run in bf16 as the model's would; loss and gradients stay
-    within bf16's rounding of the whole-logits path, and come back in the inputs' dtypes."""
+    within bf16's rounding of the whole-logits path, and come back in the inputs' dtypes. The whole
+    path runs after the chunked one in the same autocast region and still reaches the weight: the
+    chunked forward, which runs without gradients, leaves no cast of it in autocast's cache (on
+    torch 2.6 it did, and the later matmul lost the weight's gradient)."""
     g = torch.Generator().manual_seed(3)
     h = torch.randn(64, 32, generator=g).requires_grad_()
     weight = (torch.randn(50, 32, generator=g) * 0.3).requires_grad_()

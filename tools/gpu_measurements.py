@@ -244,12 +244,12 @@ def wide_7b(check):
                  ""))
     check.table(["depth", "max allocated GiB", "max reserved GiB", "plan GiB", "ms per micro-step", "MFU",
                  "first step s"], rows)
-    # (the plan's micro-batch is this section's batch on an H100)
-    step_s = at_32["micro_s"] * p7b["micro_steps"]
+    # the measured time per sequence, for the sequences one GPU takes per step in the plan
+    step_s = at_32["micro_s"] / B * p7b["micro_steps"] * p7b["micro_batch"]
     check.line(f"\nThe plan's 7B on 64 H100s: {p7b['memory']['fsdp'][mode]:.1f} GiB per GPU (states sharded "
                f"64 ways; the extrapolation above holds them whole), compute {p7b['compute_seconds']:.2f} s "
-               f"per step at MFU {PLAN_MFU}; at the measured ms per micro-step its {p7b['micro_steps']} "
-               f"micro-steps of {p7b['micro_batch']} sequences take {step_s:.2f} s (MFU "
+               f"per step at MFU {PLAN_MFU}; at the measured time per sequence its {p7b['micro_steps']} "
+               f"micro-step(s) of {p7b['micro_batch']} sequences take {step_s:.2f} s (MFU "
                f"{p7b['flops_per_step'] / 64 / step_s / check.peak:.3f} without communication).")
     cross_entropy_transient(check)
 
