@@ -100,3 +100,25 @@ def test_clopper_pearson_against_its_closed_forms_and_known_values():
     assert sum(binom(j, 10, high) for j in range(0, 3)) == pytest.approx(0.025, abs=1e-9)
     with pytest.raises(ValueError):
         stats.clopper_pearson(3, 2)
+
+
+def test_exact_paired_p_against_every_split_of_the_discordant_pairs():
+    """Two-sided: the probability, under fair coin flips, of a split no more likely than the one seen."""
+    from itertools import product
+    for b, c in ((6, 0), (0, 6), (5, 1), (3, 3), (7, 2), (0, 0), (1, 0)):
+        n = b + c
+        seen = math.comb(n, b)
+        brute = sum(1 for flips in product((0, 1), repeat=n) if math.comb(n, sum(flips)) <= seen) / 2 ** n
+        assert stats.exact_paired_p(b, c) == pytest.approx(brute, abs=1e-12)
+
+
+def test_paired_power_against_every_outcome_of_four_pairs():
+    from itertools import product
+    alpha, p1, p2 = 0.2, 0.7, 0.2  # alpha 0.2: with 4 pairs, 0.05 is out of reach
+    brute = 0.0
+    for outcome in product(product((0, 1), repeat=2), repeat=4):
+        probability = math.prod((p1 if x else 1 - p1) * (p2 if y else 1 - p2) for x, y in outcome)
+        b, c = sum(x and not y for x, y in outcome), sum(y and not x for x, y in outcome)
+        brute += probability * (b > c and stats.exact_paired_p(b, c) < alpha)
+    assert stats.paired_power(4, p1, p2, alpha) == pytest.approx(brute, abs=1e-12)
+    assert brute > 0

@@ -16,13 +16,17 @@ call in its wall.json names the same CPU, unknown otherwise. A run with no run.j
 A run stopped part-way in --root is checked by its ckpt.json's config (tools/runner.check_like).
 """
 
+import datetime
 import functools
+import hashlib
 import json
 import os
 import platform
 import subprocess
+import time
 
 from configurator import ConfigError, parse_config, train_defaults
+from utils import save_json
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -75,6 +79,63 @@ def commit():
         return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.CalledProcessError):
         return UNKNOWN
+
+
+def git_diff_sha256():
+    """sha256 of `git diff HEAD` (tracked files): which uncommitted changes a dirty run ran with."""
+    try:
+        diff = subprocess.run(["git", "-C", REPO, "diff", "HEAD"], capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return UNKNOWN
+    return hashlib.sha256(diff).hexdigest()
+
+
+def gpu_name():
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
+def utc(seconds):
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def mark_start(out_dir):
+    """Record when a run first started (started.json in out_dir; a resumed run keeps the first)."""
+    path = os.path.join(out_dir, "started.json")
+    if not os.path.exists(path):
+        save_json({"utc_start": utc(time.time())}, path)
+
+
+def started(out_dir):
+    path = os.path.join(out_dir, "started.json")
+    if not os.path.exists(path):
+        return UNKNOWN
+    with open(path) as f:
+        return json.load(f)["utc_start"]
+
+
+def provenance(commands, utc_start):
+    """Where, when and from what code a finished run came: its start (mark_start) and end in UTC,
+    the commit, whether tracked files had changes and a hash of them, a hash of its resolved
+    training keys, the machine, torch and the commands."""
+    import torch
+    head = commit()
+    dirty = head.endswith("+dirty")
+    keys = json.dumps(training_keys(commands), sort_keys=True).encode()
+    return {
+        "utc_start": utc_start,
+        "utc_end": utc(time.time()),
+        "commit": head.split("+")[0],
+        "dirty": dirty,
+        "diff_sha256": git_diff_sha256() if dirty else None,
+        "config_sha256": hashlib.sha256(keys).hexdigest(),
+        "cpu": cpu_name(),
+        "gpu": gpu_name(),
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "commands": commands,
+    }
 
 
 def record(commands):

@@ -53,6 +53,8 @@ def launch(config, seed, out_dir, threads, overrides):
     if os.path.exists(stopped_path):
         with open(stopped_path) as f:
             earlier = json.load(f)["wall_s"]
+    os.makedirs(out_dir, exist_ok=True)
+    identity.mark_start(out_dir)
     try:
         flops = run_stages(stages(config), seed, out_dir, threads, overrides, env, commands)
     except BaseException:
@@ -61,7 +63,9 @@ def launch(config, seed, out_dir, threads, overrides):
         raise
     wall = earlier + time.time() - t0
     save_json({"wall_s": wall, "threads": threads, "commands": commands, "flops": flops,
-               "identity": identity.record(commands)}, os.path.join(out_dir, "run.json"))
+               "identity": identity.record(commands),
+               "provenance": identity.provenance(commands, identity.started(out_dir))},
+              os.path.join(out_dir, "run.json"))
     return wall
 
 

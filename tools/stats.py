@@ -154,3 +154,29 @@ def verdict(mean, p_adjusted, direction, alpha=0.05):
     if p_adjusted is None or p_adjusted >= alpha or mean == 0:
         return NOT_SHOWN
     return REPRODUCES if (mean > 0) == (direction > 0) else CONTRADICTED
+
+
+def exact_paired_p(b, c):
+    """Two-sided exact McNemar test of paired yes/no outcomes: b pairs where only the first arm
+    says yes, c where only the second does (the pairs that agree carry no information). Under
+    no difference each discordant pair goes either way with probability 1/2, so p is the
+    binomial probability of a split at least as uneven as min(b, c), both tails, at most 1."""
+    n = b + c
+    if n == 0:
+        return 1.0
+    return min(1.0, 2 * sum(math.comb(n, k) for k in range(min(b, c) + 1)) / 2 ** n)
+
+
+def paired_power(n, p_first, p_second, alpha=0.05):
+    """The probability that exact_paired_p < alpha with the first arm ahead, over n pairs whose
+    arms say yes independently with probabilities p_first and p_second: every (b, c) weighed
+    by its multinomial probability."""
+    only_first, only_second = p_first * (1 - p_second), p_second * (1 - p_first)
+    agree = 1 - only_first - only_second
+    power = 0.0
+    for b in range(n + 1):
+        for c in range(n - b + 1):
+            if b > c and exact_paired_p(b, c) < alpha:
+                ways = math.comb(n, b) * math.comb(n - b, c)
+                power += ways * only_first ** b * only_second ** c * agree ** (n - b - c)
+    return power

@@ -1,0 +1,286 @@
+"""
+Issue 61's pre-registered intervention (results/preregistration_intervention.md): does the step-1000
+alignment of the low-resource (LR) embedding rows with their high-resource (HR) twins cause the
+Stop Jostling transition, or only predict it?
+
+Each seed trains a trunk to step 1000 (margin 0.6; the first 8 seeds also under CE). Branches
+continue the trunk's checkpoint to step 8000, with the optimizer state, the data position and
+the RNGs as they were; only the LR rows of the tied embedding change (`rotate_twins`):
+
+    untouched  nothing changed
+    raised     each LR row turned towards its HR twin by one common angle, norm kept, until the
+               mean twin cosine is RAISED_COS
+    sham       each LR row moved by the angle it moved in `raised`, within the plane orthogonal
+               to its twin, so its twin cosine does not change
+    lowered    (seeds whose step-1000 reading is above the registered cut-off) turned away from
+               the twin until the mean twin cosine is LOWERED_COS
+
+One branch by hand, then its training (the resume continues the trunk's run exactly):
+
+    python -m tools.intervention branch out/trunk out/raised --arm=raised --seed=1391
+    python train.py config/lowres_margin_0.6.py --seed=1391 --out_dir=out/raised --init_from=resume
+
+The whole study, resumable (Ctrl-C stops it at a checkpoint; the next call goes on from there):
+
+    python -m tools.intervention run --root out/intervention --workers 2
+"""
+
+import argparse
+import json
+import math
+import os
+import shutil
+import socket
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import torch
+
+from errors import UsageError, UserError, end_with
+from tools import identity, runner
+from tools.grids import run_dir
+from utils import read_log, save_json, torch_save
+
+GRID = "jostling_intervention"
+SEEDS = list(range(1391, 1407))  # the 16 seeds after issue 40's fresh ones (1367-1390)
+CE_SEEDS = SEEDS[:8]
+TRUNK_STEP = 1000
+RAISED_COS = 0.20   # about the step-1000 reading of the runs that crossed (0.195 in the archive)
+LOWERED_COS = 0.05  # about that of the runs that did not (0.050)
+CUTOFF = 0.1224     # the registered predictor's cut-off (results/preregistration.md)
+CONFIGS = {"margin 0.6": "config/lowres_margin_0.6.py", "CE": "config/lowres_ce.py"}
+ARMS = {"margin 0.6": ("untouched", "raised", "sham", "lowered"), "CE": ("untouched", "raised")}
+TARGETS = {"untouched": None, "raised": RAISED_COS, "sham": RAISED_COS, "lowered": LOWERED_COS}
+
+
+def _turned(phi, theta, arm):
+    """Each row's angle to its twin after turning by theta: towards the twin (stopping on it) or
+    away from it (stopping opposite it)."""
+    return (phi - theta).clamp(min=0) if arm in ("raised", "sham") else (phi + theta).clamp(max=math.pi)
+
+
+def rotate_twins(E, shift, arm, target=None, generator=None):
+    """E with its LR rows shift..2*shift-1 rotated relative to their HR twins 0..shift-1 (arm and
+    target as the module says; generator draws the sham's directions). Every other row and every
+    norm is kept. The common angle theta is found by bisection on the mean twin cosine, which is
+    monotone in it; a mean already past the target leaves E as it is. Returns (E, theta)."""
+    if arm == "untouched":
+        return E.clone(), 0.0
+    X = E.double()
+    h = torch.nn.functional.normalize(X[:shift], dim=1)
+    e = X[shift:2 * shift]
+    norm = e.norm(dim=1, keepdim=True)
+    a = (e * h).sum(dim=1, keepdim=True)          # the component along the twin
+    rest = e - a * h
+    b = rest.norm(dim=1, keepdim=True)            # and its size orthogonal to it
+    u = rest / b.clamp(min=1e-30)
+    phi = torch.atan2(b, a)                       # each row's angle to its twin, in [0, pi]
+    towards = arm in ("raised", "sham")
+    mean = torch.cos(phi).mean().item()
+    if (mean >= target) if towards else (mean <= target):
+        return E.clone(), 0.0
+    low, high = 0.0, math.pi
+    for _ in range(100):
+        theta = (low + high) / 2
+        reached = torch.cos(_turned(phi, theta, arm)).mean().item()
+        if (reached < target) if towards else (reached > target):
+            low = theta
+        else:
+            high = theta
+    theta = high
+    new_phi = _turned(phi, theta, arm)
+    if arm == "sham":
+        # a unit w orthogonal to the twin and to u; turning u towards w by beta keeps the twin
+        # component a, so the twin cosine; beta is set so that the row moves by the raised angle
+        w = torch.randn(e.shape, generator=generator, dtype=torch.float64)
+        w = w - (w * h).sum(dim=1, keepdim=True) * h
+        w = torch.nn.functional.normalize(w - (w * u).sum(dim=1, keepdim=True) * u, dim=1)
+        moved = phi - new_phi
+        sin2 = torch.sin(phi) ** 2
+        cos_beta = ((torch.cos(moved) - torch.cos(phi) ** 2) / sin2.clamp(min=1e-30)).clamp(-1, 1)
+        beta = torch.where(sin2 > 1e-24, torch.acos(cos_beta), torch.zeros_like(cos_beta))
+        turned = a * h + b * (torch.cos(beta) * u + torch.sin(beta) * w)
+    else:
+        turned = norm * (torch.cos(new_phi) * h + torch.sin(new_phi) * u)
+    out = E.clone()
+    out[shift:2 * shift] = turned.to(E.dtype)
+    return out, theta
+
+
+def twin_cos(E, shift):
+    """The mean cosine of each LR row with its HR twin (as metrics.twin_alignment logs it)."""
+    X = torch.nn.functional.normalize(E[:2 * shift].double(), dim=1)
+    return (X[:shift] * X[shift:]).sum(dim=1).mean().item()
+
+
+def make_branch(trunk_dir, out_dir, arm, seed):
+    """A copy of the trunk's checkpoint (ckpt.pt) and log in out_dir, its LR rows rotated by arm
+    (generator seeded with seed for the sham); the optimizer, data and RNG states stay as they are.
+    The best validation loss is reset so that best.pt can only be a branch's own weights. Written
+    to out_dir.tmp, then renamed: out_dir exists only complete. Returns the intervention record."""
+    if os.path.exists(out_dir):
+        raise UsageError(f"{out_dir} already exists: a branch is made once (remove it to make it again)")
+    path = os.path.join(trunk_dir, "ckpt.pt")
+    if not os.path.exists(path):
+        raise UsageError(f"no trunk checkpoint at {path}: a branch starts from the trunk's ckpt.pt")
+    checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+    if "model" not in checkpoint or not checkpoint["config"].get("low_resource", True):
+        raise UsageError(f"{path} is not a whole-weights checkpoint of a two-language run")
+    shift = checkpoint["meta"]["vocab_size"]
+    weights = checkpoint["model"]
+    before = twin_cos(weights["wte.weight"], shift)
+    generator = torch.Generator().manual_seed(seed)
+    rotated, theta = rotate_twins(weights["wte.weight"], shift, arm, TARGETS[arm], generator)
+    weights["wte.weight"] = rotated
+    if "lm_head.weight" in weights and checkpoint["model_config"].get("tie_weights", True):
+        weights["lm_head.weight"] = rotated  # the tied head is the same tensor
+    checkpoint["best_val_loss"] = float("inf")
+    record = {"arm": arm, "target": TARGETS[arm], "theta": theta, "seed": seed,
+              "step": checkpoint["iter_num"], "twin_cos_before": before,
+              "twin_cos_after": twin_cos(rotated, shift), "trunk": os.path.abspath(trunk_dir)}
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    torch_save(checkpoint, os.path.join(tmp, "ckpt.pt"))
+    shutil.copyfile(os.path.join(trunk_dir, "log.jsonl"), os.path.join(tmp, "log.jsonl"))
+    save_json(record, os.path.join(tmp, "intervention.json"))
+    os.rename(tmp, out_dir)
+    return record
+
+
+def step_reading(run_directory, step):
+    """twin_cos logged at the evaluation of that step, or None."""
+    return next((r["twin_cos"] for r in read_log(os.path.join(run_directory, "log.jsonl"))
+                 if r["iter"] == step and "twin_cos" in r), None)
+
+
+def train(cmd, out_dir, resume):
+    """One train.py process, its output in out_dir/train.out; raises on a failure or a stop."""
+    os.makedirs(out_dir, exist_ok=True)
+    identity.mark_start(out_dir)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with open(os.path.join(out_dir, "train.out"), "a" if resume else "w") as f:
+        code = runner.run_process(cmd + ["--init_from=resume" if resume else "--overwrite=True"], f, env)
+    if code != 0 and runner._stopping.is_set():
+        raise runner.Stopped()
+    if code != 0:
+        raise runner.RunFailed(f"run {out_dir} failed (train.py exit status {code}): "
+                               f"{runner.last_line(os.path.join(out_dir, 'train.out'))}")
+
+
+def finish(out_dir, dest, commands, extra):
+    """run.json with the run's provenance, then the small files into the archive."""
+    save_json({"commands": commands, **extra, "identity": identity.record(commands),
+               "provenance": identity.provenance(commands, identity.started(out_dir))},
+              os.path.join(out_dir, "run.json"))
+    runner.archive_run(out_dir, dest)
+
+
+def trunk_job(loss, seed, root, archive):
+    """The seed's trunk trained to TRUNK_STEP and archived; returns the archive's folder if this
+    call archived it."""
+    out, dest = (run_dir(d, GRID, f"{loss} trunk", seed) for d in (root, archive))
+    if os.path.exists(os.path.join(dest, "metrics.json")):
+        return None
+    cmd = [sys.executable, "train.py", CONFIGS[loss], f"--seed={seed}", f"--max_iters={TRUNK_STEP}",
+           f"--out_dir={out}", "--num_threads=1"]
+    if not os.path.exists(os.path.join(out, "metrics.json")):
+        train(cmd, out, resume=os.path.exists(os.path.join(out, "ckpt.pt")))
+    finish(out, dest, [cmd], {})
+    return dest
+
+
+def branch_job(loss, arm, seed, root, archive, trunk):
+    """A branch of the trunk (a future of trunk_job): made, trained to the config's max_iters,
+    archived. The lowered arm is made only where the trunk's reading is above the cut-off."""
+    trunk.result()
+    trunk_dest = run_dir(archive, GRID, f"{loss} trunk", seed)
+    out, dest = (run_dir(d, GRID, f"{loss} {arm}", seed) for d in (root, archive))
+    if os.path.exists(os.path.join(dest, "metrics.json")):
+        return None
+    trunk_out = run_dir(root, GRID, f"{loss} trunk", seed)
+    if arm == "lowered" and not step_reading(trunk_dest, TRUNK_STEP) > CUTOFF:
+        return None
+    if not os.path.exists(out):
+        make_branch(trunk_out, out, arm, seed)
+    cmd = [sys.executable, "train.py", CONFIGS[loss], f"--seed={seed}", f"--out_dir={out}", "--num_threads=1"]
+    if not os.path.exists(os.path.join(out, "metrics.json")):
+        train(cmd, out, resume=True)
+    with open(os.path.join(out, "intervention.json")) as f:
+        intervention = json.load(f)
+    branch_cmd = [sys.executable, "-m", "tools.intervention", "branch", trunk_out, out, f"--arm={arm}",
+                  f"--seed={seed}"]
+    finish(out, dest, [cmd], {"intervention": intervention, "branch_command": branch_cmd})
+    shutil.copyfile(os.path.join(out, "intervention.json"), os.path.join(dest, "intervention.json"))
+    return dest
+
+
+def jobs():
+    """(loss, arm or None for the trunk, seed): every trunk first, then the branches seed by seed."""
+    trunks = [(loss, None, s) for loss in CONFIGS for s in (SEEDS if loss == "margin 0.6" else CE_SEEDS)]
+    branches = [(loss, arm, s) for s in SEEDS for loss in CONFIGS for arm in ARMS[loss]
+                if loss == "margin 0.6" or s in CE_SEEDS]
+    return trunks + branches
+
+
+def run_study(root, archive, workers):
+    """Every trunk and branch not yet archived, `workers` train.py processes at a time. A branch
+    waits for its trunk, which was queued before it, so a worker never waits on unstarted work.
+    The call's record in the study's wall.json names every run it archived."""
+    t0 = time.time()
+    wall_path = os.path.join(archive, GRID, "wall.json")
+    record = {"call": f"pid {os.getpid()} on {socket.gethostname()}, started {identity.utc(t0)}",
+              "workers": workers, "threads_per_run": 1, "cpu": identity.cpu_name(), "cores": os.cpu_count(),
+              "torch": torch.__version__, "wall_s": 0.0, "runs": []}
+    pool = ThreadPoolExecutor(workers)
+    trunks, branches = {}, []
+    try:
+        for loss, arm, seed in jobs():
+            if arm is None:
+                trunks[loss, seed] = pool.submit(trunk_job, loss, seed, root, archive)
+            else:
+                branches.append(pool.submit(branch_job, loss, arm, seed, root, archive, trunks[loss, seed]))
+        for future in as_completed([*trunks.values(), *branches]):
+            archived = future.result()
+            if archived is not None:
+                record["runs"].append(archived)
+                record.update(wall_s=time.time() - t0)
+                runner.record_call(wall_path, record)
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        print(f"stopped: {runner.stop_runs()} running run(s) go on from their last checkpoint next time",
+              file=sys.stderr)
+        raise
+    finally:
+        pool.shutdown(wait=True)
+        record.update(wall_s=time.time() - t0)
+        runner.record_call(wall_path, record)
+
+
+def main(argv):
+    parser = argparse.ArgumentParser(prog="python -m tools.intervention", description=__doc__.split("\n\n")[1])
+    sub = parser.add_subparsers(dest="command", required=True)
+    one = sub.add_parser("branch", help="make one branch from a trunk's ckpt.pt")
+    one.add_argument("trunk")
+    one.add_argument("out_dir")
+    one.add_argument("--arm", choices=list(TARGETS), required=True)
+    one.add_argument("--seed", type=int, required=True, help="the run's seed (it seeds the sham's directions)")
+    study = sub.add_parser("run", help="train every trunk and branch of the study")
+    study.add_argument("--root", default="out/intervention")
+    study.add_argument("--archive", default="results/runs")
+    study.add_argument("--workers", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.command == "branch":
+        print(json.dumps(make_branch(args.trunk, args.out_dir, args.arm, args.seed)))
+    else:
+        run_study(args.root, args.archive, args.workers)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except UserError as e:
+        end_with(e)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the runs stopped at a checkpoint
+        sys.exit(130)
