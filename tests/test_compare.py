@@ -13,7 +13,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from configurator import train_defaults  # noqa: E402
 from errors import UsageError  # noqa: E402
-from tools import figures, grids, report, runner  # noqa: E402
+from tools import claims, figures, grids, report, runner, stats  # noqa: E402
 
 
 def fake_metrics(acc_lr, ppl_hr):
@@ -745,3 +745,30 @@ def test_a_grid_trained_on_a_gpu_names_it_and_computes_no_cpu_efficiency(tmp_pat
                                                                      {**call, "device": "NVIDIA H200"}]}))
     text = "\n".join(report.speed_summary("g", str(tmp_path), seconds, {"cuda", "cpu"}))
     assert "(the 1 call(s) whose runs counted their FLOPs on the CPU: 15 runs, 0.07 h)" in text, text
+
+
+def test_a_rerun_grid_says_how_far_each_number_moved_and_each_effect_in_both(tmp_path, monkeypatch):
+    """RERUN_OF: per metric, the median and largest |relative difference| over the runs both grids
+    hold; per method, the paired PPL_best change (%) against the baseline in each grid."""
+    for name in ("first", "again"):
+        monkeypatch.setitem(grids.GRIDS, name, {"CE": ("config/bpe_baseline.py", 2),
+                                                "SimReg": ("config/bpe_simreg.py", 2)})
+    monkeypatch.setitem(grids.RERUN_OF, "again", "first")
+    ppl_best = {("first", "CE", 1337): 100.0, ("first", "CE", 1338): 200.0, ("first", "SimReg", 1337): 90.0,
+                ("first", "SimReg", 1338): 160.0, ("again", "CE", 1337): 110.0, ("again", "CE", 1338): 200.0,
+                ("again", "SimReg", 1337): 99.0, ("again", "SimReg", 1338): 150.0}
+    for (grid, method, seed), value in ppl_best.items():
+        out = grids.run_dir(str(tmp_path), grid, method, seed)
+        os.makedirs(out)
+        val = {"ppl": 1.0, "ppl_best": value, "t_best": 1.0, "accuracy": 0.2, "recall_at_5": 0.4, "mrr": 0.3,
+               "isotropy": 0.5}
+        with open(os.path.join(out, "metrics.json"), "w") as f:
+            json.dump({"val": val}, f)
+    lines = "\n".join(report.rerun_table(report.Grid("again", str(tmp_path))))
+    # |relative differences| of PPL_best: 0.1, 0, 0.1, 0.0625 -> median 0.08125, largest 0.1
+    assert "| PPL_best | 4 | 8.1 % | 10.0 % |" in lines and "| acc | 4 | 0.0 % | 0.0 % |" in lines
+    # SimReg's change: first -10 %, -20 % (mean -15); again -10 %, -25 % (mean -17.5)
+    first = claims.paired_cell(stats.paired([-10.0, -20.0]), 1)
+    again = claims.paired_cell(stats.paired([-10.0, -25.0]), 1)
+    assert f"| SimReg | {first} | {again} |" in lines and first.startswith("-15.0") and again.startswith("-17.5")
+    assert report.rerun_table(report.Grid("first", str(tmp_path))) == []

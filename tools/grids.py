@@ -125,6 +125,9 @@ EXTRA_RUNS = {
     },
 }
 
+# a grid that trains another grid's configs and seeds again: its report says how far the numbers moved
+RERUN_OF = {"bpe_rare": "bpe"}
+
 # train.py arguments every run of a grid gets. bpe_1600 ran on one GPU in float32, its pairs all in
 # one call, with TF32 off (NVIDIA_TF32_OVERRIDE=0 in the environment): a departure from its
 # registration's one CPU thread per run that results/README.md names. On a machine without CUDA,

@@ -18,7 +18,7 @@ import torch
 import evaluate
 import metrics
 from tools import claims, identity, preregistered, stats, transition
-from tools.grids import GRIDS, METRICS, PAPER, run_dir, runs_of
+from tools.grids import GRIDS, METRICS, PAPER, RERUN_OF, run_dir, runs_of
 from tools.runner import grid_calls
 from utils import read_log, save_json
 
@@ -133,7 +133,8 @@ def build_table(grid, root):
                   else "Outcome: none until both rows have their 5 seeds.", ""]
     if grid == "bpe_1600":  # issue 40: whether CE has converged at 1600 steps (T7)
         lines += preregistered.convergence_lines(g.runs.get(g.baseline, {})) + [""]
-    lines += metric_tables(g) + rare_target_table(g) + paired_table(g) + speed_up_table(g)
+    lines += metric_tables(g) + rare_target_table(g) + paired_table(g) + rerun_table(g)
+    lines += speed_up_table(g)
     if g.low_resource:
         lines += transition.per_seed_table(g) + embedding_geometry_table(g)
     lines += hidden_geometry_table(g) + marginalization_table(g)
@@ -242,6 +243,41 @@ def paired_table(g):
                                                     for s in shared]), digits)
         rows.append((method, len(shared), *(diff(lang, key) for _, lang, key in columns)))
     return lines + table_lines(["method", "seeds", *(title for title, _, _ in columns)], rows)
+
+
+def rerun_table(g):
+    """A grid that reruns another's configs and seeds (grids.RERUN_OF): how far each run's numbers
+    moved, and each method's paired difference to the baseline in both, so a reader knows what
+    agreement to expect from a rerun (another machine or code version; provenance in run.json)."""
+    if g.name not in RERUN_OF:
+        return []
+    first = Grid(RERUN_OF[g.name], g.root)
+    lines = [f"## Rerun of `{first.name}`", "",
+             f"The same configs and seeds as the `{first.name}` grid, trained again later. Per run: the median "
+             "and the largest |relative difference| of the rerun's number to the first run's, over the "
+             "methods and seeds both hold. Per method: the paired mean difference to the baseline "
+             "(%, method − baseline) in each grid.", ""]
+    columns = [c for c in paired_columns(g.results) if c in paired_columns(first.results)]
+    rows = []
+    for title, lang, key in columns:
+        moved = [abs(g.results[m][s][lang][key] / first.results[m][s][lang][key] - 1)
+                 for m in g.results if m in first.results
+                 for s in g.results[m] if s in first.results[m] and first.results[m][s][lang][key]]
+        if moved:
+            median = 100 * statistics.median(moved)
+            rows.append((title, len(moved), f"{median:.1f} %", f"{100 * max(moved):.1f} %"))
+    lines += table_lines(["metric", "runs", "median |difference|", "largest"], rows) + [""]
+    rows = []
+    for method in list(g.methods)[1:]:
+        cells = []
+        for grid in (first, g):
+            shared = grid.shared_with_baseline(method)
+            base, runs = grid.results[grid.baseline], grid.results.get(method, {})
+            change = [100 * (runs[s][lang][key] / base[s][lang][key] - 1)
+                      for s in shared for _, lang, key in columns if key == "ppl_best"]
+            cells.append(claims.paired_cell(stats.paired(change), 1) if len(change) > 1 else "—")
+        rows.append((method, *cells))
+    return lines + table_lines(["method", f"PPL_best (%) in `{first.name}`", f"in `{g.name}`"], rows)
 
 
 def speed_up_table(g):
