@@ -7,15 +7,19 @@ processes, and whether it fits and how long it takes.
         [--link_gbps 400] [--key=value ...]
 
 Nothing is allocated for the run: the model and the objective are built on the meta device, so
-a 7B plan takes seconds. The plan holds
+a 7B plan takes seconds. train.py --dry_run plans for the device the run would use (its key
+'device'): a CUDA GPU as an H100, as plan.py does without --gpu; a CPU or MPS at this machine's
+measured speed and memory. The plan holds
 
     size      parameters (total; active per token for a mixture of experts), the objective's own
     batch     tokens per optimizer step and per run, micro-steps per process (global_batch_size)
     compute   FLOPs per step and per run (the ones train.py counts for MFU: 6 per matmul weight
-              and token plus attention; evaluations added), and the time at a stated MFU
+              and token plus attention; evaluations added), and the time: on a GPU at a stated MFU
+              of its datasheet peak; on a CPU (or MPS) at the speed measured there (measured_speed)
     communication  bytes each process sends per optimizer step for DDP or FSDP, their time at the
               link's bandwidth, and the run's time with compute and communication overlapped
-    memory    per GPU for DDP and for FSDP, with and without activation checkpointing
+    memory    per GPU (per process on a CPU) for DDP and for FSDP, with and without activation
+              checkpointing
     data      the tokens the run reads against the tokens prepared in data_dir (C4: shards): epochs
               (data_order='epoch') or the share never seen (random windows), with a warning when it
               would pass over its data more than once
@@ -24,58 +28,31 @@ Memory: memory.py (states from the parameter count, activations measured on the 
 train.py compares this plan with the device's memory before it allocates anything
 (memory.memory_problem).
 
-Communication (communication_bytes), in the convention of ring collectives and of nccl-tests'
-"bus bandwidth": the bytes one process sends in an optimizer step (it receives as many). An
-all-gather or a reduce-scatter of a buffer of S bytes (the whole gathered tensor) sends
-S (N-1)/N from each of N processes, an all-reduce twice that; the time is bytes / the link's
-bandwidth each way per GPU (LINK_GBPS, or --link_gbps).
-    ddp    one all-reduce of every fp32 gradient per optimizer step (gradient sync only in the last
-           micro-step: parallelism.gradient_sync)
-    fsdp   in every micro-step an all-gather of each unit in the dtype it computes in (bf16 on a GPU,
-           FSDP's param_dtype; fp32 with dtype=float32): every block twice (forward, and again in
-           backward: FSDP2 reshards a block after its forward), the root (embeddings, final norm, LM
-           head) and the objective's parameters once (a root stays gathered from forward to
-           backward); then one fp32 reduce-scatter of every gradient in the last micro-step (in the
-           others set_requires_gradient_sync(False) accumulates whole gradients locally)
-Left out: scalars and small vectors (the loss's and the gradient norms' all-reduces, DDP's map of
-unused parameters) and evaluations' all-gathers.
-tools/bench.py --section plan_comm counts every collective's buffer in a real 2-process step of
-each (tests/test_plan.py: within 10 %).
-Overlap: a unit's collective runs while another unit computes (FSDP2 gathers block i+1 during block
-i; DDP all-reduces a bucket during the backward of the next), except what nothing can hide: FSDP's
-all-gathers of the root and the first block at each micro-step's start and their reduce-scatters at
-the step's end, DDP's all-reduce of the embeddings' gradient, which backward makes last. A step
-takes exposed + max(compute, communication - exposed).
+Communication: comms.py (the bytes DDP and FSDP send per optimizer step, and their time).
 """
 
 import argparse
 import math
 import os
+import statistics
+
+import torch
 
 from configurator import ConfigError, check_train_config, parse_config, train_defaults
 from data import DataError, preparation_command, read_meta
 import parallelism
-from memory import (AUTO_BATCH_MEMORY, GPU_MEMORY_GIB, fsdp_units, gathered_bytes, memory_by_mode, meta_model,
-                    micro_steps_of, resolve_batch_size, shard_group)
+from memory import (AUTO_BATCH_MEMORY, GPU_MEMORY_GIB, GiB, compute_dtype, cpu_heap_allowance,
+                    gathered_bytes, memory_by_mode, meta_model, micro_steps_of, resolve_batch_size,
+                    shard_group)
+from comms import communication_bytes, communication_lines, link_of, step_seconds
 from errors import end_with
-from utils import GPU_PEAK_BF16_FLOPS
+from model import GPT, GPTConfig, build_model
+from objective import Objective, objective_step
+from optim import configure_optimizers
+from utils import (GPU_PEAK_BF16_FLOPS, autocast_context, available_memory, choose_device, choose_dtype, duration,
+                   peak_flops, seconds)
 
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
-# The link a process's collectives run over, per GPU, in gigabits per second each way: the datasheet
-# figures the plan assumes without --link_gbps (nccl-tests reach 70-90 % of them: pass a measured busbw x 8).
-# Up to GPUS_PER_NODE processes share a node and its NVLink (PCIe where there is none); beyond that every
-# ring crosses the network, one NIC per GPU as in DGX/HGX nodes.
-GPUS_PER_NODE = 8
-LINK_GBPS = {  # gpu: (Gb/s within a node, Gb/s between nodes, the link within, the link between)
-    "H100": (3600, 400, "NVLink 4, 450 GB/s each way", "InfiniBand NDR"),
-    "H200": (3600, 400, "NVLink 4, 450 GB/s each way", "InfiniBand NDR"),
-    "H800": (1600, 400, "NVLink, 200 GB/s each way", "InfiniBand NDR"),
-    "A100": (2400, 200, "NVLink 3, 300 GB/s each way", "InfiniBand HDR"),
-    "A800": (1600, 200, "NVLink, 200 GB/s each way", "InfiniBand HDR"),
-    "L40S": (256, 200, "PCIe 4.0 x16, 32 GB/s each way", "200 Gb/s Ethernet"),
-    "A10G": (256, 100, "PCIe 4.0 x16, 32 GB/s each way", "100 Gb/s Ethernet"),
-    "4090": (256, 100, "PCIe 4.0 x16, 32 GB/s each way", "100 Gb/s Ethernet"),
-}
 
 
 def run_vocab(config):
@@ -125,55 +102,50 @@ def long_work_notice(flops_per_step, flops_per_eval, peak, mfu=0.4, threshold_s=
             f"the first log line comes after it")
 
 
-def communication_bytes(model, objective, parallel, processes, micro_steps, param_bytes, keep_gathered=False,
-                        group=None):
-    """Bytes one process sends in one optimizer step (it receives as many), by collective: the
-    buffer of each (the whole tensor gathered, scattered or reduced) x (N-1)/N, x 2 for an
-    all-reduce (ring algorithms; the module's docstring). exposed: the part that no compute hides
-    (exposed_between: hybrid sharding's, on the link between the groups).
-    param_bytes: what FSDP gathers per parameter (gathered_bytes); gradients are reduced in fp32.
-    keep_gathered (fsdp_keep_gathered): every unit gathered once per step.
-    group (fsdp, hybrid sharding): FSDP's collectives run within groups of this many processes, and
-    each process all-reduces its 1/group of the gradients with its twins in the other groups
-    (all_reduce, between the groups: a slower link when a group is a node)."""
-    group = group or processes
-    share = (group - 1) / group
-    shards = group if parallel == "fsdp" else 1  # FSDP's buffers: padded where no dimension divides
-    blocks, root = fsdp_units(model, shards)
-    head = sum(parallelism.padded_numel(p.shape, shards) for p in objective.parameters())  # NITP's head
-    out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0, "exposed": 0.0,
-           "exposed_between": 0.0}
-    if parallel == "ddp":
-        out["all_reduce"] = 2 * share * 4 * (root + sum(blocks) + head)
-        embeddings = sum(m.weight.numel() for m in (model.wte, model.wpe) if m is not None)
-        out["exposed"] = 2 * share * 4 * embeddings
-    elif parallel == "fsdp":
-        # every block twice per micro-step (forward, backward), each root once; kept gathered: once per step
-        gathers = 1 if keep_gathered else micro_steps
-        out["all_gather"] = (gathers * share * param_bytes
-                             * ((1 if keep_gathered else 2) * sum(blocks) + root + head))
-        out["reduce_scatter"] = share * 4 * (root + sum(blocks) + head)  # the last micro-step only
-        out["exposed"] = share * (root + blocks[0]) * (gathers * param_bytes + 4)
-        replicas = processes // group
-        if replicas > 1:  # hybrid: the gradient shards averaged across the groups, after the reduce-scatter
-            twins = 2 * (replicas - 1) / replicas * 4 / group
-            out["all_reduce"] = twins * (root + sum(blocks) + head)
-            out["exposed_between"] = twins * (root + blocks[0])
-    out["total"] = out["all_gather"] + out["reduce_scatter"] + out["all_reduce"]
-    return out
+# name -> (model config, batch size): the CE runs of the comparison grids; a CPU plan times the first
+EFFICIENCY_SETTINGS = {
+    "lowres": (dict(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128), 12),
+    "bpe": (dict(vocab_size=50304, block_size=128, n_layer=4, n_head=4, n_embd=128), 8),
+}
 
 
-def link_of(gpu, processes, link_gbps=None):
-    """(Gb/s each way per GPU, what the link is) for `processes` processes of `gpu` (LINK_GBPS)."""
-    if link_gbps:
-        return link_gbps, "--link_gbps"
-    within, between, inside, outside = LINK_GBPS[gpu]
-    return (within, inside) if processes <= GPUS_PER_NODE else (between, f"{outside}, between nodes")
+def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device, dtype):
+    """Median seconds of one training step of random tokens with the given objective (Objective's
+    keyword arguments), after `warmup` untimed steps."""
+    torch.manual_seed(0)
+    model = build_model(model_config, device)
+    objective = Objective(model_config.n_layer, model_config.n_embd, **objective_kwargs).to(device)
+    objective.init_weights()
+    optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
+    T, V = model_config.block_size, model_config.vocab_size
+    x = torch.randint(0, V, (batch_size, T), device=device)
+    y = torch.randint(0, V, (batch_size, T), device=device)
+    autocast = autocast_context(device, dtype)
+
+    def step():
+        with autocast:
+            loss, *_ = objective_step(model, objective, x, y)
+        loss.backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    times = [seconds(step, device) for _ in range(warmup + steps)]
+    return statistics.median(times[warmup:])
 
 
-def step_seconds(compute, communication, exposed):
-    """Seconds of an optimizer step: the exposed communication, then the rest overlapped with compute."""
-    return exposed + max(compute, communication - exposed)
+def measured_speed(device, dtype):
+    """(peak FLOP/s, MFU) of this machine's `device`, where no datasheet gives a speed (a CPU, MPS):
+    the matmul peak train.py divides by for its MFU (utils.peak_flops), and the MFU that the toy's
+    CE training step reaches on it, timed as `python -m tools.bench --section efficiency` times it
+    (its lowres setting; results/bench.md: 0.56 on 2 cores). About a second on 2 cores."""
+    peak = peak_flops(device, dtype)
+    settings, batch_size = EFFICIENCY_SETTINGS["lowres"]
+    toy = GPTConfig(**settings)
+    # the median of 10 steps after 3 untimed ones (allocation, the first kernels' set-up)
+    step_s = step_time(toy, {}, batch_size, 10, 3, device, dtype)
+    with torch.device("meta"):
+        flops = GPT(toy).flops_per_token() * batch_size * toy.block_size
+    return peak, flops / step_s / peak
 
 
 def data_needed(config, tokens_per_run):
@@ -207,25 +179,51 @@ def data_needed(config, tokens_per_run):
     return out
 
 
-def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=None):
+def device_figures(device, gpu, mfu, dtype, processes):
+    """What a plan takes from the device it is for: the peak FLOP/s of one process, the MFU, and
+    the memory batch_size='auto' may fill. device 'cuda': `gpu`'s datasheet figures at `mfu` (the
+    GPU need not be here). A CPU or MPS: this machine's, measured now (measured_speed; `mfu` is not
+    used), with what it has for each process (utils.available_memory) and, on the CPU, glibc's
+    heap on top of the tensors (memory.CPU_HEAP_ALLOWANCE), as train.py's memory check counts it."""
+    if device == "cuda":
+        return {"gpu": gpu, "peak": GPU_PEAK_BF16_FLOPS[gpu], "mfu": mfu,
+                "memory_gib": GPU_MEMORY_GIB[gpu], "memory_of": f"one {gpu}'s", "heap": 0.0}
+    peak, measured_mfu = measured_speed(device, dtype)
+    available, source = available_memory(device)
+    return {"gpu": None, "peak": peak, "mfu": measured_mfu,
+            "memory_gib": available / GiB, "memory_of": f"this {device}'s", "memory_source": source,
+            "heap": cpu_heap_allowance(processes) if device == "cpu" else 0.0}
+
+
+def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=None, device="cuda"):
     """The plan of `config` (a dict of train.py's keys) on `processes` processes, as a dict.
-    link_gbps: the link's Gb/s each way per GPU; None = LINK_GBPS's figure for gpu and processes."""
+    device: 'cuda' plans for `gpu` at `mfu`; 'cpu' or 'mps' for this machine at its measured speed
+    (device_figures).
+    link_gbps: the link's Gb/s each way per GPU; None = LINK_GBPS's figure for gpu and processes
+    (none for processes on a CPU: their communication is counted, not timed)."""
     if not (isinstance(processes, int) and processes >= 1):
         raise ConfigError(f"processes must be a positive integer, got {processes}")
     if not 0 < mfu <= 1:
         raise ConfigError(f"mfu must be in (0, 1] (a fraction of the GPU's peak), got {mfu}")
-    # a plan needs no checkpoint, and it is for GPUs (not the device it is made on)
-    problem = check_train_config({**config, "init_from": "scratch", "device": "cuda"}, processes)
+    # a plan needs no checkpoint; a GPU plan is for GPUs, not the device it is made on
+    problem = check_train_config({**config, "init_from": "scratch", "device": device}, processes)
     if problem:
         raise ConfigError(problem)
-    if gpu not in GPU_PEAK_BF16_FLOPS:
+    if device == "cuda" and gpu not in GPU_PEAK_BF16_FLOPS:
         raise ConfigError(f"unknown gpu {gpu!r}: expected one of {', '.join(GPU_PEAK_BF16_FLOPS)}")
     if link_gbps is not None and not link_gbps > 0:
         raise ConfigError(f"link_gbps must be > 0, got {link_gbps}")
-    config = {**config, "device": "cuda"}  # its step measured with the GPU's logits (step_peak_bytes)
+    # its step measured with the device's logits (step_peak_bytes); off a GPU in the dtype the run
+    # would choose there (FSDP gathers float32 weights on a CPU)
+    config = {**config, "device": device}
+    if device != "cuda":
+        config["dtype"] = choose_dtype(config["dtype"], device)
     model, objective = meta_model(config, run_vocab(config))
+    # measured (off a GPU) once the config is known to be one the plan can take
+    figures = device_figures(device, gpu, mfu, config["dtype"], processes)
     auto = config["batch_size"] == "auto"
-    config, fits = resolve_batch_size(config, processes, run_vocab(config), GPU_MEMORY_GIB[gpu])
+    config, fits = resolve_batch_size(config, processes, run_vocab(config), figures["memory_gib"],
+                                      figures["heap"])
     B, T = config["batch_size"], config["block_size"]
     micro_steps = micro_steps_of(config, processes)
     tokens_per_step = micro_steps * B * T * processes
@@ -235,9 +233,12 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
     flops_per_run = (flops_per_step * config["max_iters"]
                      + evaluations * evaluation_flops(model, config, processes))
     per_gpu, parts = memory_by_mode(model, config, processes, micro_steps, measure)
-    link, link_name = link_of(gpu, processes, link_gbps)
-    hours = flops_per_run / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes) / 3600
-    compute_s = flops_per_step / (mfu * GPU_PEAK_BF16_FLOPS[gpu] * processes)
+    # processes on a CPU talk over gloo, for which there is no link figure unless one is given
+    timed = device == "cuda" or link_gbps is not None
+    link, link_name = link_of(gpu, processes, link_gbps) if timed else (None, None)
+    speed = figures["mfu"] * figures["peak"] * processes  # FLOP/s of all the processes
+    hours = flops_per_run / speed / 3600
+    compute_s = flops_per_step / speed
 
     def communication(micro_steps, processes=processes, keep=config.get("fsdp_keep_gathered", False)):
         """bytes, and seconds at the links' Gb/s: FSDP's within its shard group's link; DDP's, and
@@ -245,6 +246,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
         group = shard_group(config, processes) if config["parallel"] == "fsdp" else processes
         moved = communication_bytes(model, objective, config["parallel"], processes, micro_steps,
                                     gathered_bytes(config), keep, group)
+        if not timed:  # no time to set against compute (communication_lines says so)
+            return {**moved, "seconds": 0.0, "exposed_seconds": 0.0}
         within, between = (link_of(gpu, n, link_gbps)[0] * 1e9 / 8 for n in (group, processes))
         seconds = (moved["all_gather"] + moved["reduce_scatter"]) / within + moved["all_reduce"] / between
         return {**moved, "seconds": seconds,
@@ -277,10 +280,11 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
             "auto_batch": auto and ("fits" if fits else "nothing fits"),
             "tokens_per_step": tokens_per_step, "tokens_per_run": tokens_per_step * config["max_iters"],
             "steps": config["max_iters"], "flops_per_step": flops_per_step, "flops_per_run": flops_per_run,
-            "gpu": gpu, "mfu": mfu, "hours": hours, "compute_seconds": compute_s,
+            "device": device, "dtype": config["dtype"],
+            **figures, "hours": hours, "compute_seconds": compute_s,
             "communication": moved, "link_gbps": link, "link": link_name, "step_seconds": step_s,
             "shard_group": shard_group(config, processes) if config["parallel"] == "fsdp" else processes,
-            "group_link": link_of(gpu, shard_group(config, processes), link_gbps),
+            "group_link": link_of(gpu, shard_group(config, processes), link_gbps) if timed else None,
             "hours_with_communication": hours + config["max_iters"] * (step_s - compute_s) / 3600,
             "fewer_micro_steps": fewer, "fewer_processes": fewer_processes, "keep_gathered": kept,
             "fsdp_keep_gathered": config.get("fsdp_keep_gathered", False),
@@ -295,27 +299,28 @@ def format_plan(p):
     """The plan as the lines train.py --dry_run prints."""
     active = f" ({p['active_params']:,} active per token)" if p["active_params"] != p["params"] else ""
     plus_objective = f" + objective {p['objective_params']:,}" if p["objective_params"] else ""
-    of_one_gpu = f"{AUTO_BATCH_MEMORY:.0%} of one {p['gpu']}'s {GPU_MEMORY_GIB[p['gpu']]} GiB"
+    source = f" ({p['memory_source']})" if "memory_source" in p else ""
+    of_one_gpu = f"{AUTO_BATCH_MEMORY:.0%} of {p['memory_of']} {p['memory_gib']:.1f} GiB{source}"
     auto = {"fits": f" (batch_size='auto': the most that fits {of_one_gpu})",
             "nothing fits": f" (batch_size='auto': not even 1 fits {of_one_gpu} on {p['processes']} "
                             "process(es): see memory)",
             False: ""}[p["auto_batch"]]
+    unit, per_gib = memory_unit(p["memory"])
     lines = [f"params: {p['params']:,}{active}{plus_objective}",
              f"batch: {p['processes']} process(es) x {p['micro_steps']} micro-step(s) x {p['micro_batch']}"
              f"{auto} x {p['seq_len']} = {p['tokens_per_step']:,} tokens/step; {p['steps']:,} steps = "
              f"{p['tokens_per_run']:,} tokens",
              f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run "
-             f"(evaluations included) = {p['hours']:,.1f} h on {p['processes']} x {p['gpu']} "
-             f"at MFU {p['mfu']:.0%}",
+             f"(evaluations included) = {duration(p['hours'] * 3600)} on {speed_of(p)}",
              *communication_lines(p), *([p["padding"]] if p["padding"] else []),
-             "memory per GPU (GiB; activations in the compute dtype):"]
+             memory_heading(p, unit)]
     chosen = p["parallel"] if p["parallel"] != "none" else "ddp"
     for mode in ("ddp", "fsdp"):
         m = p["memory"][mode]
         def mark(ckpt):
             return " <- this config" if mode == chosen and ckpt == p["activation_checkpointing"] else ""
-        lines.append(f"  {mode}: {m['plain']:.1f}{mark(False)}, "
-                     f"with activation checkpointing {m['checkpointed']:.1f}{mark(True)}")
+        lines.append(f"  {mode}: {m['plain'] * per_gib:.1f}{mark(False)}, "
+                     f"with activation checkpointing {m['checkpointed'] * per_gib:.1f}{mark(True)}")
     d = p["data"]
     if d["prepared"] is None:
         if "shards_needed" in d:
@@ -341,41 +346,32 @@ def format_plan(p):
     return "\n".join(lines)
 
 
-def communication_lines(p):
-    """The plan's communication line, and one warning line when communication takes longer than compute."""
-    c, mode, compute = p["communication"], p["parallel"], p["compute_seconds"]
-    if c["total"] == 0:
-        return [f"communication: none ({'one process' if p['processes'] == 1 else mode})"]
-    kinds = ", ".join(f"{kind.replace('_', '-')} {c[kind] / 1e9:,.1f}"
-                      for kind in ("all_gather", "reduce_scatter", "all_reduce") if c[kind])
-    links = f"at {p['link_gbps']:,g} Gb/s ({p['link']})"
-    if p["shard_group"] < p["processes"]:
-        gbps, name = p["group_link"]
-        mode, links = (f"fsdp sharded in groups of {p['shard_group']}",
-                       f"within a group at {gbps:,g} Gb/s ({name}), all-reduce between them {links}")
-    lines = [f"communication: {c['total'] / 1e9:,.1f} GB/step sent per process ({mode}: {kinds}) = "
-             f"{c['seconds']:.2f} s {links} against {compute:.2f} s of compute; a step "
-             f"{p['step_seconds']:.2f} s with overlap: {p['hours_with_communication']:,.1f} h for the run"]
-    if c["seconds"] > compute:
-        fewer, regathers = p["fewer_micro_steps"], mode == "fsdp" and not p["fsdp_keep_gathered"]
-        if fewer:
-            fix = (f"{fewer['keys']} ({fewer['micro_steps']} micro-step(s)) would bring it to "
-                   f"{fewer['seconds']:.2f} s (check its memory with {fewer['keys']}), "
-                   "as would a faster link")
-        elif p["fewer_processes"]:
-            f = p["fewer_processes"]
-            fix = (f"on {f['processes']} processes, one micro-step of {f['keys']} each, compute would hide "
-                   f"it (check their memory), as would a faster link")
-        else:
-            fix = "a larger global_batch_size (more compute per step) or a faster link would fix it"
-        if p.get("keep_gathered"):
-            k = p["keep_gathered"]
-            fix += (f"; or --fsdp_keep_gathered=True: {k['seconds']:.2f} s, the weights gathered once "
-                    f"per step, {k['gib']:.1f} GiB per GPU")
-        why = " (FSDP gathers the weights twice in every micro-step)" if regathers else ""
-        lines.append(f"warning: communication ({c['seconds']:.2f} s/step) exceeds compute "
-                     f"({compute:.2f} s/step){why}; {fix}")
-    return lines
+def speed_of(p):
+    """What the plan's time assumes: on a GPU, the processes' GPUs at the stated MFU; elsewhere the
+    speed measured here (measured_speed), with the MFU it is and the peak it is a fraction of."""
+    if p["gpu"]:
+        return f"{p['processes']} x {p['gpu']} at MFU {p['mfu']:.0%}"
+    return (f"{p['processes']} x {p['device']} at {p['mfu'] * p['peak'] / 1e9:,.0f} GFLOP/s each, "
+            f"the toy's CE step measured here now (MFU {p['mfu']:.0%} of a {p['dtype']} matmul's "
+            f"{p['peak'] / 1e9:,.0f} GFLOP/s, as train.py counts it)")
+
+
+def memory_unit(table):
+    """(unit, its figures per GiB) of the memory lines: MiB when a figure is under 1 GiB, which
+    would read 0.0 in GiB (a toy's whole run), else GiB. Figures not measured (NaN) do not count."""
+    figures = [gib for mode in table.values() for gib in mode.values() if not math.isnan(gib)]
+    return ("MiB", 1024) if figures and min(figures) < 1 else ("GiB", 1)
+
+
+def memory_heading(p, unit):
+    """The memory table's first line: per GPU; off a GPU, of each process, whose tensors the
+    figures are (weights, gradients, AdamW's moments, a step's activations: not its libraries, nor
+    the heap glibc keeps)."""
+    if p["gpu"]:
+        return f"memory per GPU ({unit}; activations in the compute dtype):"
+    activations = str(compute_dtype({"device": p["device"], "dtype": p["dtype"]})).removeprefix("torch.")
+    whose = "the process" if p["processes"] == 1 else "each process"
+    return f"memory of {whose} ({unit}; its tensors, activations in {activations}):"
 
 
 def run_summary(params, device, dtype, tokens_per_iter, flops_per_iter, peak, parallel, processes,
@@ -391,11 +387,20 @@ def run_summary(params, device, dtype, tokens_per_iter, flops_per_iter, peak, pa
 
 
 def print_plan(config, processes):
-    """train.py --dry_run=True: the plan of this run on these processes (nothing allocated, no data
-    read, out_dir untouched), printed by rank 0; a config the plan cannot take is a ConfigError."""
-    text = format_plan(make_plan(config, processes))
+    """train.py --dry_run=True: the plan of this run on these processes, for the device it would
+    use (a CUDA GPU planned as an H100; a CPU or MPS at its measured speed), printed by rank 0;
+    nothing allocated for the run, no data read, out_dir untouched. A config the plan cannot take
+    is a ConfigError."""
+    try:
+        device = choose_device(config["device"])
+    except ValueError as e:
+        elsewhere = "to plan it for a GPU elsewhere: python plan.py <config> --gpu H100"
+        raise ConfigError(f"{e}; {elsewhere}") from None
+    if config["num_threads"] > 0:  # the run's threads time the toy's step (train.py sets them after this)
+        torch.set_num_threads(config["num_threads"])
+    p = make_plan(config, processes, device="cuda" if device.startswith("cuda") else device)
     if int(os.environ.get("RANK", 0)) == 0:
-        print(text)
+        print(format_plan(p))
 
 
 def main(argv=None):

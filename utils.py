@@ -447,3 +447,13 @@ def read_log(path, allow_empty=False):
     if not records and not allow_empty:
         raise LogError(f"{path} holds no records yet (a run logs its first evaluation at step 0)")
     return records
+
+
+def duration(seconds):
+    """A time in the unit that shows it: seconds under a minute, minutes under an hour, then hours
+    (a toy's run would read 0.0 in hours)."""
+    if seconds < 60:
+        return f"{seconds:.2g} s"
+    if seconds < 3600:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:,.1f} h"

@@ -6,6 +6,7 @@ per step, against the closed form and against the collectives of a real 2-proces
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -15,7 +16,9 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 import parallelism  # noqa: E402
 import memory  # noqa: E402
+import comms  # noqa: E402
 import plan  # noqa: E402
+import utils  # noqa: E402
 from tools import bench_systems  # noqa: E402
 from configurator import ConfigError, parse_config, train_defaults  # noqa: E402
 from model import GPTConfig  # noqa: E402
@@ -65,6 +68,73 @@ def test_the_real_lowres_run_has_the_planned_size():
     """The issue's figure: a real run of the character experiment has 812,416 parameters."""
     config = config_of("config/lowres_baseline.py", "--vocab_size=130")
     assert plan.make_plan(config, measure=False)["params"] == gpt2_params(130, 64, 4, 128) == 812_416
+
+
+def toy_flops_per_step():
+    """A lowres CE training step's FLOPs: 6 per matmul weight and token (the position table is a
+    lookup, the tied head a matmul) + 12 L C T of attention, for 12 sequences of 64."""
+    return (6 * (gpt2_params(130, 64, 4, 128) - 64 * 128) + 12 * 4 * 128 * 64) * 12 * 64
+
+
+def test_a_time_prints_in_the_unit_that_shows_it():
+    assert utils.duration(0.0855) == "0.086 s" and utils.duration(42) == "42 s"
+    assert utils.duration(90) == "1.5 min" and utils.duration(59.5 * 60) == "59.5 min"
+    assert utils.duration(2 * 3600) == "2.0 h" and utils.duration(84_136.3 * 3600) == "84,136.3 h"
+
+
+def test_a_cpu_plan_times_the_run_at_the_speed_measured_here(monkeypatch):
+    """A CPU plan's time is its FLOPs at the speed measured on this machine (peak x the toy step's
+    MFU: here given, as measured_speed would return them); its memory is the process's, in MiB
+    for the toy (in GiB it would read 0.0)."""
+    monkeypatch.setattr(plan, "measured_speed", lambda device, dtype: (200e9, 0.5))
+    p = plan.make_plan(config_of("config/lowres_ce.py", "--vocab_size=130"), device="cpu")
+    evaluations = 8000 // 250 + 1  # 20 batches in each of 2 languages, forward only (a third)
+    flops = toy_flops_per_step() * 8000 + evaluations * 20 * 2 * toy_flops_per_step() // 3
+    assert p["flops_per_run"] == flops
+    seconds = flops / (200e9 * 0.5)
+    assert p["hours"] * 3600 == pytest.approx(seconds) and 60 < seconds < 3600
+    text = plan.format_plan(p)
+    assert (f"FLOPs/run (evaluations included) = {seconds / 60:.1f} min on 1 x cpu at 100 GFLOP/s each, "
+            "the toy's CE step measured here now (MFU 50% of a float32 matmul's 200 GFLOP/s") in text
+    assert "memory of the process (MiB; its tensors, activations in float32):" in text
+    ddp = p["memory"]["ddp"]
+    assert f"  ddp: {ddp['plain'] * 1024:.1f} <- this config, with activation checkpointing " in text
+    assert ddp["plain"] * GiB > 16 * 812_416  # weights, gradients and AdamW's two moments, in fp32
+    memory_lines = text.split("memory of the process")[1].splitlines()[1:3]
+    assert not any(" 0.0" in line for line in memory_lines) and " h " not in text
+
+
+def test_a_gpu_plan_is_made_from_the_datasheet_and_reads_as_before(monkeypatch):
+    """Nothing measured for a GPU plan (made anywhere); its time in hours at the stated MFU and
+    its memory per GPU in GiB, as the plan always printed them, where they are long and large."""
+    def no_measurement(device, dtype):
+        raise AssertionError("a GPU plan measured this machine")
+    monkeypatch.setattr(plan, "measured_speed", no_measurement)
+    config = config_of("config/baseline_7b.py")
+    p = plan.make_plan(config, 64, gpu="H100", measure=False)
+    hours = p["flops_per_run"] / (0.4 * GPU_PEAK_BF16_FLOPS["H100"] * 64) / 3600
+    text = plan.format_plan(p)
+    assert (f"compute: {p['flops_per_step']:.3e} FLOPs/step, {p['flops_per_run']:.3e} FLOPs/run "
+            f"(evaluations included) = {hours:,.1f} h on 64 x H100 at MFU 40%\n") in text
+    assert "\nmemory per GPU (GiB; activations in the compute dtype):\n" in text
+    assert "batch_size='auto': the most that fits 90% of one H100's 79.6 GiB)" in text
+    # the toy on a GPU: its run in seconds, its memory in MiB
+    toy = plan.make_plan(config_of("config/lowres_ce.py", "--vocab_size=130"))
+    seconds = toy["flops_per_run"] / (0.4 * GPU_PEAK_BF16_FLOPS["H100"])
+    text = plan.format_plan(toy)
+    assert f"= {seconds:.2g} s on 1 x H100 at MFU 40%" in text and "memory per GPU (MiB;" in text
+
+
+def test_measured_speed_is_the_toy_ce_steps_rate_against_the_matmul_peak(monkeypatch):
+    """The MFU measured here is the toy's CE step (tools.bench --section efficiency's lowres setting)
+    against the peak train.py's MFU divides by; measured for real, both are positive."""
+    monkeypatch.setattr(plan, "peak_flops", lambda device, dtype: 100e9)
+    monkeypatch.setattr(plan, "step_time", lambda *args: 0.05)
+    mfu = toy_flops_per_step() / 0.05 / 100e9
+    assert plan.measured_speed("cpu", "float32") == (100e9, pytest.approx(mfu))
+    monkeypatch.undo()
+    peak, mfu = plan.measured_speed("cpu", "float32")
+    assert peak > 1e9 and mfu > 0
 
 
 @pytest.mark.parametrize("processes", [8, 64])
@@ -270,6 +340,26 @@ def test_train_dry_run_prints_the_plan(name):
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("params: ") and "FLOPs/step" in result.stdout and "fsdp:" in result.stdout
     assert "communication: none (one process)" in result.stdout
+    # planned for the device the run would use (device='auto'): a GPU as an H100, else this CPU
+    assert ("on 1 x H100 at MFU 40%" if torch.cuda.is_available() else "on 1 x cpu at ") in result.stdout
+
+
+def test_train_dry_run_on_the_cpu_plans_for_the_cpu():
+    """--device=cpu: this CPU's measured speed and the process's memory; a device the machine lacks
+    is refused in one line that names plan.py for a plan made elsewhere."""
+    result = subprocess.run([sys.executable, "train.py", "config/lowres_ce.py", "--dry_run=True",
+                             "--vocab_size=130", "--device=cpu"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "on 1 x cpu at " in result.stdout and "the toy's CE step measured here now" in result.stdout
+    assert "memory of the process (MiB; " in result.stdout
+    # the time in a unit that shows it (how long depends on how busy this machine is now)
+    assert re.search(r"= [1-9][0-9,.]* (s|min|h) on 1 x cpu", result.stdout) and "0.0" not in result.stdout
+    if not torch.cuda.is_available():
+        result = subprocess.run([sys.executable, "train.py", "config/lowres_ce.py", "--dry_run=True",
+                                 "--vocab_size=130", "--device=cuda"], cwd=REPO, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 2 and "python plan.py <config> --gpu H100" in result.stderr
 
 
 def test_memory_problem_passes_what_fits_and_names_what_would():
@@ -348,7 +438,7 @@ def test_ddp_communication_is_one_all_reduce_per_step():
 
 
 def test_every_gpu_has_a_link_and_link_gbps_overrides_it():
-    assert plan.LINK_GBPS.keys() == GPU_PEAK_BF16_FLOPS.keys()
+    assert comms.LINK_GBPS.keys() == GPU_PEAK_BF16_FLOPS.keys()
     config = config_of("config/baseline_7b.py", "--batch_size=1")
     p = plan.make_plan(config, 64, measure=False, link_gbps=800)
     assert p["link_gbps"] == 800 and p["communication"]["seconds"] == pytest.approx(p["communication"]["total"] * 8 / 800e9)
@@ -491,7 +581,7 @@ def test_moe_communication_is_what_a_counted_all_gather_moves_on_4_processes():
         assert record["other"] == {} and record["sent"]["all_reduce"] == 0
         with torch.device("meta"):
             model = build_model(GPTConfig(**MOE_MODELS[name]))
-        planned = plan.communication_bytes(model, torch.nn.Module(), "fsdp", 4, 1, 4)
+        planned = comms.communication_bytes(model, torch.nn.Module(), "fsdp", 4, 1, 4)
         for kind in ("all_gather", "reduce_scatter"):
             assert record["sent"][kind] == pytest.approx(planned[kind], rel=1e-9), (name, kind)
         unpadded = 3 / 4 * 4 * model.num_params()

@@ -17,35 +17,13 @@ import torch
 import parallelism
 from losses import cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
-from objective import Objective, objective_step
+from objective import Objective
 from optim import configure_optimizers
+from plan import EFFICIENCY_SETTINGS, step_time
 from utils import autocast_context, keep_freed_memory, measure_matmul_flops, seconds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
-
-
-def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device, dtype):
-    """Median seconds of one training step with the given objective."""
-    torch.manual_seed(0)
-    model = build_model(model_config, device)
-    objective = Objective(model_config.n_layer, model_config.n_embd, **objective_kwargs).to(device)
-    objective.init_weights()
-    optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
-    T, V = model_config.block_size, model_config.vocab_size
-    x = torch.randint(0, V, (batch_size, T), device=device)
-    y = torch.randint(0, V, (batch_size, T), device=device)
-    autocast = autocast_context(device, dtype)
-
-    def step():
-        with autocast:
-            loss, *_ = objective_step(model, objective, x, y)
-        loss.backward()
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    times = [seconds(step, device) for _ in range(warmup + steps)]
-    return statistics.median(times[warmup:])
 
 
 LOSSES = {  # name -> Objective kwargs on top of CE
@@ -217,12 +195,6 @@ def simreg_memory(args, device, dtype):
         rows.append(("full" if chunk == 0 else f"chunk {chunk}", f"{json.loads(out)['peak_delta_mib']:.0f}"))
     table("SimReg peak memory, forward + backward, T 2048, C 1024 (growth of the peak resident set)",
           ["SimReg", "peak MiB"], rows)
-
-
-EFFICIENCY_SETTINGS = {  # name -> (model config, batch size): the CE runs of the comparison grids
-    "lowres": (dict(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128), 12),
-    "bpe": (dict(vocab_size=50304, block_size=128, n_layer=4, n_head=4, n_embd=128), 8),
-}
 
 
 def efficiency_child(setting, steps, warmup):

@@ -272,7 +272,7 @@ def comm_child():
 
 
 def plan_comm(args, device, dtype):
-    """plan.py's bytes per optimizer step and process (plan.communication_bytes) against the bytes every
+    """plan.py's bytes per optimizer step and process (comms.communication_bytes) against the bytes every
     collective of a real step moved (comm_child, 2 gloo processes)."""
     from configurator import parse_config, train_defaults
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
