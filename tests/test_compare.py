@@ -13,7 +13,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from configurator import train_defaults  # noqa: E402
 from errors import UsageError  # noqa: E402
-from tools import claims, figures, grids, report, runner, stats  # noqa: E402
+from tools import figures, grids, report, runner  # noqa: E402
 
 
 def fake_metrics(acc_lr, ppl_hr):
@@ -472,10 +472,12 @@ def test_results_readme_per_seed_paragraph_is_the_tables():
     results = {grid: open(os.path.join(REPO, "results", f"{grid}.md"), encoding="utf-8").read()
                for grid in ("lowres", "jostling")}
 
-    def per_seed(grid, method, n):  # (LR accuracies, seeds that make it, twin shares) of a per-seed row
-        (row,) = re.findall(rf"^\| {re.escape(method)} \| {n} \| ([\d. ]+) \| \d+ of {n} \| [^|]+ \| ([^|]+) \| "
-                            rf"([\d. ]+) \|$", results[grid], flags=re.M)
-        return [float(v) for v in row[0].split()], row[1].strip(), [float(v) for v in row[2].split()]
+    def per_seed(grid, method, n):  # (LR accuracies, seeds that make it, twin shares) of the per-seed part
+        (made,) = re.findall(rf"^\| {re.escape(method)} \| {n} \| \d+ of {n} \| [^|]+ \| ([^|]+) \|$",
+                             results[grid], flags=re.M)
+        ((acc, twins),) = re.findall(rf"^- \*\*{re.escape(method)}\*\* \({n} seeds\): LR accuracy ([\d. ]+); "
+                                     r"twin in top-3 ([\d. ]+)$", results[grid], flags=re.M)
+        return [float(v) for v in acc.split()], made.strip(), [float(v) for v in twins.split()]
 
     def dot(x):  # .498, as the paragraph writes an accuracy
         return f"{x:.3f}"[1:]
@@ -768,7 +770,7 @@ def test_a_rerun_grid_says_how_far_each_number_moved_and_each_effect_in_both(tmp
     # |relative differences| of PPL_best: 0.1, 0, 0.1, 0.0625 -> median 0.08125, largest 0.1
     assert "| PPL_best | 4 | 8.1 % | 10.0 % |" in lines and "| acc | 4 | 0.0 % | 0.0 % |" in lines
     # SimReg's change: first -10 %, -20 % (mean -15); again -10 %, -25 % (mean -17.5)
-    first = claims.paired_cell(stats.paired([-10.0, -20.0]), 1)
-    again = claims.paired_cell(stats.paired([-10.0, -25.0]), 1)
+    first = report.claims.paired_cell(report.stats.paired([-10.0, -20.0]), 1)
+    again = report.claims.paired_cell(report.stats.paired([-10.0, -25.0]), 1)
     assert f"| SimReg | {first} | {again} |" in lines and first.startswith("-15.0") and again.startswith("-17.5")
     assert report.rerun_table(report.Grid("first", str(tmp_path))) == []
