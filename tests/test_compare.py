@@ -317,6 +317,9 @@ def test_time_breakdown_splits_step_time_from_the_rest(tiny_grid):
             "the other 2 left no record") in table
     assert "of the single-stage runs' wall time, the rest being evaluation, checkpoints and process start.\n" in table
     assert "fill" not in table
+    # every run counted, but the calls' time short of theirs (160 s against 2 x 50 s): no share over 100 %
+    lines = report.time_breakdown({"steps": 30.0, "single_stage_runs": 60.0, "runs": 160.0}, 50.0, 2)
+    assert "add up to more than 2 × the calls' recorded wall time" in lines[1] and "fill" not in lines[1]
 
 
 def test_machine_peak_measures_fp32_and_bf16_only_with_bf16_units(monkeypatch):

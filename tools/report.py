@@ -81,6 +81,10 @@ class Grid:
         self.low_resource = any("low" in r for per_seed in self.results.values() for r in per_seed.values())
         self.langs = ("high", "low") if self.low_resource else ("val",)
 
+    def every_method(self):
+        """The tables' methods, then the grid's extra runs (grids.EXTRA_RUNS) that have results."""
+        return list(self.methods) + [m for m in self.results if m not in self.methods]
+
     def shared_with_baseline(self, method):
         return sorted(set(self.results.get(method, {})) & set(self.results.get(self.baseline, {})))
 
@@ -383,7 +387,7 @@ def speed_table(g):
     """Training throughput from each run's log and wall times from run.json; also returns the
     seconds time_breakdown needs, summed while reading them."""
     seconds, rows = {"steps": 0.0, "single_stage_runs": 0.0, "runs": 0.0, "trained_runs": 0}, []
-    for method in g.methods:
+    for method in g.every_method():
         speeds, walls = [], []
         for out in (run["dir"] for run in g.runs.get(method, {}).values()):
             run_speeds = [r for r in read_log(os.path.join(out, "log.jsonl")) if "tokens_per_s" in r]
@@ -502,6 +506,9 @@ def time_breakdown(seconds, grid_wall, workers):
             "checkpoints and process start")
     if grid_wall is None:
         return ["", line + "."]
+    if all_runs_s > workers * grid_wall:  # the calls' records hold less time than the runs took
+        return ["", line + f"; the runs' wall times add up to more than {workers} × the calls' recorded "
+                "wall time: some calls left no record of their time (killed before their last minute)."]
     return ["", line + f"; the runs' wall times fill {100 * all_runs_s / (workers * grid_wall):.0f} % of "
             f"{workers} × the grid's wall time, the rest being the grid's tail (fewer runs left than run "
             "at a time) and the gaps between runs."]
