@@ -11,6 +11,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import prepare_shakespeare  # noqa: E402
 
+pytest_plugins = ["tiers"]  # the quick tier and its check (tiers.py)
+
 
 # The files whose tests start several processes or train for a minute run first: with pytest-xdist
 # (.ci/run) the suite then ends on short tests that every worker shares, not on one worker's long test.

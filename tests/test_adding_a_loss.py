@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIKTOKEN = os.environ.get("TIKTOKEN_CACHE_DIR",
                           os.path.join(os.path.dirname(REPO), "shared", "data", "tiktoken"))

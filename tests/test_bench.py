@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from tools import bench_losses, bench_systems  # noqa: E402
 from model import GPTConfig  # noqa: E402
@@ -18,6 +20,7 @@ def test_step_time_runs_each_objective():
         assert plan.step_time(config, kwargs, 2, steps=1, warmup=0, device="cpu", dtype="float32") > 0
 
 
+@pytest.mark.slow
 def test_memory_child_reports_growth():
     out = subprocess.run([sys.executable, "-m", "tools.bench", "--memory_child", "1024"], cwd=REPO, capture_output=True,
                          text=True, check=True).stdout
@@ -33,6 +36,7 @@ def test_loss_time_runs_each_term_alone():
         assert bench_losses.loss_time(kwargs, n_layer=3, C=16, T=16, V=50, reps=1, device="cpu", dtype="float32") > 0
 
 
+@pytest.mark.slow
 def test_efficiency_child_reports_a_step_and_its_flops():
     out = subprocess.run([sys.executable, "-m", "tools.bench", "--efficiency_child", "lowres", "--steps", "1", "--warmup", "0"],
                          cwd=REPO, capture_output=True, text=True, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
@@ -41,6 +45,7 @@ def test_efficiency_child_reports_a_step_and_its_flops():
     assert result["seconds"] > 0 and result["flops"] == 12 * 64 * (6 * (812_416 - 64 * 128) + 12 * 4 * 128 * 64)
 
 
+@pytest.mark.slow
 def test_out_writes_the_report_with_how_it_was_made_and_the_goals(tmp_path):
     """--out: the tables of the sections run, under a header naming the command, and each goal
     judged on the number measured in the same call."""

@@ -87,6 +87,7 @@ def test_existing_runs_are_skipped_and_archived(tiny_grid, tmp_path):
     assert os.path.exists(grids.run_dir(archive, "tiny", "SimReg", 1338) + "/metrics.json")
 
 
+@pytest.mark.slow
 def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch):
     tiny_dataset(tmp_path)
     monkeypatch.setitem(grids.GRIDS, "mini", {"CE": ("config/lowres_baseline.py", 1),
@@ -177,6 +178,7 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
         runner.run_grid("mini5", root, workers=1, overrides=overrides, archive=archive)
 
 
+@pytest.mark.slow
 def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monkeypatch):
     """SIGTERM (as Ctrl-C) stops compare.py and every train.py it started, records the call in
     wall.json, and the next call continues a stopped run from its last checkpoint."""
@@ -230,6 +232,7 @@ def test_a_stopped_call_records_its_wall_time_and_its_runs_resume(tmp_path, monk
     assert os.path.exists(os.path.join(out, "metrics.json"))
 
 
+@pytest.mark.slow
 def test_a_call_killed_without_warning_keeps_its_record_in_wall_json(tmp_path):
     """compare.py killed by SIGKILL (no chance to clean up) after its first of two runs finished:
     wall.json still holds the call, with that run and its FLOPs, since the record is written at the
@@ -391,6 +394,7 @@ def test_rare_target_ppl_best_claim_is_the_relative_difference_at_each_runs_t_be
     assert described == claims.DESCRIPTION
 
 
+@pytest.mark.slow
 def test_every_grid_command_is_a_valid_config(monkeypatch):
     """Each run of every grid parses (config files, types): a typo would otherwise
     surface hours into a grid. One of them goes through train.py itself (--dry_run)."""
@@ -442,8 +446,10 @@ def test_transition_rate_and_departure_step(tmp_path, monkeypatch):
             with open(os.path.join(out, "log.jsonl"), "w") as f:
                 f.writelines(json.dumps({"iter": 250 * k, "val": v, "val_low": v}) + "\n" for k, v in enumerate(curve))
     table, _ = report.build_table("jump", str(tmp_path))
-    assert "| CE | 3 | 0.370 0.370 0.370 | 0 of 3 | 0.00 [0.00, 0.71] | — |" in table
-    assert "| margin 0.6 | 3 | 0.370 0.370 0.490 | 1 of 3 | 0.33 [0.01, 0.91] | 1339 (step 500) |" in table
+    assert "| CE | 3 | 0 of 3 | 0.00 [0.00, 0.71] | — |" in table
+    assert "- **CE** (3 seeds): LR accuracy 0.370 0.370 0.370; twin in top-3 " in table
+    assert "| margin 0.6 | 3 | 1 of 3 | 0.33 [0.01, 0.91] | 1339 (step 500) |" in table
+    assert "- **margin 0.6** (3 seeds): LR accuracy 0.370 0.370 0.490; twin in top-3 " in table
 
 
 def test_results_readme_verdict_counts_are_the_tables():
@@ -591,6 +597,7 @@ def test_methods_and_seeds_choose_the_runs_a_call_trains(tmp_path, monkeypatch):
     assert sorted(trained) == [("config/lowres_ce.py", 1338), ("config/lowres_margin_1.py", 1338)]
 
 
+@pytest.mark.slow
 def test_a_new_run_records_its_identity_and_the_report_counts_pairs_across_machines(tmp_path, monkeypatch):
     from tools import identity
     monkeypatch.setitem(grids.GRIDS, "machines", {"CE": ("config/lowres_ce.py", 2), "margin 1": ("config/lowres_margin_1.py", 2)})

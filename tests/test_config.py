@@ -68,6 +68,7 @@ def test_bad_key_in_file_names_the_file(tmp_path):
         parse_config([str(cfg)], DEFAULTS)
 
 
+@pytest.mark.slow
 def test_train_py_stops_with_one_clear_message():
     result = subprocess.run([sys.executable, "train.py", "config/lowres_baseline.py", "--n_layers=2"],
                             cwd=REPO, capture_output=True, text=True)

@@ -101,6 +101,7 @@ def assert_same_run(a, b):
         assert torch.allclose(wa[name], wb[name], rtol=0, atol=1e-6), (name, (wa[name] - wb[name]).abs().max())
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     single, ddp, fsdp, kept = tmp_path / "single", tmp_path / "ddp", tmp_path / "fsdp", tmp_path / "kept"
     # *0: the runs stopped at step 0 (ckpt.pt: the initial weights; FSDP's sharded initialisation), with
@@ -158,6 +159,7 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
         assert os.path.exists(tmp_path / "hf" / "model.safetensors")
 
 
+@pytest.mark.slow
 def test_epoch_order_draws_the_same_windows_on_one_and_two_processes(tmp_path, small_data_dir):
     """data_order='epoch' on a split of 23 windows: 6 steps of 8 cross two epochs, each inside a step.
     2 processes (2 micro-steps each) train on the one process's windows (4 micro-steps); a 2-process
@@ -175,6 +177,7 @@ def test_epoch_order_draws_the_same_windows_on_one_and_two_processes(tmp_path, s
         {str({"epoch": 2, "index": 2, "n_windows": 23})}
 
 
+@pytest.mark.slow
 @needs_fsdp_on_cpu
 def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_dir):
     single, full, part = tmp_path / "single", tmp_path / "full", tmp_path / "part"
@@ -199,6 +202,7 @@ def test_fsdp_llama_moe_matches_one_process_and_resumes_exactly(tmp_path, data_d
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @needs_fsdp_on_cpu
 def test_fsdp_resume_falls_back_to_the_previous_slot_when_a_shard_is_truncated(tmp_path, data_dir):
     """One .distcp shard of the latest slot truncated (a disk that filled, a copy cut short), then
@@ -239,6 +243,7 @@ def test_fsdp_resume_falls_back_to_the_previous_slot_when_a_shard_is_truncated(t
         checkpoint.load_with_weights(str(both / "ckpt.pt"))
 
 
+@pytest.mark.slow
 @needs_fsdp_on_cpu
 @pytest.mark.parametrize("experts", [2, 8])
 def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir, experts):
@@ -260,6 +265,7 @@ def test_fsdp_moe_on_4_processes_matches_one_process_and_resumes_exactly(tmp_pat
     assert_same_weights(part, full)
 
 
+@pytest.mark.slow
 @needs_fsdp_on_cpu
 @pytest.mark.parametrize("experts", [2, 8])
 def test_fsdp_dropless_moe_on_4_processes_matches_one_process(tmp_path, data_dir, experts):
@@ -293,6 +299,7 @@ def test_local_rows_is_the_shard_fsdp_holds_on_any_dimension(placements):
         assert torch.equal(part, expected[rank] if rank < len(expected) else full.narrow(dim, 0, 0)), rank
 
 
+@pytest.mark.slow
 @needs_fsdp_on_cpu
 def test_hybrid_sharding_on_2x2_processes_matches_one_process_and_resumes_exactly(tmp_path, data_dir):
     """fsdp_shard_size=2 on 4 processes: two groups of 2 ranks, each group holding the model sharded in
@@ -316,6 +323,7 @@ def test_hybrid_sharding_on_2x2_processes_matches_one_process_and_resumes_exactl
     assert_same_weights(part, hybrid)
 
 
+@pytest.mark.slow
 @needs_fsdp_on_cpu
 def test_fsdp_set_up_holds_shards_not_the_whole_model(tmp_path, data_dir):
     """Sharded initialisation: each of 2 FSDP processes sets up a 2.8 GB model (float32; 1.3B's width,
@@ -351,6 +359,7 @@ def test_fsdp_set_up_holds_shards_not_the_whole_model(tmp_path, data_dir):
     assert len(peaks) == 2 and max(peaks) < size, (peaks, size, result.stdout[-2000:])
 
 
+@pytest.mark.slow
 @needs_fsdp_on_cpu
 def test_an_fsdp_run_starts_from_another_fsdp_runs_shards(tmp_path, data_dir):
     """init_from an FSDP run's checkpoint under FSDP: DCP reads each rank's rows of the shards into the
@@ -370,6 +379,7 @@ def test_an_fsdp_run_starts_from_another_fsdp_runs_shards(tmp_path, data_dir):
     assert all(torch.equal(untied[name], value) for name, value in whole.items() if name != "model.lm_head.weight")
 
 
+@pytest.mark.slow
 @needs_fsdp_on_cpu
 def test_float16_loss_scaling_under_ddp_and_fsdp(tmp_path, data_dir):
     """dtype=float16 (GPUs without bf16) on 2 processes: the loss scale starts at 2^16 and
@@ -395,6 +405,7 @@ def test_float16_loss_scaling_under_ddp_and_fsdp(tmp_path, data_dir):
     assert differences.quantile(0.99) < 1e-4, differences.quantile(0.99)
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, data_dir):
     """A scheduler's SIGUSR1 reaching one worker only: the ranks agree on it after the very step (a
     host all-reduce of the flag every step; no step is logged in this run), ckpt.pt holds that step,
@@ -423,6 +434,7 @@ def test_a_signal_to_one_rank_stops_every_rank_at_the_same_step(tmp_path, data_d
     assert_same_weights(whole, stopped)
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_rank_ends_an_evaluation_on_every_rank_between_batches(tmp_path, data_dir):
     """SIGUSR1 to rank 1 alone while the evaluation at step 3 runs (1,000 batches over 2 ranks): the
     ranks agree between two batches (issue 43, case 12), abandon it together, save step 3 without it

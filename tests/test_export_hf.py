@@ -176,6 +176,7 @@ def test_command_line_checks_and_notes_a_missing_tokenizer(tmp_path, meta, capsy
     assert error.value.status == 1
 
 
+@pytest.mark.slow
 def test_without_transformers_the_repo_runs_and_the_tool_says_what_to_install(tmp_path):
     """transformers blocked from importing (sys.modules entry None): the core modules and both
     tools import, and the export stops with one line naming the pip command."""
@@ -232,6 +233,7 @@ def lastword_data(tmp_path_factory):
     return str(root / "chars")
 
 
+@pytest.mark.slow
 def test_lm_eval_on_an_exported_model_matches_our_loop(tmp_path, lastword_data):
     lm_eval = pytest.importorskip("lm_eval", reason="lm-evaluation-harness is optional: pip install lm_eval")
     pytest.importorskip("accelerate", reason="lm_eval's hf model needs accelerate: pip install accelerate")
@@ -308,6 +310,7 @@ print(json.dumps({"growth": peak() - before, "diff": result["max_abs_logit_diff"
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 def test_export_holds_about_one_copy_of_the_weights(tmp_path, arch):
     """The growth of the resident peak across export() of a few-hundred-MB model, in a fresh process

@@ -13,6 +13,8 @@ import parallelism
 import prepare_c4
 from tools import gpu_correctness, gpu_measurements
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.py)
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIKTOKEN = os.environ.get("TIKTOKEN_CACHE_DIR")
 

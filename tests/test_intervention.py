@@ -88,6 +88,7 @@ def test_the_mean_twin_cosine_is_the_logged_one():
     assert intervention.twin_cos(E, 6) == pytest.approx(metrics.twin_alignment(E, 6)["twin_cos"], abs=1e-6)
 
 
+@pytest.mark.slow
 def test_a_branch_continues_the_trunks_run_with_only_the_lr_rows_changed(tmp_path, data_dir):
     """A 20-step trunk, its raised branch made by the command line and trained to 40 steps by a
     resume: the optimizer state is the trunk's, the branch's first evaluation logs the target, the
@@ -126,6 +127,7 @@ def test_a_branch_continues_the_trunks_run_with_only_the_lr_rows_changed(tmp_pat
     assert max(r["iter"] for r in log) >= 39
 
 
+@pytest.mark.slow
 def test_an_untouched_branch_trains_as_the_run_without_a_break(tmp_path, data_dir):
     """The trunk's 20 steps, then its untouched branch to 40: the same losses as 40 steps straight
     (the optimizer, data order and RNGs continue exactly; only best.pt starts anew)."""
@@ -144,6 +146,7 @@ def test_an_untouched_branch_trains_as_the_run_without_a_break(tmp_path, data_di
     assert losses[0] == losses[1] and len(losses[0]) >= 40
 
 
+@pytest.mark.slow
 def test_the_study_trains_trunks_and_branches_and_archives_them_with_provenance(tmp_path, data_dir,
                                                                               monkeypatch):
     """run_study on one seed of 40-step runs branched at step 20: every arm archived with its

@@ -46,6 +46,7 @@ def save_checkpoint(path, config):
     return sum(float(p.detach().sum(dtype=torch.float64)) for p in model.parameters())
 
 
+@pytest.mark.slow
 def test_load_model_holds_one_copy_of_the_weights(tmp_path):
     torch.manual_seed(0)
     expected = save_checkpoint(tmp_path / "best.pt", GPTConfig(vocab_size=8192, block_size=64, n_layer=4, n_head=8,

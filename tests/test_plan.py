@@ -125,6 +125,7 @@ def test_a_gpu_plan_is_made_from_the_datasheet_and_reads_as_before(monkeypatch):
     assert f"= {seconds:.2g} s on 1 x H100 at MFU 40%" in text and "memory per GPU (MiB;" in text
 
 
+@pytest.mark.slow  # it times the toy's step for real
 def test_measured_speed_is_the_toy_ce_steps_rate_against_the_matmul_peak(monkeypatch):
     """The MFU measured here is the toy's CE step (tools.bench --section efficiency's lowres setting)
     against the peak train.py's MFU divides by; measured for real, both are positive."""
@@ -228,6 +229,7 @@ def test_batch_size_auto_takes_the_largest_split_of_the_global_batch_that_fits_t
         plan.make_plan({**config, "global_batch_size": 0}, 64, measure=False)
 
 
+@pytest.mark.slow
 def test_train_resolves_batch_size_auto_from_the_device_and_records_the_number(tmp_path, data_dir):
     """On the CPU a tiny model's whole share of the global batch fits: one micro-step of 24; the
     checkpoint's config holds the number the run trained with, not 'auto'."""
@@ -332,6 +334,7 @@ def test_plan_refuses_what_the_run_would_refuse():
         plan.make_plan(config, 8, gpu="Z80", measure=False)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["lowres_cwt_ft.py", "lowres_margin_0.6_se.py", "baseline_350m.py"])
 def test_train_dry_run_prints_the_plan(name):
     """--dry_run needs no data, weights or checkpoint to start from (the CWT fine-tune names one)."""
@@ -344,6 +347,7 @@ def test_train_dry_run_prints_the_plan(name):
     assert ("on 1 x H100 at MFU 40%" if torch.cuda.is_available() else "on 1 x cpu at ") in result.stdout
 
 
+@pytest.mark.slow
 def test_train_dry_run_on_the_cpu_plans_for_the_cpu():
     """--device=cpu: this CPU's measured speed and the process's memory; a device the machine lacks
     is refused in one line that names plan.py for a plan made elsewhere."""
@@ -507,6 +511,7 @@ def test_plan_warns_in_one_line_when_communication_exceeds_compute():
         assert p["micro_steps"] == 1 and (p["communication"]["seconds"] <= p["compute_seconds"]) == hidden
 
 
+@pytest.mark.slow
 def test_plan_communication_is_what_a_real_step_moves():
     """The plan's bytes per optimizer step and process against the buffer of every collective of
     one real step on 2 gloo processes (tools/bench_systems.py's comm_child counts them with a dispatch mode):
@@ -557,6 +562,7 @@ def test_moe_shards_on_a_dimension_the_ranks_divide_and_the_plan_counts_the_padd
     assert q["communication"]["all_gather"] > 63 / 64 * 2 * model.num_params() * 7  # 8 experts padded to 64
 
 
+@pytest.mark.slow
 def test_moe_communication_is_what_a_counted_all_gather_moves_on_4_processes():
     """One FSDP step of each of tests/moe_comm.py's models on 4 gloo processes, every collective's
     buffer counted: the plan's all-gather and reduce-scatter bytes are the counted ones (within 1e-9),

@@ -53,6 +53,7 @@ def test_cli_writes_the_png_whole(run_with_terms, tmp_path):
     assert os.listdir(tmp_path / "figures") == ["run.png"]
 
 
+@pytest.mark.slow
 def test_bad_logs_are_one_error_line(tmp_path):
     pytest.importorskip("matplotlib")
     result = subprocess.run([sys.executable, "-m", "tools.plot_run", str(tmp_path)], cwd=REPO,

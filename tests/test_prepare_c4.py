@@ -268,6 +268,7 @@ def test_two_train_shards_one_val_shard(tmp_path, server, monkeypatch):
     assert all(rng is None for _, rng in server.requests)
 
 
+@pytest.mark.slow
 def test_cli_subprocess_with_worker_pool(tmp_path, server):
     """The real command line; spawned workers re-import the script as __mp_main__."""
     out_dir = tmp_path / "cli"
@@ -453,6 +454,7 @@ def test_http_404_names_the_url(tmp_path, server, capsys):
     assert server.paths().count(f"/en/{name}") == 1  # a 404 is not retried
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args, expected", [
     (["--shards", "0"], "--shards must be between 1 and 1024, got 0"),
     (["--shards", "1025"], "--shards must be between 1 and 1024, got 1025"),
@@ -480,6 +482,7 @@ def unwritable_dir(tmp_path):
     return locked / "c4"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make_out_dir, expected", [
     (lambda tmp: (tmp.joinpath("file").write_text("x"), tmp / "file" / "c4")[1], "it, or a folder on its path, is a file"),
     (lambda tmp: "/proc/c4", "/proc/c4"),
@@ -498,6 +501,7 @@ def test_unusable_out_dir(tmp_path, server, make_out_dir, expected):
     assert server.requests == []
 
 
+@pytest.mark.slow
 def test_unreachable_server_is_one_line(tmp_path):
     result = run_script("--out_dir", tmp_path / "c4", "--base_url", "http://127.0.0.1:9", "--retries", "0", cwd=tmp_path)
     assert result.returncode == 1
@@ -549,6 +553,7 @@ def test_changed_shard_is_retokenised(tmp_path, server):
     check_outputs(out_dir, server.docs[train_name(0)], new_docs)
 
 
+@pytest.mark.slow
 def test_from_text_makes_c4_shards_offline_and_c4_tiny_trains_on_them(tmp_path):
     """The offline path: paragraphs of a text become C4-format shards (every 10th to validation),
     checked and tokenised like downloaded ones; then config/c4_tiny.py trains on the result."""
@@ -596,6 +601,7 @@ def big_docs(tag, n):
     return [f"{tag} {i}: " + " ".join(f"word{(i * 7 + j) % 997}" for j in range(60)) for i in range(n)]
 
 
+@pytest.mark.slow
 def test_killed_preparation_resumes_at_its_shard(tmp_path, server):
     """SIGKILL (the whole process group: a node going down) while the third of four train shards is
     being tokenised; the rerun removes the killed run's temp file, does not tokenise the two finished
@@ -640,6 +646,7 @@ def test_killed_preparation_resumes_at_its_shard(tmp_path, server):
     assert leftovers(killed / "train") == []
 
 
+@pytest.mark.slow
 def test_lost_last_shard_is_the_only_one_tokenised_again(tmp_path, server):
     """A token file deleted (or never renamed into place): the rerun tokenises that shard alone,
     with 2 workers, and rebuilds the same bytes."""
@@ -678,6 +685,7 @@ def test_stream_reads_windows_across_shard_boundaries(tmp_path, server):
     assert isinstance(val, np.memmap) and np.array_equal(val, stream(out_dir, "val"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage, expected", [
     (lambda f: f.write_bytes(f.read_bytes()[:-2]), "has {size} bytes but meta.json records"),
     (lambda f: f.write_bytes(f.read_bytes() + b"\x00\x00"), "has {size} bytes but meta.json records"),
@@ -730,6 +738,7 @@ def test_stale_temporaries_are_removed_and_nothing_else(tmp_path, server, capsys
     assert all(p.exists() for p in kept)
 
 
+@pytest.mark.slow
 def test_from_text_shards_are_byte_reproducible(tmp_path):
     """Two runs on the same text make the same shard bytes (the gzip header's time is 0 and its
     name fixed), so meta.json's shard_sha256 and the whole meta.json are the same."""
@@ -765,6 +774,7 @@ def test_old_single_file_layout_is_replaced(tmp_path, server, capsys):
     check_outputs(out_dir, server.docs[train_name(0)], server.docs[val_name(0)])
 
 
+@pytest.mark.slow
 def test_meta_json_that_is_a_directory_is_one_line(tmp_path, server):
     out_dir = tmp_path / "c4"
     (out_dir / "meta.json").mkdir(parents=True)
@@ -775,6 +785,7 @@ def test_meta_json_that_is_a_directory_is_one_line(tmp_path, server):
     assert server.requests == []
 
 
+@pytest.mark.slow
 def test_corrupt_shard_in_a_worker_pool_is_one_line(tmp_path, server):
     """With 2 worker processes: the worker's error reaches the user as the one line, the shards
     finished meanwhile stay recorded, no temp file is left, and the rerun completes."""

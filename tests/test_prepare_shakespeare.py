@@ -396,6 +396,7 @@ def test_main_success_returns_zero(tmp_path, sample_file, capsys):
 # end to end through the real command line
 # ---------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_cli_subprocess(tmp_path, sample_file):
     out_dir = tmp_path / "cli_out"
     result = subprocess.run(
@@ -425,6 +426,7 @@ def train_in(cwd, *args):
                            "--out_dir=out", *TINY_RUN, *args], cwd=cwd, capture_output=True, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not SHARED_INPUT.exists(), reason="needs the real tiny Shakespeare (its sha256 is checked)")
 def test_train_prepares_missing_data_from_the_url(tmp_path, http_root):
     root, base_url = http_root
@@ -438,6 +440,7 @@ def test_train_prepares_missing_data_from_the_url(tmp_path, http_root):
     assert again.returncode == 0 and "preparing" not in again.stdout  # prepared once, then only read
 
 
+@pytest.mark.slow
 def test_train_refuses_a_download_with_the_wrong_checksum(tmp_path, http_root):
     root, base_url = http_root
     (root / "input.txt").write_bytes(SAMPLE_TEXT.encode("utf-8"))
@@ -448,6 +451,7 @@ def test_train_refuses_a_download_with_the_wrong_checksum(tmp_path, http_root):
     assert files_in(tmp_path / "data" / "shakespeare_char") == [] and not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_train_prepares_from_a_local_copy(tmp_path, sample_file):
     result = train_in(tmp_path, f"--data_source={sample_file}", "--low_resource=False")
     assert result.returncode == 0, result.stderr[-2000:]

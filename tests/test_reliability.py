@@ -100,6 +100,7 @@ def logged_step(out_dir):
     return step
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, data_dir, uninterrupted):  # noqa: F811
     """12 kills -9, each a random number of steps (1-12) into the resumed run, every other one at
     the moment a checkpoint's temporary file appears (inside a write). Steps, not seconds, so the
@@ -136,6 +137,7 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, data_dir, un
     assert_same_run(out, uninterrupted)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
 def test_a_stop_signal_saves_the_step_and_resumes_bit_identically(tmp_path, data_dir, uninterrupted, signum):  # noqa: F811
     """SIGTERM / SIGINT: the step finishes, ckpt.pt holds it (not only the last evaluation), the
@@ -161,6 +163,7 @@ def test_a_stop_signal_saves_the_step_and_resumes_bit_identically(tmp_path, data
     assert_same_run(out, uninterrupted)
 
 
+@pytest.mark.slow
 def test_a_second_stop_signal_ends_a_long_step_at_once(tmp_path, data_dir):  # noqa: F811
     """The first SIGTERM says at once that the stop waits for the step (here 200,000 micro-steps, minutes
     on this machine); a repeat within a moment is the same stop passed on by a launcher (Slurm sends
@@ -186,6 +189,7 @@ def test_a_second_stop_signal_ends_a_long_step_at_once(tmp_path, data_dir):  # n
     assert torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"] == 0
 
 
+@pytest.mark.slow
 def test_one_ctrl_c_in_a_long_evaluation_says_so_at_once_and_saves_without_it(tmp_path, data_dir):  # noqa: F811
     """One SIGINT while the evaluation at step 2 runs (2,000 batches: seconds here, minutes at scale):
     once nothing was said, the evaluation ran to its end and a whole step after it before the save
@@ -231,6 +235,7 @@ def test_one_ctrl_c_in_a_long_evaluation_says_so_at_once_and_saves_without_it(tm
     assert flops[0] == flops[1]
 
 
+@pytest.mark.slow
 def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path, data_dir):  # noqa: F811
     out = tmp_path / "fallback"
     train(str(out), data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False")
@@ -245,6 +250,7 @@ def test_an_unreadable_latest_checkpoint_falls_back_to_the_previous_one(tmp_path
     assert torch.load(out / "ckpt.pt", weights_only=True)["iter_num"] == 6
 
 
+@pytest.mark.slow
 def test_a_full_disk_keeps_the_previous_checkpoint(tmp_path, data_dir):  # noqa: F811
     """A write that runs out of space (here: a file-size limit, as on a full disk the write fails
     part-way) ends the run with one line naming the file and the space left; the previous
@@ -357,6 +363,7 @@ def finished_run(tmp_path_factory, data_dir):  # noqa: F811
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,args,damage,status,message", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])
 def test_bad_input_is_one_line_and_changes_nothing(tmp_path, data_dir, finished_run, name, args, damage,  # noqa: F811
                                                   status, message):
@@ -379,6 +386,7 @@ def test_bad_input_is_one_line_and_changes_nothing(tmp_path, data_dir, finished_
     assert snapshot(out, data) == before
 
 
+@pytest.mark.slow
 def test_a_resume_changes_only_what_it_names_and_records_it(tmp_path, data_dir, finished_run):  # noqa: F811
     """--resume_changes=learning_rate: the run goes on with the new value, log.jsonl gets one event
     at the resumed step with both values, and every later checkpoint keeps it (the original value
@@ -405,6 +413,7 @@ def test_a_resume_changes_only_what_it_names_and_records_it(tmp_path, data_dir, 
     assert max(r["iter"] for r in read_log(out)) == 10
 
 
+@pytest.mark.slow
 def test_starting_from_another_run_checks_shape_and_head(tmp_path, data_dir, finished_run):  # noqa: F811
     """--init_from=<checkpoint>: a model of another shape, or a head copied from the embedding while
     the head is tied to it, is one line (exit 2) before the new out_dir exists."""
@@ -424,6 +433,7 @@ def run_tool(script, *args, cwd=REPO):
                           capture_output=True, text=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args,message", [
     (["--temperature", "0"], "--temperature must be a finite number > 0"),
     (["--temperature", "-1"], "--temperature must be a finite number > 0"),
@@ -440,6 +450,7 @@ def test_sample_refuses_bad_arguments_in_one_line(tmp_path, args, message):
     assert result.stdout == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["evaluate.py", "sample.py"])
 def test_evaluate_and_sample_on_broken_paths(tmp_path, script):
     garbage = tmp_path / "garbage.pt"
@@ -455,6 +466,7 @@ def test_evaluate_and_sample_on_broken_paths(tmp_path, script):
         assert result.returncode == 1 and len(lines) == 1 and expected in lines[0], result.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_refuses_data_it_was_not_trained_on(tmp_path, data_dir):  # noqa: F811
     """The dataset's identity travels in the checkpoint (its meta): evaluate.py on another dataset,
     and a resume on a data_dir whose dataset was replaced, are one line (exit 1) naming both,
@@ -491,6 +503,7 @@ def test_a_checkpoint_refuses_data_it_was_not_trained_on(tmp_path, data_dir):  #
           "--final_eval=False")  # the same characters: a new run may start from it
 
 
+@pytest.mark.slow
 def test_checkpoints_work_from_any_directory_and_evaluate_keeps_what_a_run_wrote(tmp_path, data_dir):  # noqa: F811
     """data_dir given relative to the repository: evaluate.py finds the data from another working
     directory (the resolved path in the checkpoint) or with --data_dir; resume accepts the same data

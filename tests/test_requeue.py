@@ -19,6 +19,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from test_distributed import ENV, REPO, TINY, finish, launch
 from test_train import train_losses
 
@@ -57,6 +59,7 @@ def torchrun_handles_signals():
     return "--signals_to_handle" in usage
 
 
+@pytest.mark.slow
 def test_a_preempted_two_node_job_is_requeued_and_loses_no_step(tmp_path, data_dir):
     whole, stopped = tmp_path / "whole", tmp_path / "stopped"
     reference, job = launch_nodes(whole, data_dir, *LONG), launch_nodes(stopped, data_dir, *LONG)
@@ -89,6 +92,7 @@ def test_a_preempted_two_node_job_is_requeued_and_loses_no_step(tmp_path, data_d
     assert train_losses(stopped) == train_losses(whole)
 
 
+@pytest.mark.slow
 def test_every_rank_takes_rank_0s_decision_to_start_or_resume(tmp_path, data_dir):
     """out_dir is relative and the nodes run in two directories: rank 1's out_dir holds a complete
     run, rank 0's none. Rank 0 starts fresh and rank 1 with it (alone it would resume, find the run

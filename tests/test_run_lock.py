@@ -19,6 +19,8 @@ from test_train import REPO, TINY, read_log, train
 
 import parallelism  # noqa: E402
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.py)
+
 FSDP_REFUSED = parallelism.fsdp_unavailable("cpu")  # None, or why this torch cannot run FSDP on the CPU (< 2.7)
 
 SHORT = ["--max_iters=30", "--lr_decay_iters=30", "--eval_interval=10", "--final_eval=False"]

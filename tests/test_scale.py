@@ -49,6 +49,7 @@ def dry_run(config, *extra):
     return subprocess.CompletedProcess(argv, code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size", sorted(SIZES))
 def test_paper_configs_build_at_their_size(size):
     """The sizes of plan.py's meta-device model (what train.py --dry_run prints first); the

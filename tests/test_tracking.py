@@ -16,6 +16,8 @@ import pytest
 import run
 from test_train import REPO, TINY, read_log
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.py)
+
 
 def train(out_dir, data_dir, *args, env=None, prefix=()):
     return subprocess.run([sys.executable, *prefix, "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}",

@@ -94,6 +94,7 @@ def test_evaluations_log_the_twin_alignment(baseline_run):
     assert record["twin_top3"] == pytest.approx(hits / (2 * shift))
 
 
+@pytest.mark.slow
 def test_data_seed_orders_the_data_apart_from_the_initialisation(baseline_run, tmp_path, data_dir):
     """data_seed left unset is the run's seed, bit for bit; another data_seed keeps the
     initialisation (the same step-0 evaluation) and changes the batches; another seed with the
@@ -112,6 +113,7 @@ def test_data_seed_orders_the_data_apart_from_the_initialisation(baseline_run, t
     assert read_log(other_init)[0]["val"] != read_log(out)[0]["val"]
 
 
+@pytest.mark.slow
 def test_init_embeddings_from_seed_swaps_the_embeddings_and_keeps_the_rest(baseline_run, tmp_path, data_dir):
     """init_embeddings_from_seed (issue 40's swap): the step-0 weights are seed 7's run's token and
     position embeddings (and the LM head tied to them) and the run's own seed's everything else,
@@ -151,6 +153,7 @@ def test_train_defaults_are_what_a_run_uses(baseline_run):
     assert {k: v for k, v in defaults.items() if k not in set_here} == {k: v for k, v in used.items() if k not in set_here}
 
 
+@pytest.mark.slow
 def test_same_seed_same_run_other_seed_other_run(tmp_path, data_dir, baseline_run):
     out, _ = baseline_run
     train(tmp_path / "again", data_dir)
@@ -159,6 +162,7 @@ def test_same_seed_same_run_other_seed_other_run(tmp_path, data_dir, baseline_ru
     assert train_losses(tmp_path / "seed2") != train_losses(out)
 
 
+@pytest.mark.slow
 def test_resume_continues_exactly(tmp_path, data_dir, baseline_run):
     out, _ = baseline_run
     part = tmp_path / "part"
@@ -169,6 +173,7 @@ def test_resume_continues_exactly(tmp_path, data_dir, baseline_run):
     assert [r["iter"] for r in read_log(part) if "val" in r] == [0, 10, 20]
 
 
+@pytest.mark.slow
 def test_epoch_order_resumes_exactly_in_the_middle_of_an_epoch(tmp_path, small_data_dir):
     """data_order='epoch' on a split of 23 windows: 20 steps of 4 windows are 3 epochs and 11 windows.
     A run stopped at step 7 (epoch 1, window 5) and resumed trains on the same windows as the
@@ -195,6 +200,7 @@ def test_epoch_order_resumes_exactly_in_the_middle_of_an_epoch(tmp_path, small_d
     assert torch.load(drawn / "ckpt.pt", weights_only=True)["data_position"] == {"epoch": 0, "index": 4, "n_windows": 23}
 
 
+@pytest.mark.slow
 def test_float16_run_logs_its_loss_scale_and_resumes_exactly(tmp_path, data_dir):
     """dtype=float16 (what dtype=auto picks on a GPU without bf16) on the CPU: the loss scale is
     logged at every step and is part of the checkpoint, so a resumed run goes on exactly; the
@@ -222,6 +228,7 @@ def test_float16_run_logs_its_loss_scale_and_resumes_exactly(tmp_path, data_dir)
         assert json.load(f) == report
 
 
+@pytest.mark.slow
 def test_resume_without_checkpoint_and_missing_data_fail_clearly(tmp_path, data_dir):
     result = train(tmp_path / "none", data_dir, "--init_from=resume", check=False)
     assert result.returncode != 0 and "no checkpoint at" in result.stderr
@@ -229,6 +236,7 @@ def test_resume_without_checkpoint_and_missing_data_fail_clearly(tmp_path, data_
     assert result.returncode != 0 and "missing meta.json" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_run_that_cannot_fit_is_refused_before_it_allocates(tmp_path, data_dir):
     """A 64 x 8192 model (50B parameters: 0.8 TB of states) on any machine that runs this suite:
     one line from the plan, exit 1, nothing written, and the process never near the model's size."""
@@ -247,6 +255,7 @@ def test_a_run_that_cannot_fit_is_refused_before_it_allocates(tmp_path, data_dir
     assert usage.ru_maxrss < 2 * 2 ** 20  # KiB (Linux): under 2 GiB
 
 
+@pytest.mark.slow
 def test_threshold_se_and_marginalization(tmp_path, data_dir):
     out = tmp_path / "se"
     train(out, data_dir, "--margin=0.6", "--separate_embeddings=True", "--log_marginalization=True",
@@ -261,6 +270,7 @@ def test_threshold_se_and_marginalization(tmp_path, data_dir):
     assert all(v >= 0 for v in values) and max(values) > 0  # nan would fail both
 
 
+@pytest.mark.slow
 def test_evaluate_cli_reproduces_metrics(tmp_path, baseline_run):
     out, _ = baseline_run
     target = tmp_path / "m.json"
@@ -275,6 +285,7 @@ def test_evaluate_cli_reproduces_metrics(tmp_path, baseline_run):
     assert_close(alone, in_training)  # equal up to the last bits that a different thread count may change in a matmul
 
 
+@pytest.mark.slow
 def test_flops_executed_match_a_count_of_the_matmuls(baseline_run, data_dir, tmp_path):
     """metrics.json's FLOPs against an independent count: 2 FLOPs per parameter per token forward
     (every matmul weight, the tied LM head included, and the norms' gains, as nanoGPT's 6N counts
@@ -323,6 +334,7 @@ def assert_close(a, b, path=""):
         assert a == b, path
 
 
+@pytest.mark.slow
 def test_sample_generates_from_the_prompt(baseline_run):
     out, _ = baseline_run
     args = [sys.executable, "sample.py", os.path.join(out, "best.pt"), "--start=And the", "--max_new_tokens=30"]
@@ -339,6 +351,7 @@ ALL_LOSSES = ["--simreg_weight=3.5", "--simreg_chunk_size=8", "--dispersion_weig
               "--nitp_weight=1.0", "--cwt_weight=0.5", "--margin=1.0"]
 
 
+@pytest.mark.slow
 def test_every_loss_together_logs_each_term_and_resumes_exactly(tmp_path, data_dir):
     full, part = tmp_path / "full", tmp_path / "part"
     train(full, data_dir, *ALL_LOSSES, "--final_eval=False")
@@ -356,6 +369,7 @@ def test_every_loss_together_logs_each_term_and_resumes_exactly(tmp_path, data_d
     assert train_losses(part) == train_losses(full)
 
 
+@pytest.mark.slow
 def test_layer_keys_beyond_the_memory_checks_cut_model_train(tmp_path, data_dir):
     """simreg_layer, nitp_layer and nitp_prenorm on blocks the memory check's 1- and 2-block models
     do not have: train.py's whole setup, memory check included, then its steps (issue 57)."""
@@ -364,6 +378,7 @@ def test_layer_keys_beyond_the_memory_checks_cut_model_train(tmp_path, data_dir)
     assert [r["iter"] for r in read_log(tmp_path / "layers") if "loss" in r] == [0, 1]
 
 
+@pytest.mark.slow
 def test_headless_cwt_run(tmp_path, data_dir):
     out = tmp_path / "cwt"
     train(out, data_dir, "--ce_weight=0.0", "--cwt_weight=1.0")
@@ -392,6 +407,7 @@ def test_headless_cwt_run(tmp_path, data_dir):
     assert bad.returncode != 0 and "model key 'n_embd'" in bad.stderr
 
 
+@pytest.mark.slow
 def test_bad_objective_settings_fail_clearly(tmp_path, data_dir):
     result = train(tmp_path / "x", data_dir, "--dispersion_weight=0.1", "--dispersion_variant=spread", check=False)
     assert result.returncode == 2 and "key 'dispersion_variant' must be one of angular" in result.stderr
@@ -399,6 +415,7 @@ def test_bad_objective_settings_fail_clearly(tmp_path, data_dir):
     assert result.returncode != 0 and "every loss weight is 0" in result.stderr
 
 
+@pytest.mark.slow
 def test_divergence_stops_the_run_and_keeps_the_good_checkpoint(tmp_path, data_dir):
     """learning_rate 1e6: the loss turns non-finite within a few steps. The run must stop there
     (status 1, one message naming the step, the terms and the last good checkpoint), never write
@@ -447,6 +464,7 @@ def test_divergence_before_the_first_checkpoint_names_none(tmp_path):
     assert "None" not in message and "ckpt" not in message
 
 
+@pytest.mark.slow
 def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, data_dir):
     """Forgetting --init_from=resume must not lose a run: the fresh run refuses, one line says how
     to go on, and no file of the old run changes; --overwrite=True starts over on purpose."""
@@ -468,6 +486,7 @@ def test_a_fresh_run_never_replaces_an_existing_one(tmp_path, data_dir):
     assert (out / "metrics.json").read_bytes() != before["metrics.json"]
 
 
+@pytest.mark.slow
 def test_resume_drops_a_torn_last_log_line(tmp_path, data_dir):
     """A kill in the middle of a log write leaves half a line: resume still works, from ckpt.pt."""
     out = tmp_path / "torn"

@@ -19,6 +19,8 @@ from test_user_errors import (ENV, SHORT, in_tmpfs, needs_namespaces, one_line, 
                               train_command)
 from tools import grids
 
+pytestmark = pytest.mark.slow  # every test here starts processes (conftest.py)
+
 
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory, data_dir):  # noqa: F811

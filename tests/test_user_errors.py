@@ -88,6 +88,7 @@ def finished_run(tmp_path_factory, data_dir):  # noqa: F811
 
 
 # 1. a config file that exits or raises ------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("body,what", [
     ("import sys\nsys.exit(0)\n", "called sys.exit(0); a config file only assigns keys"),
     ("raise SystemExit(0)\n", "called sys.exit(0)"),
@@ -104,6 +105,7 @@ def test_a_config_that_exits_or_raises_is_a_config_error(tmp_path, data_dir, bod
     assert not out.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tool", [["plan.py"], ["-m", "tools.memory_table", "--gpus", "1"]])
 def test_plan_and_tools_treat_an_exiting_config_the_same(tmp_path, tool):
     config = tmp_path / "bad.py"
@@ -119,6 +121,7 @@ def _directory_in_place(path):
     os.mkdir(path)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["meta.json", "train.bin", "val.bin"])
 def test_a_dataset_file_that_is_a_directory_is_one_line(tmp_path, data_dir, finished_run, name):  # noqa: F811
     """train.py (all three files) and evaluate.py (meta.json, val.bin: what it reads): exit 1, one line
@@ -154,6 +157,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["meta.json", "train.bin", "val.bin"])
 def test_an_unreadable_dataset_file_is_one_line(tmp_path, data_dir, finished_run, name):  # noqa: F811
     """chmod 000 on one file: train.py and evaluate.py (not train.bin, which it does not read) end with
@@ -190,6 +194,7 @@ def test_a_log_append_tells_a_full_disk_from_a_missing_permission():
     assert message.startswith("cannot write /sys/kernel/notes: permission denied ("), message
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_train_on_a_read_only_file_system_says_permission(tmp_path, data_dir):  # noqa: F811
     mount_point = tmp_path / "mnt"
@@ -199,6 +204,7 @@ def test_train_on_a_read_only_file_system_says_permission(tmp_path, data_dir):  
                         "give an --out_dir you can write to")
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_train_on_a_full_disk_says_so_and_keeps_the_checkpoint(tmp_path, data_dir):  # noqa: F811
     """A 120 KiB tmpfs holds the lock, the log and step 0's checkpoint, not step 2's: exit 1, one line
@@ -217,6 +223,7 @@ def test_train_on_a_full_disk_says_so_and_keeps_the_checkpoint(tmp_path, data_di
 
 
 # 4. output paths checked before any long work -----------------------------------------------------
+@pytest.mark.slow
 def test_evaluate_refuses_an_unwritable_out_before_it_reads_anything(tmp_path, data_dir, finished_run):  # noqa: F811
     """--out under a file and under /proc: exit 1 at once, one line naming --out. The dataset given is
     broken too (meta.json a directory): the message is still --out's, so the check came before any
@@ -236,6 +243,7 @@ def test_evaluate_refuses_an_unwritable_out_before_it_reads_anything(tmp_path, d
     assert snapshot(str(tmp_path), finished_run) == before
 
 
+@pytest.mark.slow
 @needs_namespaces
 def test_evaluate_tells_a_read_only_out_from_a_full_one(tmp_path, finished_run):
     mount_point = tmp_path / "mnt"
@@ -284,6 +292,7 @@ def tool_cases(tmp, data, best, run_dir):
     ]
 
 
+@pytest.mark.slow
 def test_tools_refuse_bad_arguments_and_unusable_paths(tmp_path, data_dir, finished_run):  # noqa: F811
     """Each script: a bad argument is exit 2, an unusable path exit 1, one line, nothing written
     (once: ZeroDivisionError for --workers 0, StatisticsError for --steps 0, FileNotFoundError or
@@ -314,6 +323,7 @@ def test_the_notice_of_a_long_step():
     assert "one evaluation will take about 17 min" in plan.long_work_notice(1e9, 4e13, 1e11)
 
 
+@pytest.mark.slow
 def test_a_step_that_takes_minutes_is_announced_before_it_starts(tmp_path, data_dir):  # noqa: F811
     """20,000 micro-steps of the default model (15M tokens, ~80 TFLOP) make one step of most of an
     hour on a CPU: the notice comes before the first step (no training record in the log yet), and
