@@ -784,3 +784,26 @@ def test_a_rerun_grid_says_how_far_each_number_moved_and_each_effect_in_both(tmp
     again = report.claims.paired_cell(report.stats.paired([-10.0, -25.0]), 1)
     assert f"| SimReg | {first} | {again} |" in lines and first.startswith("-15.0") and again.startswith("-17.5")
     assert report.rerun_table(report.Grid("first", str(tmp_path))) == []
+
+
+def test_a_run_without_a_record_is_refused_unless_its_grid_declares_it(tmp_path, monkeypatch):
+    """A finished run with metrics.json but no run.json cannot be paired: refused in one line
+    naming it; declared in grids.UNRECORDED_RUNS it is compared, and the table names it."""
+    from tools import compare
+    monkeypatch.setitem(grids.GRIDS, "records", {"CE": ("config/lowres_ce.py", 2),
+                                                 "margin 0.6": ("config/lowres_margin_0.6.py", 2)})
+    archive = str(tmp_path / "archive")
+    for method, config in (("CE", "config/lowres_ce.py"), ("margin 0.6", "config/lowres_margin_0.6.py")):
+        for seed in (1337, 1338):
+            archived_run(archive, "records", method, seed, config, fake_metrics(0.37, 5.0))
+    os.remove(os.path.join(grids.run_dir(archive, "records", "margin 0.6", 1338), "run.json"))
+    argv = ["records", f"--archive={archive}", "--table_only"]
+    with pytest.raises(UsageError) as refused:
+        compare.main(argv)
+    assert len(str(refused.value).splitlines()) == 1
+    assert "(margin 0.6, seed 1338) has a metrics.json but no run.json" in str(refused.value)
+    monkeypatch.setitem(grids.UNRECORDED_RUNS, "records", {("margin 0.6", 1338)})
+    compare.main(argv)
+    table = open(os.path.join(archive, "records.md")).read()
+    assert "| margin 0.6 | 2 |" in table
+    assert "Runs without a record of what trained them (no run.json; " in table and ": margin 0.6 (seed 1338)." in table

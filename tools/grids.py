@@ -125,6 +125,14 @@ EXTRA_RUNS = {
     },
 }
 
+# Finished runs archived without a run.json, so without the record of what trained them (its write
+# was lost): grid -> {(method, seed)}. A comparison refuses any other run without one; these are
+# named in their grid's table.
+UNRECORDED_RUNS = {
+    "jostling": {("baseline", 1339), ("baseline", 1340)},
+    "jostling_prereg": {("margin 0.6, data order of the next seed", 1368)},
+}
+
 # a grid that trains another grid's configs and seeds again: its report says how far the numbers moved
 RERUN_OF = {"bpe_rare": "bpe"}
 

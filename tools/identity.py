@@ -12,7 +12,8 @@ archived 8000-step ones. The report counts the pairs whose two runs ran on diffe
 Runs archived before the record existed are read by one rule (`of_run`): their training keys are
 their run.json commands resolved against today's config files and train.py defaults (an edit of a
 config file since then is not seen), their commit is unknown, and their CPU is the grid's when every
-call in its wall.json names the same CPU, unknown otherwise. A run with no run.json is not checked.
+call in its wall.json names the same CPU, unknown otherwise. A run with no run.json is refused
+(tools/runner.check_like), unless its grid declares it (grids.UNRECORDED_RUNS).
 A run stopped part-way in --root is checked by its ckpt.json's config (tools/runner.check_like).
 """
 

@@ -158,7 +158,14 @@ def machine_lines(g):
     pairs = [(g.runs[a][s]["dir"], g.runs[b][s]["dir"])
              for a, b in sorted(compared) if a in g.runs and b in g.runs
              for s in sorted(set(g.runs[a]) & set(g.runs[b]))]
-    return ([identity.machines_line(pairs, identities), ""] if pairs else []), identities
+    lines = [identity.machines_line(pairs, identities), ""] if pairs else []
+    unrecorded = sorted((m, s) for m, per_seed in g.runs.items() for s, run in per_seed.items()
+                        if identities[run["dir"]] is None)
+    if unrecorded:
+        named = ", ".join(f"{m} (seed {s})" for m, s in unrecorded)
+        lines += [f"Runs without a record of what trained them (no run.json; declared in "
+                  f"`tools/grids.py`, UNRECORDED_RUNS, since a comparison refuses any other): {named}.", ""]
+    return lines, identities
 
 
 def metric_tables(g):

@@ -30,7 +30,7 @@ from tqdm import tqdm
 import checkpoint as checkpoints
 from errors import UsageError, UserError
 from tools import identity
-from tools.grids import GRID_ARGS, run_dir, runs_of, stages
+from tools.grids import GRID_ARGS, UNRECORDED_RUNS, run_dir, runs_of, stages
 from utils import atomic_write, choose_device, measure_matmul_flops, read_log, save_json, save_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -337,8 +337,9 @@ class UnlikeRuns(UsageError):
 def check_like(grid, folder, overrides, only=None):
     """Raise UnlikeRuns (one line naming the first differing key) when a finished run of the grid
     in folder (its archive or root) was trained with other keys than the grid's config with these
-    overrides gives (tools/identity.py: recorded, or inferred for older runs). only: the (method,
-    seed) pairs to check, all by default."""
+    overrides gives (tools/identity.py: recorded, or inferred for older runs), or has no record at
+    all (no run.json) and is not one of grids.UNRECORDED_RUNS. only: the (method, seed) pairs to
+    check, all by default."""
     cpu_of_grid = identity.grid_cpu(folder, grid)
     for method, seed, config, args, directory in runs_of(grid, folder):
         if only is not None and (method, seed) not in only:
@@ -346,6 +347,10 @@ def check_like(grid, folder, overrides, only=None):
         planned = identity.training_keys(planned_commands(config, seed, [*args, *overrides]))
         if os.path.exists(os.path.join(directory, "metrics.json")):
             found = identity.of_run(directory, cpu_of_grid)
+            if found is None and (method, seed) not in UNRECORDED_RUNS.get(grid, ()):
+                raise UnlikeRuns(f"{directory} ({method}, seed {seed}) has a metrics.json but no run.json: what "
+                                 "trained it is not recorded, so it cannot be paired; train it again (move "
+                                 "the folder aside) or compare without it (--seeds)")
             difference = None if found is None or found["training"] is None else \
                 identity.first_difference(found["training"], planned)
         else:  # a run stopped part-way goes on from its checkpoint (ckpt.json: its config), whose keys
