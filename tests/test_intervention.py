@@ -183,3 +183,50 @@ def test_the_study_trains_trunks_and_branches_and_archives_them_with_provenance(
     intervention.run_study(root, archive, workers=2)
     calls = json.load(open(os.path.join(grid, "wall.json")))["calls"]
     assert len(calls) == 2 and calls[1]["runs"] == []
+
+
+def archived(archive, name, seed, accuracy=None, reading=None):
+    from tools.grids import run_dir
+    directory = run_dir(str(archive), intervention.GRID, name, seed)
+    os.makedirs(directory)
+    if accuracy is not None:
+        with open(os.path.join(directory, "metrics.json"), "w") as f:
+            json.dump({"low": {"accuracy": accuracy}}, f)
+    if reading is not None:
+        with open(os.path.join(directory, "log.jsonl"), "w") as f:
+            f.write(json.dumps({"iter": 1000, "val": 3.0, "twin_cos": reading}) + "\n")
+
+
+def test_the_registered_tests_follow_their_rules_and_wait_for_every_seed(tmp_path, monkeypatch):
+    """8 seeds: raised crosses on 7, untouched and sham on none: I1 and I2 decide for the raise
+    (exact p = 2 / 2^7) and the causal claim is made; one trunk reads above the cut-off, so I3 has
+    one seed, and no verdict until its lowered branch is in; CE raised crosses nowhere: not shown."""
+    from tools import intervention_tests as tests
+    seeds = list(range(1391, 1399))
+    monkeypatch.setattr(tests, "SEEDS", seeds)
+    monkeypatch.setattr(tests, "CE_SEEDS", seeds[:4])
+    for seed in seeds:
+        archived(tmp_path, "margin 0.6 trunk", seed, reading=0.2 if seed == 1391 else 0.05)
+        archived(tmp_path, "margin 0.6 untouched", seed, 0.37)
+        archived(tmp_path, "margin 0.6 raised", seed, 0.37 if seed == 1398 else 0.48)
+        archived(tmp_path, "margin 0.6 sham", seed, 0.37)
+    for seed in seeds[:4]:
+        archived(tmp_path, "CE trunk", seed, reading=0.1)
+        archived(tmp_path, "CE untouched", seed, 0.31)
+        archived(tmp_path, "CE raised", seed, 0.32)
+    lines, verdicts = tests.test_lines(str(tmp_path), 0.43)
+    assert verdicts == {"I1": "raising the alignment made runs cross",
+                        "I2": "the direction towards the twin matters, not the size of the move",
+                        "I3": None, "I4": "not shown"}
+    assert f"exact paired p = {2 / 2 ** 7:.3g}: **raising the alignment made runs cross**." in lines[0]
+    assert "I3, margin 0.6 untouched against lowered: 0 seed(s) where only untouched crosses, 0 where only " \
+           "lowered does, of 0; exact paired p = 1: partial (0 of 1 seeds)" in lines[2]
+    assert "**the alignment causes the crossing**" in tests.causal_line(verdicts)
+    archived(tmp_path, "margin 0.6 lowered", 1391, 0.37)
+    _, verdicts = tests.test_lines(str(tmp_path), 0.43)
+    assert verdicts["I3"] == "not shown"
+    report = tests.report(str(tmp_path))
+    assert "| 1391 | 0.2000 | 0.1000 | 0.370 | 0.480 | 0.370 | 0.370 | 0.310 | 0.320 |" in report
+    # at 0.50 nothing crosses: every complete test says not shown, and no causal claim
+    _, low = tests.test_lines(str(tmp_path), 0.50)
+    assert set(low.values()) == {"not shown"} and "not made" in tests.causal_line(low)

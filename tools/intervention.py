@@ -20,9 +20,11 @@ One branch by hand, then its training (the resume continues the trunk's run exac
     python -m tools.intervention branch out/trunk out/raised --arm=raised --seed=1391
     python train.py config/lowres_margin_0.6.py --seed=1391 --out_dir=out/raised --init_from=resume
 
-The whole study, resumable (Ctrl-C stops it at a checkpoint; the next call goes on from there):
+The whole study, resumable (Ctrl-C stops it at a checkpoint; the next call goes on from there),
+and its registered tests (tools/intervention_tests.py) from the archive:
 
     python -m tools.intervention run --root out/intervention --workers 2
+    python -m tools.intervention report
 """
 
 import argparse
@@ -40,7 +42,7 @@ import torch
 from errors import UsageError, UserError, end_with
 from tools import identity, runner
 from tools.grids import run_dir
-from utils import read_log, save_json, torch_save
+from utils import read_log, save_json, save_text, torch_save
 
 GRID = "jostling_intervention"
 SEEDS = list(range(1391, 1407))  # the 16 seeds after issue 40's fresh ones (1367-1390)
@@ -270,11 +272,18 @@ def main(argv):
     study.add_argument("--root", default="out/intervention")
     study.add_argument("--archive", default="results/runs")
     study.add_argument("--workers", type=int, default=2)
+    written = sub.add_parser("report", help="the registered tests from the archive, as Markdown")
+    written.add_argument("--archive", default="results/runs")
+    written.add_argument("--out", default="results/jostling_intervention.md")
     args = parser.parse_args(argv)
     if args.command == "branch":
         print(json.dumps(make_branch(args.trunk, args.out_dir, args.arm, args.seed)))
-    else:
+    elif args.command == "run":
         run_study(args.root, args.archive, args.workers)
+    else:
+        from tools.intervention_tests import report
+        save_text(report(args.archive), args.out)
+        print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,161 @@
+"""
+Issue 61's registered tests (results/preregistration_intervention.md, I1-I4), computed from the
+study's archived runs (tools/intervention.py) by the rules written there before the first run, and
+results/jostling_intervention.md, which `python -m tools.intervention report` writes. While a test's
+arms are incomplete its counts are labelled partial and it gives no verdict.
+"""
+
+import json
+import os
+
+from tools import stats
+from tools.grids import run_dir
+from tools.intervention import CE_SEEDS, CUTOFF, GRID, SEEDS, TRUNK_STEP, step_reading
+
+THRESHOLDS = (0.43, 0.40, 0.38)  # primary, then the two secondary ones
+
+
+def accuracies(archive, loss, arm, seeds):
+    """{seed: LR accuracy at the best checkpoint} of the archived runs of one arm."""
+    out = {}
+    for seed in seeds:
+        path = os.path.join(run_dir(archive, GRID, f"{loss} {arm}", seed), "metrics.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                out[seed] = json.load(f)["low"]["accuracy"]
+    return out
+
+
+def readings(archive, loss, seeds):
+    """{seed: twin_cos at TRUNK_STEP} of the archived trunks."""
+    out = {}
+    for seed in seeds:
+        directory = run_dir(archive, GRID, f"{loss} trunk", seed)
+        if os.path.exists(os.path.join(directory, "log.jsonl")):
+            out[seed] = step_reading(directory, TRUNK_STEP)
+    return out
+
+
+def paired_test(first, second, registered, threshold):
+    """(b, c, p, seeds both arms hold, complete): b seeds where only `first` crosses, c where only
+    `second` does, the exact McNemar p over them; complete when every registered seed is in."""
+    shared = sorted(set(first) & set(second))
+    b = sum(first[s] >= threshold > second[s] for s in shared)
+    c = sum(second[s] >= threshold > first[s] for s in shared)
+    return b, c, stats.exact_paired_p(b, c), shared, set(shared) >= set(registered)
+
+
+# each test: (name, the two arms, its registered seeds' rule, the words when it decides for the first
+# arm, and against it)
+TESTS = [
+    ("I1", ("margin 0.6", "raised"), ("margin 0.6", "untouched"),
+     "raising the alignment made runs cross", "raising the alignment stopped runs from crossing"),
+    ("I2", ("margin 0.6", "raised"), ("margin 0.6", "sham"),
+     "the direction towards the twin matters, not the size of the move",
+     "moving the rows sideways made more runs cross than turning them towards their twins"),
+    ("I3", ("margin 0.6", "untouched"), ("margin 0.6", "lowered"),
+     "lowering the alignment stopped crossings", "lowering the alignment made runs cross"),
+    ("I4", ("CE", "raised"), ("CE", "untouched"),
+     "the alignment alone makes a CE run cross", "raising the alignment stopped CE runs from crossing"),
+]
+
+
+def registered_seeds(name, trunk_readings):
+    """The seeds a test is registered on: I3's are the trunks read above the cut-off (all 16
+    trunks must be in to know them; None until then)."""
+    if name == "I3":
+        if set(trunk_readings) < set(SEEDS):
+            return None
+        return [s for s in SEEDS if trunk_readings[s] > CUTOFF]
+    return CE_SEEDS if name == "I4" else SEEDS
+
+
+def test_lines(archive, threshold):
+    """One line per registered test at one threshold, and {name: verdict or None}."""
+    trunk_readings = readings(archive, "margin 0.6", SEEDS)
+    lines, verdicts = [], {}
+    for name, first, second, yes, no in TESTS:
+        registered = registered_seeds(name, trunk_readings)
+        arms = [accuracies(archive, loss, arm, registered or []) for loss, arm in (first, second)]
+        b, c, p, shared, complete = paired_test(*arms, registered or [], threshold)
+        label = f"{first[0]} {first[1]} against {second[1]}"
+        if registered == []:
+            lines.append(f"{name}, {label}: no trunk read above {CUTOFF} at step {TRUNK_STEP}, so the test "
+                         "has no seeds.")
+            verdicts[name] = None
+            continue
+        verdict = None
+        if complete:
+            verdict = (yes if b > c else no) if p < 0.05 else "not shown"
+        counts = (f"{b} seed(s) where only {first[1]} crosses, {c} where only {second[1]} does, of "
+                  f"{len(shared)}; exact paired p = {p:.3g}")
+        total = len(registered) if registered is not None else "?"
+        lines.append(f"{name}, {label}: {counts}: " + (f"**{verdict}**." if verdict else
+                     f"partial ({len(shared)} of {total} seeds); no verdict until all are in."))
+        verdicts[name] = verdict
+    return lines, verdicts
+
+
+def causal_line(verdicts):
+    """The registered words for the causal claim: I1 and I2 both for the raise."""
+    first, second = verdicts.get("I1"), verdicts.get("I2")
+    if first is None or second is None:
+        return "The causal claim: none until I1 and I2 are complete."
+    if first == TESTS[0][3] and second == TESTS[1][3]:
+        return "The causal claim, by the registered rule: **the alignment causes the crossing** in this experiment."
+    if first == TESTS[0][3]:
+        return ("The causal claim, by the registered rule: *moving the LR rows made runs cross; that the "
+                "alignment, rather than the move, does so is not shown*.")
+    return "The causal claim, by the registered rule: not made (I1 does not decide for the raise)."
+
+
+def per_seed_lines(archive):
+    """The trunks' readings and every arm's LR accuracy, seed by seed."""
+    margin_readings, ce_readings = readings(archive, "margin 0.6", SEEDS), readings(archive, "CE", CE_SEEDS)
+    arms = [("margin 0.6", arm) for arm in ("untouched", "raised", "sham", "lowered")] + \
+        [("CE", arm) for arm in ("untouched", "raised")]
+    values = {arm: accuracies(archive, *arm, SEEDS) for arm in arms}
+    lines = ["| seed | margin trunk twin_cos | CE trunk twin_cos | "
+             + " | ".join(f"{loss} {arm}" for loss, arm in arms) + " |",
+             "|---" * (3 + len(arms)) + "|"]
+    for seed in SEEDS:
+        def cell(table, digits=3):
+            return f"{table[seed]:.{digits}f}" if seed in table and table[seed] is not None else "—"
+        lines.append(f"| {seed} | {cell(margin_readings, 4)} | {cell(ce_readings, 4)} | "
+                     + " | ".join(cell(values[arm]) for arm in arms) + " |")
+    return lines
+
+
+def provenance_line(archive):
+    """Which machines and commits the archived runs came from (their run.json provenance)."""
+    cpus, commits, runs = set(), set(), 0
+    for root, _, files in os.walk(os.path.join(archive, GRID)):
+        if "run.json" in files:
+            with open(os.path.join(root, "run.json")) as f:
+                record = json.load(f).get("provenance", {})
+            runs += 1
+            cpus.add(record.get("cpu", "not recorded"))
+            commits.add(record.get("commit", "not recorded")[:12] + (" (with changes)" if record.get("dirty") else ""))
+    return (f"Provenance: {runs} archived runs, trained on {', '.join(sorted(cpus)) or 'none'}, from commit(s) "
+            f"{', '.join(sorted(commits)) or 'none'} (each run's run.json).")
+
+
+def report(archive):
+    """results/jostling_intervention.md."""
+    lines = ["# The intervention on the step-1000 twin alignment (issue 61)", "",
+             "Registered in `results/preregistration_intervention.md` before the first run; computed by "
+             "`python -m tools.intervention report` from `results/runs/jostling_intervention/`. A run "
+             "crosses when its LR accuracy at the best checkpoint reaches the threshold; each test is the "
+             "exact paired (McNemar) test over the seeds both arms hold.", "",
+             provenance_line(archive), ""]
+    verdicts = {}
+    for k, threshold in enumerate(THRESHOLDS):
+        test, found = test_lines(archive, threshold)
+        kind = "primary" if k == 0 else "secondary"
+        lines += [f"## LR accuracy ≥ {threshold} ({kind})", ""] + [f"- {line}" for line in test] + [""]
+        if k == 0:  # the causal claim is made at the primary threshold only
+            verdicts = found
+    lines += [causal_line(verdicts), "", "## Every seed", "",
+              f"twin_cos at step {TRUNK_STEP} of each trunk (the cut-off {CUTOFF}), and each arm's LR "
+              "accuracy at its best checkpoint.", ""] + per_seed_lines(archive)
+    return "\n".join(lines) + "\n"
