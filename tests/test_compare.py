@@ -13,7 +13,7 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from configurator import train_defaults  # noqa: E402
 from errors import UsageError  # noqa: E402
-from tools import figures, grids, report, runner  # noqa: E402
+from tools import grid_figures, grids, report, runner  # noqa: E402
 
 
 def fake_metrics(acc_lr, ppl_hr):
@@ -127,7 +127,7 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     assert set(results) == {"CE", "CWT + FT"} and "## Hidden-state geometry" in table
     efficiency = call["flops"] / call["peak_flops"] / call["wall_s"]
     assert f"**Efficiency = (grid FLOPs / peak) / wall time = {efficiency:.2f}**:" in table
-    drawn = figures.make_figures("mini", archive, str(tmp_path / "results"))
+    drawn = grid_figures.make_figures("mini", archive, str(tmp_path / "results"))
     try:
         import matplotlib  # noqa: F401
         # a chained method's val curve is its fine-tune's: no val-loss difference figure is drawn for it

@@ -29,7 +29,7 @@ import sys
 from configurator import TRAIN_RULES, check_values, parse_config, train_defaults
 from errors import UserError, end_with
 from tools import figures
-from tools.figures import make_figures
+from tools.grid_figures import make_figures
 from tools.grids import GRIDS, runs_of, stages
 from tools.report import build_table
 from tools.runner import check_like, run_grid, sync_archive

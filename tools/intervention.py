@@ -21,10 +21,10 @@ One branch by hand, then its training (the resume continues the trunk's run exac
     python train.py config/lowres_margin_0.6.py --seed=1391 --out_dir=out/raised --init_from=resume
 
 The whole study, resumable (Ctrl-C stops it at a checkpoint; the next call goes on from there),
-and its registered tests (tools/intervention_tests.py) from the archive:
+and its registered tests from the archive (tools/intervention_tests.py):
 
     python -m tools.intervention run --root out/intervention --workers 2
-    python -m tools.intervention report
+    python -m tools.intervention_tests
 """
 
 import argparse
@@ -42,7 +42,7 @@ import torch
 from errors import UsageError, UserError, end_with
 from tools import identity, runner
 from tools.grids import run_dir
-from utils import read_log, save_json, save_text, torch_save
+from utils import read_log, save_json, torch_save
 
 GRID = "jostling_intervention"
 SEEDS = list(range(1391, 1407))  # the 16 seeds after issue 40's fresh ones (1367-1390)
@@ -261,29 +261,24 @@ def run_study(root, archive, workers):
 
 
 def main(argv):
-    parser = argparse.ArgumentParser(prog="python -m tools.intervention", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m tools.intervention",
+                                     description=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="command", required=True)
     one = sub.add_parser("branch", help="make one branch from a trunk's ckpt.pt")
     one.add_argument("trunk")
     one.add_argument("out_dir")
     one.add_argument("--arm", choices=list(TARGETS), required=True)
-    one.add_argument("--seed", type=int, required=True, help="the run's seed (it seeds the sham's directions)")
+    one.add_argument("--seed", type=int, required=True,
+                     help="the run's seed (it seeds the sham's directions)")
     study = sub.add_parser("run", help="train every trunk and branch of the study")
     study.add_argument("--root", default="out/intervention")
     study.add_argument("--archive", default="results/runs")
     study.add_argument("--workers", type=int, default=2)
-    written = sub.add_parser("report", help="the registered tests from the archive, as Markdown")
-    written.add_argument("--archive", default="results/runs")
-    written.add_argument("--out", default="results/jostling_intervention.md")
     args = parser.parse_args(argv)
     if args.command == "branch":
         print(json.dumps(make_branch(args.trunk, args.out_dir, args.arm, args.seed)))
-    elif args.command == "run":
-        run_study(args.root, args.archive, args.workers)
     else:
-        from tools.intervention_tests import report
-        save_text(report(args.archive), args.out)
-        print(f"wrote {args.out}")
+        run_study(args.root, args.archive, args.workers)
 
 
 if __name__ == "__main__":

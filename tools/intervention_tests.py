@@ -1,16 +1,18 @@
 """
 Issue 61's registered tests (results/preregistration_intervention.md, I1-I4), computed from the
 study's archived runs (tools/intervention.py) by the rules written there before the first run, and
-results/jostling_intervention.md, which `python -m tools.intervention report` writes. While a test's
+results/jostling_intervention.md, which `python -m tools.intervention_tests` writes. While a test's
 arms are incomplete its counts are labelled partial and it gives no verdict.
 """
 
+import argparse
 import json
 import os
 
 from tools import stats
 from tools.grids import run_dir
 from tools.intervention import CE_SEEDS, CUTOFF, GRID, SEEDS, TRUNK_STEP, step_reading
+from utils import save_text
 
 THRESHOLDS = (0.43, 0.40, 0.38)  # primary, then the two secondary ones
 
@@ -102,7 +104,8 @@ def causal_line(verdicts):
     if first is None or second is None:
         return "The causal claim: none until I1 and I2 are complete."
     if first == TESTS[0][3] and second == TESTS[1][3]:
-        return "The causal claim, by the registered rule: **the alignment causes the crossing** in this experiment."
+        return ("The causal claim, by the registered rule: **the alignment causes the crossing** in this "
+                "experiment.")
     if first == TESTS[0][3]:
         return ("The causal claim, by the registered rule: *moving the LR rows made runs cross; that the "
                 "alignment, rather than the move, does so is not shown*.")
@@ -135,16 +138,18 @@ def provenance_line(archive):
                 record = json.load(f).get("provenance", {})
             runs += 1
             cpus.add(record.get("cpu", "not recorded"))
-            commits.add(record.get("commit", "not recorded")[:12] + (" (with changes)" if record.get("dirty") else ""))
-    return (f"Provenance: {runs} archived runs, trained on {', '.join(sorted(cpus)) or 'none'}, from commit(s) "
-            f"{', '.join(sorted(commits)) or 'none'} (each run's run.json).")
+            changed = " (with changes)" if record.get("dirty") else ""
+            commits.add(record.get("commit", "not recorded")[:12] + changed)
+    machines, code = ", ".join(sorted(cpus)) or "none", ", ".join(sorted(commits)) or "none"
+    return (f"Provenance: {runs} archived runs, trained on {machines}, from commit(s) {code} "
+            "(each run's run.json).")
 
 
 def report(archive):
     """results/jostling_intervention.md."""
     lines = ["# The intervention on the step-1000 twin alignment (issue 61)", "",
              "Registered in `results/preregistration_intervention.md` before the first run; computed by "
-             "`python -m tools.intervention report` from `results/runs/jostling_intervention/`. A run "
+             "`python -m tools.intervention_tests` from `results/runs/jostling_intervention/`. A run "
              "crosses when its LR accuracy at the best checkpoint reaches the threshold; each test is the "
              "exact paired (McNemar) test over the seeds both arms hold.", "",
              provenance_line(archive), ""]
@@ -159,3 +164,13 @@ def report(archive):
               f"twin_cos at step {TRUNK_STEP} of each trunk (the cut-off {CUTOFF}), and each arm's LR "
               "accuracy at its best checkpoint.", ""] + per_seed_lines(archive)
     return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="python -m tools.intervention_tests",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--archive", default="results/runs")
+    parser.add_argument("--out", default="results/jostling_intervention.md")
+    args = parser.parse_args()
+    save_text(report(args.archive), args.out)
+    print(f"wrote {args.out}")

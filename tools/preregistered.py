@@ -210,7 +210,7 @@ def findings(archive, fresh, swap, curves):
 
 def section(root):
     """findings() from the archive under root, or [] while no issue-40 run is archived."""
-    from tools.report import Grid
+    from tools.grid_runs import Grid
     if not any(os.path.isdir(os.path.join(root, g)) for g in ("jostling_prereg", "jostling_swap")):
         return []
     fresh = Grid("jostling_prereg", root)

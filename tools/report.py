@@ -6,7 +6,7 @@ seeds of every metric, the paper's number beside ours where it has one, and each
 difference to the baseline on the same seeds with its 95 % t interval: a seed moves every method
 together, so the paired figure is what separates an effect from noise. It ends with the grid's
 efficiency = (grid FLOPs / peak) / wall time over all its compare.py calls. Its figures:
-figures.make_figures.
+grid_figures.make_figures.
 """
 
 import json
@@ -18,7 +18,8 @@ import torch
 import evaluate
 import metrics
 from tools import claims, identity, preregistered, stats, transition
-from tools.grids import GRIDS, METRICS, PAPER, RERUN_OF, run_dir, runs_of
+from tools.grid_runs import Grid, paired_columns
+from tools.grids import METRICS, PAPER, RERUN_OF, run_dir, runs_of
 from tools.runner import grid_calls
 from utils import read_log, save_json
 
@@ -40,53 +41,6 @@ def table_lines(header, rows):
     """A Markdown table: its header, the rule under it and a line per row of cells."""
     return (["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
             + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
-
-
-def load_runs(grid, root):
-    """The archived runs of a grid: ({method: {seed: metrics}}, {method: {seed: {"dir", "metrics"}}})."""
-    results, runs = {}, {}
-    for method, seed, *_, out in runs_of(grid, root):
-        path = os.path.join(out, "metrics.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results.setdefault(method, {})[seed] = json.load(f)
-            runs.setdefault(method, {})[seed] = {"dir": out, "metrics": results[method][seed]}
-    return results, runs
-
-
-def paired_columns(results):
-    """(title, language, metric) of the paired-difference table and the forest plot."""
-    runs = [r for per_seed in results.values() for r in per_seed.values()]
-    if any("low" in r for r in runs):
-        return [("LR acc", "low", "accuracy"), ("LR MRR", "low", "mrr"), ("LR PPL_best", "low", "ppl_best"),
-                ("HR acc", "high", "accuracy"), ("HR PPL_best", "high", "ppl_best"),
-                ("LR I(W)", "low", "isotropy")]
-    columns = [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
-               ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
-    if runs and all("rare" in r for r in runs):
-        columns += [("rare acc", "rare", "accuracy"), ("rare PPL", "rare", "ppl")]
-        if all("ppl_at_t_best" in r["rare"] for r in runs):  # runs since evaluate.py measures it
-            columns.append(("rare PPL_best", "rare", "ppl_at_t_best"))
-    return columns
-
-
-class Grid:
-    """What every section of a grid's report reads: its methods, baseline, archived runs (load_runs)
-    and whether it is a char grid (HR and LR val splits) or the BPE grid (one val split)."""
-
-    def __init__(self, grid, root):
-        self.name, self.root, self.methods = grid, root, GRIDS[grid]
-        self.results, self.runs = load_runs(grid, root)
-        self.baseline = next(iter(self.methods))
-        self.low_resource = any("low" in r for per_seed in self.results.values() for r in per_seed.values())
-        self.langs = ("high", "low") if self.low_resource else ("val",)
-
-    def every_method(self):
-        """The tables' methods, then the grid's extra runs (grids.EXTRA_RUNS) that have results."""
-        return list(self.methods) + [m for m in self.results if m not in self.methods]
-
-    def shared_with_baseline(self, method):
-        return sorted(set(self.results.get(method, {})) & set(self.results.get(self.baseline, {})))
 
 
 def build_table(grid, root):

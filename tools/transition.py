@@ -118,7 +118,7 @@ def leave_one_out(readings):
 
 def findings(g):
     """(Markdown lines for the top of results/jostling.md, the archive's transition.json) of the
-    grid g (tools.report.Grid)."""
+    grid g (tools.grid_runs.Grid)."""
     lines = ["## The Stop Jostling transition: how often, what decides it, what it looks like", "",
              "A run makes the transition when its LR accuracy (best checkpoint) reaches "
              f"{TRANSITION_LR_ACCURACY}. Rates: k of n seeds, with the exact (Clopper-Pearson) 95 % "

@@ -1,0 +1,57 @@
+"""
+A grid's archived runs as every part of its report reads them (tools/report.py's tables,
+tools/grid_figures.py's figures, tools/preregistered.py's tests): Grid, and the metrics its paired
+comparisons use (paired_columns).
+"""
+
+import json
+import os
+
+from tools.grids import GRIDS, runs_of
+
+
+def load_runs(grid, root):
+    """The archived runs of a grid: ({method: {seed: metrics}}, {method: {seed: {"dir", "metrics"}}})."""
+    results, runs = {}, {}
+    for method, seed, *_, out in runs_of(grid, root):
+        path = os.path.join(out, "metrics.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.setdefault(method, {})[seed] = json.load(f)
+            runs.setdefault(method, {})[seed] = {"dir": out, "metrics": results[method][seed]}
+    return results, runs
+
+
+def paired_columns(results):
+    """(title, language, metric) of the paired-difference table and the forest plot."""
+    runs = [r for per_seed in results.values() for r in per_seed.values()]
+    if any("low" in r for r in runs):
+        return [("LR acc", "low", "accuracy"), ("LR MRR", "low", "mrr"), ("LR PPL_best", "low", "ppl_best"),
+                ("HR acc", "high", "accuracy"), ("HR PPL_best", "high", "ppl_best"),
+                ("LR I(W)", "low", "isotropy")]
+    columns = [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
+               ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
+    if runs and all("rare" in r for r in runs):
+        columns += [("rare acc", "rare", "accuracy"), ("rare PPL", "rare", "ppl")]
+        if all("ppl_at_t_best" in r["rare"] for r in runs):  # runs since evaluate.py measures it
+            columns.append(("rare PPL_best", "rare", "ppl_at_t_best"))
+    return columns
+
+
+class Grid:
+    """What every section of a grid's report reads: its methods, baseline, archived runs (load_runs)
+    and whether it is a char grid (HR and LR val splits) or the BPE grid (one val split)."""
+
+    def __init__(self, grid, root):
+        self.name, self.root, self.methods = grid, root, GRIDS[grid]
+        self.results, self.runs = load_runs(grid, root)
+        self.baseline = next(iter(self.methods))
+        self.low_resource = any("low" in r for per_seed in self.results.values() for r in per_seed.values())
+        self.langs = ("high", "low") if self.low_resource else ("val",)
+
+    def every_method(self):
+        """The tables' methods, then the grid's extra runs (grids.EXTRA_RUNS) that have results."""
+        return list(self.methods) + [m for m in self.results if m not in self.methods]
+
+    def shared_with_baseline(self, method):
+        return sorted(set(self.results.get(method, {})) & set(self.results.get(self.baseline, {})))
