@@ -118,6 +118,12 @@ def test_grid_runs_a_chain_and_a_second_call_does_no_work(tmp_path, monkeypatch)
     with open(os.path.join(grids.run_dir(root, "mini", "CE", 1337), "metrics.json")) as f:
         ce_flops = json.load(f)["flops"]["total"]
     assert call["runs"] == 2 and call["flops"] == sum(stage_flops) + ce_flops
+    assert sorted(run["method"] for run in call["archived"]) == ["CE", "CWT + FT"]  # every run it archived
+    # each run's provenance (tools/identity.provenance): when, from what code, on what machine
+    with open(os.path.join(chained, "run.json")) as f:
+        provenance = json.load(f)["provenance"]
+    assert provenance["utc_start"] <= provenance["utc_end"] and len(provenance["config_sha256"]) == 64
+    assert provenance["cpu"] and provenance["torch"] == torch.__version__ and len(provenance["commands"]) == 2
     # the peak is the faster of the dtypes measured (bf16 only on CPUs with bf16 units)
     assert call["peak_flops"] == max(call["measured"].values()) > 1e9 and call["wall_s"] > 0
     assert call["measured"][call["peak_dtype"]] == call["peak_flops"] and "float32" in call["measured"]

@@ -531,6 +531,7 @@ def test_fsdp_gives_unused_parameters_zero_gradients():
         dist.destroy_process_group()
 
 
+@pytest.mark.slow  # on a torch without FSDP2 on the CPU it asks a train.py process
 def test_what_does_not_combine_fails_clearly():
     if FSDP_REFUSED:  # before anything is read or written, in one line
         out = subprocess.run([sys.executable, "train.py", "config/lowres_baseline.py", "--parallel=fsdp", "--device=cpu"],

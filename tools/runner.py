@@ -9,8 +9,8 @@ Ctrl-C (or `kill`) stops a call cleanly: train.py finishes its step and saves it
 is recorded, and the runs it stopped go on from exactly there next time. Runs go `workers` at a
 time, each on cores/workers threads (two 1-thread processes keep both cores of a laptop busier
 than one 2-thread process). Before a call starts its runs it measures the machine's matmul peak on
-all cores; wall.json keeps one record per call, rewritten while the call runs, from which
-tools/report.py computes the grid's efficiency.
+all cores; wall.json keeps one record per call (naming the runs it archived), rewritten while the
+call runs, from which tools/report.py computes the grid's efficiency.
 """
 
 import json
@@ -400,7 +400,7 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
     record = {"call": f"pid {os.getpid()} on {socket.gethostname()}, started {t0:.3f}", "runs": 0,
               "workers": workers, "threads_per_run": threads, "cpu": identity.cpu_name(),
               "cores": os.cpu_count(), "device": runs_device([*GRID_ARGS.get(grid, ()), *overrides]),
-              "torch": torch.__version__, **peak, "wall_s": 0.0, "flops": 0}
+              "torch": torch.__version__, **peak, "wall_s": 0.0, "flops": 0, "archived": []}
     # the record is written now and rewritten each minute and at each finished run, so a call killed
     # without warning (SIGKILL, a machine's end) still counts all but its last minute
     record_call(wall_path, record)
@@ -417,6 +417,7 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
                     future.result()
                     method, seed, out = futures[future]
                     archive_run(out, run_dir(archive, grid, method, seed))
+                    record["archived"].append({"method": method, "seed": seed})
                     finished += 1
                     run = run_flops(out)
                     flops = None if flops is None or run is None else flops + run
