@@ -13,10 +13,10 @@ config builds on another with `include = "base.py"` (config/lowres_margin_2.py d
 import ast
 import difflib
 import importlib
-import math
 import os
 
-from errors import UsageError
+from errors import (FRACTION, NON_EMPTY, NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE,
+                    POSITIVE_NUMBER, UsageError, broken_rule, is_number, one_of)
 
 
 class ConfigError(UsageError):
@@ -97,7 +97,8 @@ TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 
 def train_defaults(path=TRAIN_PY):
     """train.py's default config, read from its source without running it: the top-level
-    assignments of constants between its "# default config" and "config_keys" lines. The defaults
+    assignments of constants between its "# default config" and "config_keys" lines, and the
+    objective's keys (objective.ObjectiveConfig) where train.py takes them whole. The defaults
     stay where a reader of train.py expects them (nanoGPT's layout), and a tool that needs a full
     config (tools/memory_table.py) gets exactly what train.py would use."""
     with open(path) as f:
@@ -109,13 +110,16 @@ def train_defaults(path=TRAIN_PY):
         if isinstance(node, ast.Assign) and first < node.lineno < last and len(node.targets) == 1 \
                 and isinstance(node.targets[0], ast.Name):
             defaults[node.targets[0].id] = ast.literal_eval(node.value)
+        elif isinstance(node, ast.Expr) and first < node.lineno < last and "ObjectiveConfig()" in ast.unparse(node):
+            from objective import ObjectiveConfig
+            defaults.update(vars(ObjectiveConfig()))
     return defaults
 
 
 def parse_config(argv, defaults, rules=None):
     """Apply config files (positional) and --key=value overrides, in order, to a copy of defaults.
     Returns the new dict; raises ConfigError on the first bad file, key or value (rules: as
-    check_values takes them, e.g. TRAIN_RULES)."""
+    check_values takes them, e.g. train_rules())."""
     config = dict(defaults)
     for arg in argv:
         if not arg.startswith("--"):
@@ -139,58 +143,41 @@ def parse_config(argv, defaults, rules=None):
 
 
 # Value rules of train.py's keys: (what is expected, test). Checked after types, before a run
-# touches anything, so that `--eval_interval=0` or `--margin=abc` costs one line, not a run.
-def _number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def _choice(*options):
-    return "one of " + ", ".join(options), lambda v: v in options
-
-
-POSITIVE = ("a positive integer", lambda v: v > 0)
-NON_NEGATIVE = ("an integer >= 0", lambda v: v >= 0)
-POSITIVE_NUMBER = ("a finite number > 0", lambda v: _number(v) and v > 0)
-NON_NEGATIVE_NUMBER = ("a finite number >= 0", lambda v: _number(v) and v >= 0)
-FRACTION = ("a number in [0, 1)", lambda v: _number(v) and 0 <= v < 1)
-NON_EMPTY = ("a non-empty string", lambda v: v != "")
+# touches anything, so that `--eval_interval=0` or `--margin=abc` costs one line, not a run. The
+# objective's keys have theirs in objective.ObjectiveConfig (train_rules gives both).
 TRAIN_RULES = {
     **dict.fromkeys(("eval_interval", "eval_iters", "log_interval", "block_size",
                      "gradient_accumulation_steps", "n_layer", "n_head", "n_embd", "n_expert", "top_k",
                      "lr_decay_iters"), POSITIVE),
     **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size", "vocab_size",
-                     "ffn_hidden", "ce_chunk_size", "simreg_chunk_size", "dispersion_positions", "nitp_layer",
-                     "nitp_hidden", "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
-    **dict.fromkeys(("ce_weight", "simreg_weight", "dispersion_weight", "nitp_weight", "cwt_weight",
-                     "moe_aux_weight", "min_lr", "weight_decay", "grad_clip", "capacity_factor"),
-                    NON_NEGATIVE_NUMBER),
-    **dict.fromkeys(("simreg_tau", "dispersion_tau", "cwt_tau", "rope_theta", "init_std", "learning_rate",
-                     "adagc_rel"), POSITIVE_NUMBER),
+                     "ffn_hidden", "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
+    **dict.fromkeys(("min_lr", "weight_decay", "grad_clip", "capacity_factor"), NON_NEGATIVE_NUMBER),
+    **dict.fromkeys(("rope_theta", "init_std", "learning_rate", "adagc_rel"), POSITIVE_NUMBER),
     **dict.fromkeys(("dropout", "beta1", "beta2", "adagc_beta"), FRACTION),
     "batch_size": ("a positive integer or 'auto'", lambda v: v == "auto" or v > 0),
-    "low_resource_prob": ("a number in [0, 1]", lambda v: _number(v) and 0 <= v <= 1),
-    "embedding_weight_decay": ("a finite number (< 0: weight_decay)", _number),
-    "margin": ("None or a finite number > 0", lambda v: v is None or (_number(v) and v > 0)),
-    "simreg_layer": ("-1 or a block index >= 0", lambda v: v >= -1),
+    "low_resource_prob": ("a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1),
+    "embedding_weight_decay": ("a finite number (< 0: weight_decay)", is_number),
     **dict.fromkeys(("data_seed", "init_embeddings_from_seed"),
                     ("None or an integer",
                      lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)))),
     **dict.fromkeys(("out_dir", "data_dir", "init_from", "wandb_project"), NON_EMPTY),
-    "arch": _choice("gpt2", "llama"),
-    "moe_routing": _choice("capacity", "dropless"),
-    "rope_layout": _choice("half", "interleaved"),
-    "dispersion_variant": _choice("angular", "decorrelation", "decorrelation_features", "l2_repel",
-                                  "l2_repel_norm", "orthogonalization"),
-    "dispersion_form": _choice("paper", "authors"),
-    "dispersion_layers": _choice("all", "last"),
-    "lr_schedule": _choice("cosine", "constant"),
-    "data_order": _choice("random", "epoch"),
-    "grad_clip_mode": _choice("norm", "adagc"),
-    "parallel": _choice("none", "ddp", "fsdp"),
-    "compile": _choice("auto", "True", "False"),
+    "arch": one_of("gpt2", "llama"),
+    "moe_routing": one_of("capacity", "dropless"),
+    "rope_layout": one_of("half", "interleaved"),
+    "lr_schedule": one_of("cosine", "constant"),
+    "data_order": one_of("random", "epoch"),
+    "grad_clip_mode": one_of("norm", "adagc"),
+    "parallel": one_of("none", "ddp", "fsdp"),
+    "compile": one_of("auto", "True", "False"),
     # float16 with loss scaling (optim.apply_gradients)
-    "dtype": _choice("auto", "float32", "bfloat16", "float16"),
+    "dtype": one_of("auto", "float32", "bfloat16", "float16"),
 }
+
+
+def train_rules():
+    """Every rule of train.py's keys: TRAIN_RULES and the objective's (objective.ObjectiveConfig)."""
+    from objective import ObjectiveConfig  # imports torch: only where a train config is checked
+    return {**TRAIN_RULES, **ObjectiveConfig.rules()}
 
 
 def _importable(module):
@@ -280,6 +267,5 @@ def model_problem(config):
 
 def check_values(config, rules):
     """Raise ConfigError naming the first key whose value breaks its rule."""
-    for key, (expected, ok) in rules.items():
-        if key in config and not ok(config[key]):
-            raise ConfigError(f"key '{key}' must be {expected}, got {config[key]!r}")
+    if problem := broken_rule(config, rules):
+        raise ConfigError(problem)

@@ -4,6 +4,7 @@ utils.PathError, data.DataError, checkpoint.CheckpointError, configurator.Config
 script's entry point ends the process: its main catches it once and calls end_with, and train.py,
 which runs at module level, installs end_on_user_error at its top."""
 
+import math
 import os
 import sys
 
@@ -68,3 +69,29 @@ def end_on_user_error():
         if error.status != 1 or int(os.environ.get("WORLD_SIZE", 1)) > 1:
             os._exit(error.status)
     sys.excepthook = hook
+
+
+# What a setting's value must be, as its one-line error says it: (what is expected, test). The
+# config's rules (configurator.TRAIN_RULES) and the objective's (objective.ObjectiveConfig) use them.
+def is_number(v):
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def one_of(*options):
+    return "one of " + ", ".join(options), lambda v: v in options
+
+
+POSITIVE = ("a positive integer", lambda v: v > 0)
+NON_NEGATIVE = ("an integer >= 0", lambda v: v >= 0)
+POSITIVE_NUMBER = ("a finite number > 0", lambda v: is_number(v) and v > 0)
+NON_NEGATIVE_NUMBER = ("a finite number >= 0", lambda v: is_number(v) and v >= 0)
+FRACTION = ("a number in [0, 1)", lambda v: is_number(v) and 0 <= v < 1)
+NON_EMPTY = ("a non-empty string", lambda v: v != "")
+
+
+def broken_rule(config, rules):
+    """The message for the first key of config whose value breaks its rule, None if none does."""
+    for key, (expected, ok) in rules.items():
+        if key in config and not ok(config[key]):
+            return f"key '{key}' must be {expected}, got {config[key]!r}"
+    return None

@@ -254,7 +254,7 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     model.eval()
     generator = torch.Generator().manual_seed(0)
     languages = (("high", 0), ("low", shift)) if low_resource else (("high", 0),)
-    chunk = objective.ce_chunk_size  # > 0: no whole logits (losses.linear_cross_entropy)
+    chunk = objective.config.ce_chunk_size  # > 0: no whole logits (losses.linear_cross_entropy)
     aux = [name for name, weight in objective.weights.items() if weight and name != "ce"]
     B = batch_size
     # every batch's draw on every rank (cheap: window starts and language picks), the same everywhere

@@ -67,13 +67,13 @@ def run_vocab(config):
     return 2 * base if config["low_resource"] else base
 
 
-def training_flops_per_token(model, objective, micro_batch_tokens, cwt):
+def training_flops_per_token(model, objective, micro_batch_tokens):
     """FLOPs of one training token: the model's 6N + attention (model.flops_per_token), plus the
     objective's trainable head (NITP: 6 per weight) and CWT's in-batch logits, which stand in for
     the LM head (each token against the micro-batch's embeddings: 6 x tokens x C). The other
     losses' similarity products are not counted. train.py uses this for its MFU."""
     head = sum(p.numel() for p in objective.parameters() if p.dim() >= 2)
-    contrastive = 6 * micro_batch_tokens * model.config.n_embd if cwt else 0
+    contrastive = 6 * micro_batch_tokens * model.config.n_embd if objective.weights["cwt"] else 0
     return model.flops_per_token(with_head=objective.trains_head) + 6 * head + contrastive
 
 
@@ -227,7 +227,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True, link_gbps=
     B, T = config["batch_size"], config["block_size"]
     micro_steps = micro_steps_of(config, processes)
     tokens_per_step = micro_steps * B * T * processes
-    flops_per_token = training_flops_per_token(model, objective, B * T, config["cwt_weight"] > 0)
+    flops_per_token = training_flops_per_token(model, objective, B * T)
     flops_per_step = flops_per_token * tokens_per_step
     evaluations = config["max_iters"] // config["eval_interval"] + 1  # at step 0 and every eval_interval
     flops_per_run = (flops_per_step * config["max_iters"]

@@ -33,11 +33,11 @@ import plan
 import prepare_shakespeare
 import run
 import tracking
-from configurator import TRAIN_RULES, ConfigError, check_train_config, parse_config
+from configurator import ConfigError, check_train_config, parse_config, train_rules
 from data import EpochWindows, load_tokens, read_meta, read_windows, sample_windows
 from errors import end_on_user_error
 from model import GPT, GPTConfig, initial_weights
-from objective import Objective, objective_step
+from objective import Objective, ObjectiveConfig, objective_step
 from optim import AdaGC, apply_gradients, configure_optimizers, gradient_clipping, learning_rate_at
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
                    save_json)
@@ -88,30 +88,12 @@ n_expert = 1                         # llama: > 1 = Mixtral mixture of experts
 top_k = 2                            # experts per token
 capacity_factor = 0.0                # expert slots: x tokens * top_k / n_expert; 0 = all tokens, none dropped
 moe_routing = "capacity"             # capacity (static shapes) | dropless (routed FLOPs only; moe.py)
-moe_aux_weight = 0.02                # weight of the router's load-balancing loss (Mixtral-8x7B's 0.02)
 rope_theta = 10000.0
 rope_layout = "half"                 # llama: RoPE pairs (i, i + d/2), LLaMA's; "interleaved" = (2i, 2i+1)
 init_std = 0.01                      # llama: std of every weight matrix
-# loss: a weighted sum of the terms of losses.py, each *_weight = 0 switches it off (objective.Objective)
-ce_weight = 1.0                      # next-token cross-entropy; 0 with cwt_weight > 0 = headless
-margin = None                        # logit thresholding margin of the CE term (Stop Jostling); None = off
-ce_chunk_size = 0                    # n > 0: LM head + CE n positions at a time, no whole logits; 0 = off
-simreg_weight = 0.0                  # SimReg (Sec. 3, Eq. 3); paper's rule (App. A.2): 10 sqrt(n_embd / 1024)
-simreg_tau = 0.01
-simreg_chunk_size = 0                # 0 = whole sequences
-simreg_layer = -1                    # -1 = the final normed state; l = output of block l (0 = embedding)
-dispersion_weight = 0.0              # dispersion loss (Liu et al., Eq. 2); the paper's 0.1 (Sec. 5.3)
-dispersion_tau = 1.0
-dispersion_variant = "angular"       # angular|orthogonalization|decorrelation[_features]|l2_repel[_norm]
-dispersion_form = "paper"            # paper (Algorithm 1) | authors (their released code; docs/fidelity.md)
-dispersion_layers = "all"            # all | last
-dispersion_positions = 0             # P > 0: P random positions per layer (an estimate); 0 = all
-nitp_weight = 0.0                    # NITP (NITP paper, Method); the paper's 1.0
-nitp_layer = 0                       # target block; 0 = max(1, round(0.2 * n_layer))
-nitp_prenorm = False                 # predict from the last block's output instead of the normed state
-nitp_hidden = 0                      # SwiGLU head width; 0 = 4 * n_embd
-cwt_weight = 0.0                     # contrastive weight tying (headless LM paper, Sec. 3.2)
-cwt_tau = 1.0                        # CWT temperature of the released code; 1 = the paper (docs/fidelity.md)
+# loss: a weighted sum of the terms of losses.py, each on when its <name>_weight > 0; every key,
+# with its default and its rule, is declared in objective.ObjectiveConfig (e.g. --simreg_weight=1.0)
+globals().update(vars(ObjectiveConfig()))
 separate_embeddings = False          # Stop Jostling SE: rows without gradient are not stepped
 embedding_weight_decay = -1.0        # token embedding's weight decay; < 0: weight_decay (0: rows not decayed)
 # AdamW and schedule
@@ -153,8 +135,8 @@ wandb_run_name = ""                  # "" = out_dir
 config_keys = [k for k, v in globals().items()
                if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))]
 end_on_user_error()  # from here an errors.UserError, raised anywhere, ends the run: its one line and status
-# every value is checked (type and range, configurator.TRAIN_RULES) before anything is touched: exit 2
-config = parse_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, TRAIN_RULES)
+# every value is checked (type and range, configurator.train_rules) before anything is touched: exit 2
+config = parse_config(sys.argv[1:], {k: globals()[k] for k in config_keys}, train_rules())
 globals().update(config)
 keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted in anew every step
 stop = StopRequest(announce=os.environ.get("RANK", "0") == "0")  # from here a stop signal ends the run, saved
@@ -277,8 +259,7 @@ run_files.wandb_run = wandb_run
 # training loop ---------------------------------------------------------------
 tokens_per_iter = gradient_accumulation_steps * batch_size * block_size * world_size  # over all processes
 # the FLOPs train.py counts for MFU and the grids' cost (plan.py: 6N + attention + the objective's own)
-flops_per_iter = tokens_per_iter * plan.training_flops_per_token(model, objective, batch_size * block_size,
-                                                                 cwt_weight > 0)
+flops_per_iter = tokens_per_iter * plan.training_flops_per_token(model, objective, batch_size * block_size)
 flops_per_eval = plan.evaluation_flops(model, config, world_size)  # its batches split over the processes
 peak = peak_flops(device, dtype) * world_size
 if master:

@@ -1,8 +1,12 @@
-"""Shared by every test: the repository on sys.path (the tests import its modules by name) and
-the small character dataset that the end-to-end tests train on."""
+"""Shared by every test: the repository on sys.path (the tests import its modules by name), the
+small character dataset that the end-to-end tests train on and one short run trained on it. The
+shared ones are read-only: a test that writes copies them first, and the session fails at its end
+if one was changed."""
 
+import hashlib
 import os
 import random
+import subprocess
 import sys
 
 import pytest
@@ -11,6 +15,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 import prepare_shakespeare  # noqa: E402
 
+# Under pytest-xdist each worker's torch takes the cores it can share, not all of them: N workers
+# with all cores' threads each would wait on each other's threads, spinning (CPU time that the quick
+# tier's check would count against a test).
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    import torch
+    torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+FINISHED_RUN = ["--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False"]
 pytest_plugins = ["tiers"]  # the quick tier and its check (tiers.py)
 
 
@@ -22,6 +34,25 @@ LONG_FILES = ("test_distributed.py", "test_reliability.py", "test_requeue.py", "
 
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: os.path.basename(item.fspath) not in LONG_FILES)  # stable: file order kept
+
+
+def fingerprint(directory):
+    """relative path -> sha256 of every file under directory."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            with open(os.path.join(root, name), "rb") as f:
+                files[os.path.relpath(os.path.join(root, name), directory)] = hashlib.sha256(f.read()).hexdigest()
+    return files
+
+
+def unchanged(directory, what):
+    """Yield directory; then fail if any file under it was added, removed or rewritten."""
+    before = fingerprint(directory)
+    yield directory
+    after = fingerprint(directory)
+    changed = sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
+    assert not changed, f"a test changed the shared {what} (copy it before writing): {changed[:5]}"
 
 
 @pytest.fixture(scope="session")
@@ -36,7 +67,20 @@ def data_dir(tmp_path_factory):
     (root / "input.txt").write_text(text)
     out = root / "chars"
     prepare_shakespeare.prepare(input_path=str(root / "input.txt"), out_dir=str(out))
-    return str(out)
+    yield from unchanged(str(out), "data_dir")
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory, data_dir):
+    """A tiny run of 4 steps (test_train.TINY) that ended normally: best.pt, ckpt.pt, log.jsonl,
+    metrics.json and its run.json. Read-only."""
+    from test_train import TINY
+    out = str(tmp_path_factory.mktemp("runs") / "done")
+    result = subprocess.run([sys.executable, "train.py", "config/lowres_baseline.py", f"--data_dir={data_dir}",
+                             f"--out_dir={out}", *TINY, *FINISHED_RUN], cwd=REPO, capture_output=True, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    yield from unchanged(out, "finished_run")
 
 
 @pytest.fixture(scope="session")

@@ -46,23 +46,18 @@ def python_blocks(markdown):
 def test_the_walk_through_gives_a_loss_that_is_tested_checked_and_trained(tmp_path):
     repo = tmp_path / "repo"
     committed_copy(repo)
-    function, test, term = python_blocks((repo / "docs" / "adding_a_loss.md").read_text())[:3]
-    losses, objective, train = repo / "losses.py", repo / "objective.py", repo / "train.py"
+    function, test, setting, term = python_blocks((repo / "docs" / "adding_a_loss.md").read_text())[:4]
+    losses, objective = repo / "losses.py", repo / "objective.py"
     # 1. the function, at the end of losses.py
     losses.write_text(losses.read_text() + "\n\n" + function)
     # 2. its test, in tests/test_repr_losses.py, imported with the other losses
     tests = repo / "tests" / "test_repr_losses.py"
     edit(tests, "\nfrom losses import ", "\nfrom losses import cosine_regularizer, ")
     tests.write_text(tests.read_text() + "\n\n" + test)
-    # 3. the weight, its name for from_config, the term, the key and its rule
-    edit(objective, "moe_aux=0.0):", "moe_aux=0.0, cosreg=0.0):")
-    edit(objective, "cwt=cwt)", "cwt=cwt, cosreg=cosreg)")
-    edit(objective, 'LOSSES = ("ce", "simreg", "dispersion", "nitp", "cwt")',
-         'LOSSES = ("ce", "simreg", "dispersion", "nitp", "cwt", "cosreg")')
-    edit(objective, "        if self.moe_aux and router_loss is not None:",
-         term.rstrip("\n") + "\n        if self.moe_aux and router_loss is not None:")
-    edit(train, "\nce_weight = ", "\ncosreg_weight = 0.0\nce_weight = ")
-    edit(repo / "configurator.py", '"cwt_weight",', '"cwt_weight", "cosreg_weight",')
+    # 3. its setting in ObjectiveConfig, and the term (the page's four edits in three files, and no other)
+    edit(objective, "    # a mixture of experts' router", setting + "    # a mixture of experts' router")
+    edit(objective, "        if c.moe_aux_weight and router_loss is not None:",
+         term + "        if c.moe_aux_weight and router_loss is not None:")
     assert not [line for path in (losses, objective) for line in path.read_text().splitlines() if len(line) > 110]
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TIKTOKEN_CACHE_DIR": TIKTOKEN}

@@ -14,7 +14,7 @@ import plan  # noqa: E402
 
 def test_step_time_runs_each_objective():
     config = GPTConfig(vocab_size=50, block_size=16, n_layer=2, n_head=2, n_embd=16)
-    objectives = dict(bench_losses.LOSSES, cwt={"ce": 0.0, "cwt": 1.0})
+    objectives = dict(bench_losses.LOSSES, cwt={"ce_weight": 0.0, "cwt_weight": 1.0})
     for name, kwargs in objectives.items():
         kwargs = {**kwargs, "simreg_chunk_size": 8} if "chunk" in name else kwargs
         assert plan.step_time(config, kwargs, 2, steps=1, warmup=0, device="cpu", dtype="float32") > 0

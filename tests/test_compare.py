@@ -46,6 +46,7 @@ def processes_naming(path):
 
 @pytest.fixture
 def tiny_grid(tmp_path, monkeypatch):
+    monkeypatch.setitem(grids.POOLABLE, "tiny", "test runs that record no code or machine")
     monkeypatch.setitem(grids.GRIDS, "tiny", {"ce": ("config/lowres_baseline.py", 2),
                                                 "SimReg": ("config/lowres_simreg.py", 2)})
     values = {("ce", 1337): (0.30, 5.0), ("ce", 1338): (0.40, 7.0), ("SimReg", 1337): (0.35, 6.0),
@@ -346,6 +347,7 @@ def test_machine_peak_measures_fp32_and_bf16_only_with_bf16_units(monkeypatch):
 def test_single_language_grid_table(tmp_path, monkeypatch):
     """The BPE grid's runs are scored on one val split: one table, paired differences over its
     metrics, no embedding-twin or marginalization sections."""
+    monkeypatch.setitem(grids.POOLABLE, "onelang", "test runs that record no code or machine")
     monkeypatch.setitem(grids.GRIDS, "onelang", {"CE": ("config/bpe_baseline.py", 2),
                                                    "SimReg": ("config/bpe_simreg.py", 2)})
     values = {("CE", 1337): (0.20, 300.0), ("CE", 1338): (0.22, 280.0), ("SimReg", 1337): (0.21, 290.0),
@@ -440,6 +442,7 @@ def test_transition_rate_and_departure_step(tmp_path, monkeypatch):
     """The per-seed table: k of n seeds at or above the LR accuracy threshold, the exact interval,
     and for each such seed the first evaluation at which its LR val loss is 0.1 nats below every
     other seed's (here: seed 1339 is 0.05 below at step 250, 0.15 below at 500)."""
+    monkeypatch.setitem(grids.POOLABLE, "jump", "test runs that record no code or machine")
     monkeypatch.setitem(grids.GRIDS, "jump", {"CE": ("config/lowres_ce.py", 3), "margin 0.6": ("config/lowres_margin_0.6.py", 3)})
     low_curves = {1337: [3.0, 2.5, 2.4], 1338: [3.0, 2.6, 2.5], 1339: [3.0, 2.45, 2.25]}
     for method in ("CE", "margin 0.6"):
@@ -530,7 +533,8 @@ def test_results_readme_per_seed_paragraph_is_the_tables():
 
 
 def archived_run(archive, grid, method, seed, config, metrics, extra=(), run_identity=None):
-    """An archived run as tools.compare leaves it: metrics.json, a log and run.json with its command."""
+    """An archived run as tools.compare leaves it: metrics.json, a log and run.json with its command and
+    its identity (by default one code on one CPU for every run)."""
     out = grids.run_dir(archive, grid, method, seed)
     os.makedirs(out)
     with open(os.path.join(out, "metrics.json"), "w") as f:
@@ -539,8 +543,9 @@ def archived_run(archive, grid, method, seed, config, metrics, extra=(), run_ide
         f.write(json.dumps({"iter": 0, "val": 3.0, "val_low": 3.0}) + "\n")
     commands = [[sys.executable, "train.py", config, f"--seed={seed}", *extra, f"--out_dir=out/{seed}", "--num_threads=1"]]
     record = {"wall_s": 1.0, "threads": 1, "commands": commands}
-    if run_identity is not None:
-        record["identity"] = run_identity
+    from tools import identity
+    record["identity"] = run_identity or {"training": identity.training_keys(commands), "commit": "abc",
+                                          "cpu": "CPU A"}
     with open(os.path.join(out, "run.json"), "w") as f:
         json.dump(record, f)
     return out
@@ -606,6 +611,7 @@ def test_methods_and_seeds_choose_the_runs_a_call_trains(tmp_path, monkeypatch):
 @pytest.mark.slow
 def test_a_new_run_records_its_identity_and_the_report_counts_pairs_across_machines(tmp_path, monkeypatch):
     from tools import identity
+    monkeypatch.setitem(grids.POOLABLE, "machines", "two CPUs on purpose: the test counts the pairs that mix them")
     monkeypatch.setitem(grids.GRIDS, "machines", {"CE": ("config/lowres_ce.py", 2), "margin 1": ("config/lowres_margin_1.py", 2)})
     archive = str(tmp_path)
     for method, config in (("CE", "config/lowres_ce.py"), ("margin 1", "config/lowres_margin_1.py")):
@@ -809,7 +815,52 @@ def test_a_run_without_a_record_is_refused_unless_its_grid_declares_it(tmp_path,
     assert len(str(refused.value).splitlines()) == 1
     assert "(margin 0.6, seed 1338) has a metrics.json but no run.json" in str(refused.value)
     monkeypatch.setitem(grids.UNRECORDED_RUNS, "records", {("margin 0.6", 1338)})
+    with pytest.raises(report.UnpooledRuns) as refused:  # declared, its code and machine are still unknown
+        compare.main(argv)
+    assert "margin 0.6 and CE on seed 1338 ran code unknown on unknown and code abc on CPU A" in str(refused.value)
+    monkeypatch.setitem(grids.POOLABLE, "records", "the unrecorded run's code and CPU are unknown")
     compare.main(argv)
     table = open(os.path.join(archive, "records.md")).read()
     assert "| margin 0.6 | 2 |" in table
     assert "Runs without a record of what trained them (no run.json; " in table and ": margin 0.6 (seed 1338)." in table
+
+
+def test_a_pair_of_other_code_or_another_cpu_is_refused_unless_the_grid_pools_them(tmp_path, monkeypatch):
+    """A method's run and its baseline's on one seed pair only when they ran one code (commit, and
+    the hash of uncommitted changes) on one CPU model; a grid in grids.POOLABLE pairs them, and its
+    table names every method's commits and CPUs and why the grid pools them."""
+    from tools import identity
+    monkeypatch.setitem(grids.GRIDS, "mixed", {"CE": ("config/lowres_ce.py", 2),
+                                               "margin 1": ("config/lowres_margin_1.py", 2)})
+    archive = str(tmp_path)
+    for method, config in (("CE", "config/lowres_ce.py"), ("margin 1", "config/lowres_margin_1.py")):
+        for seed in (1337, 1338):
+            keys = identity.training_keys(runner.planned_commands(config, seed, []))
+            commit = "b" * 40 if (method, seed) == ("margin 1", 1338) else "a" * 40
+            archived_run(archive, "mixed", method, seed, config, fake_metrics(0.37, 5.0),
+                         run_identity={"training": keys, "commit": commit, "cpu": "CPU A"})
+    with pytest.raises(report.UnpooledRuns, match=f"grid mixed: margin 1 and CE on seed 1338 ran code {'b' * 12} "
+                                                   f"on CPU A and code {'a' * 12} on CPU A"):
+        report.build_table("mixed", archive)
+    # before a call trains: a run it would train beside an archived run of other code is refused
+    shutil.rmtree(grids.run_dir(archive, "mixed", "margin 1", 1338))
+    monkeypatch.setattr(identity, "current_code", lambda: "e" * 40)  # this checkout's, without git
+    runner.check_pooled_call("mixed", archive, only={("margin 1", 1337)})  # nothing to train: nothing paired
+    with pytest.raises(runner.UnpooledRuns, match=f"grid mixed: margin 1 on seed 1338 would run code {'e' * 12} "
+                                                   f"on {identity.cpu_name()}, and its table would pair it with "
+                                                   f"CE's archived run, code {'a' * 12} on CPU A"):
+        runner.check_pooled_call("mixed", archive)
+    monkeypatch.setitem(grids.POOLABLE, "mixed", "one edit of a comment between the two commits")
+    runner.check_pooled_call("mixed", archive)
+    archived_run(archive, "mixed", "margin 1", 1338, "config/lowres_margin_1.py", fake_metrics(0.37, 5.0),
+                 run_identity={"training": identity.training_keys(runner.planned_commands(
+                     "config/lowres_margin_1.py", 1338, [])), "commit": "b" * 40, "cpu": "CPU A"})
+    table, _ = report.build_table("mixed", archive)
+    assert f"| CE | 2 | {'a' * 12} ×2 | CPU A ×2 |" in table
+    assert f"| margin 1 | 2 | {'a' * 12}, {'b' * 12} | CPU A ×2 |" in table
+    assert "by declaration (tools/grids.py, POOLABLE): one edit of a comment between the two commits." in table
+    # a dirty tree's run is its commit and the hash of its changes: unknown where they were not hashed
+    assert identity.code("c" * 40 + "+dirty", {"diff_sha256": "d" * 64}) == "c" * 40 + "+" + "d" * 12
+    assert identity.code("c" * 40 + "+dirty", {}) == "c" * 40 + "+dirty"
+    assert identity.code("c" * 40, {}) == "c" * 40 and identity.short_code("c" * 40 + "+dirty") == "c" * 12 + "+dirty"
+    assert identity.known_code("c" * 40 + "+" + "d" * 12) and not identity.known_code("c" * 40 + "+dirty")

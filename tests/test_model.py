@@ -56,7 +56,7 @@ def test_a_loss_reaches_each_embedding_by_name_on_tied_and_untied_models():
         assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
         assert (model.wte.weight.grad is not None) == tied
         model.zero_grad(set_to_none=True)
-        headless = Objective(TINY.n_layer, TINY.n_embd, ce=0.0, cwt=1.0)
+        headless = Objective(TINY.n_layer, TINY.n_embd, ce_weight=0.0, cwt_weight=1.0)
         loss, terms, logits, _ = objective_step(model, headless, x, x)
         loss.backward()
         assert logits is None and set(terms) == {"cwt"} and model.wte.weight.grad.abs().sum() > 0

@@ -356,12 +356,6 @@ DATA_CASES = ("truncated meta.json", "meta.json without vocab_size", "vocabulary
               "a bin from another preparation", "dataset shorter than a window")
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, data_dir):  # noqa: F811
-    out = str(tmp_path_factory.mktemp("runs") / "done")
-    train(out, data_dir, "--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False")
-    return out
-
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name,args,damage,status,message", BAD_INPUTS, ids=[case[0] for case in BAD_INPUTS])

@@ -2,7 +2,6 @@
 straight from the formulas in losses.py's docstrings (and the papers they cite), on tiny
 float64 tensors: same value and same autograd gradient."""
 
-import inspect
 import math
 
 import pytest
@@ -388,14 +387,14 @@ def test_dispersion_paper_form_pushes_condensed_states_several_times_harder():
 
 
 def test_dispersion_form_is_checked_by_the_function_objective_and_configurator():
-    from configurator import TRAIN_RULES, ConfigError, check_values, parse_config, train_defaults
+    from configurator import ConfigError, check_values, parse_config, train_defaults, train_rules
     from objective import Objective
     with pytest.raises(ValueError, match="unknown dispersion form 'released'; valid: paper, authors"):
         dispersion(randn(1, 4, 3), form="released")
-    with pytest.raises(ValueError, match="dispersion_form must be one of paper, authors, got 'released'"):
-        Objective(2, 8, dispersion=0.1, dispersion_form="released")
+    with pytest.raises(ValueError, match="key 'dispersion_form' must be one of paper, authors, got 'released'"):
+        Objective(2, 8, dispersion_weight=0.1, dispersion_form="released")
     with pytest.raises(ConfigError, match="key 'dispersion_form' must be one of paper, authors, got 'released'"):
-        check_values(parse_config(["--dispersion_form=released"], train_defaults()), TRAIN_RULES)
+        check_values(parse_config(["--dispersion_form=released"], train_defaults()), train_rules())
 
 
 # ------------------------------------------------------------------------------------------ NITP
@@ -483,13 +482,13 @@ def test_cwt_temperature_divides_the_logits(tau):
                                lambda x, w: brute_cwt(x, targets, w, tau=tau), h, wte)
     assert cwt(h, targets, wte, tau=tau).item() != pytest.approx(cwt(h, targets, wte).item(), rel=1e-3)
     assert torch.autograd.gradcheck(lambda x: cwt(x, targets, wte, tau=tau), (h.clone().requires_grad_(),))
-    from configurator import TRAIN_RULES, ConfigError, check_values, parse_config, train_defaults
+    from configurator import ConfigError, check_values, parse_config, train_defaults, train_rules
     from objective import Objective
-    total, terms = Objective(1, 3, ce=0.0, cwt=1.0, cwt_tau=tau)(None, [h, h, h], targets, {"input": wte})
+    total, terms = Objective(1, 3, ce_weight=0.0, cwt_weight=1.0, cwt_tau=tau)(None, [h, h, h], targets, {"input": wte})
     assert torch.equal(terms["cwt"], cwt(h, targets, wte, tau=tau))
     assert train_defaults()["cwt_tau"] == 1.0
     with pytest.raises(ConfigError, match="key 'cwt_tau' must be a finite number > 0, got 0"):
-        check_values(parse_config(["--cwt_tau=0"], train_defaults()), TRAIN_RULES)
+        check_values(parse_config(["--cwt_tau=0"], train_defaults()), train_rules())
 
 
 def test_cwt_bf16_autocast_gives_float32():
@@ -509,8 +508,8 @@ def test_objective_is_the_weighted_sum_of_the_plain_functions():
     hidden = [torch.randn(B, T, C, dtype=torch.float64) for _ in range(L + 2)]
     logits = torch.randn(B, T, V, dtype=torch.float64)
     targets = torch.randint(0, V, (B, T))
-    objective = Objective(L, C, ce=1.0, margin=2.0, simreg=3.0, dispersion=0.5, dispersion_layers="last",
-                          nitp=2.0).double()
+    objective = Objective(L, C, ce_weight=1.0, margin=2.0, simreg_weight=3.0, dispersion_weight=0.5,
+                          dispersion_layers="last", nitp_weight=2.0).double()
     total, terms = objective(logits, hidden, targets, embeddings={})
     expected = {"ce": cross_entropy(logits, targets, margin=2.0), "simreg": simreg(hidden[-1], targets),
                 "dispersion": dispersion(hidden[L]),
@@ -520,12 +519,12 @@ def test_objective_is_the_weighted_sum_of_the_plain_functions():
         assert torch.allclose(terms[name], expected[name], atol=1e-12), name
     assert torch.allclose(total, expected["ce"] + 3 * expected["simreg"] + 0.5 * expected["dispersion"]
                           + 2 * expected["nitp"], atol=1e-12)
-    assert objective.needs_logits and not Objective(L, C, ce=0.0, cwt=1.0).needs_logits
+    assert objective.needs_logits and not Objective(L, C, ce_weight=0.0, cwt_weight=1.0).needs_logits
     assert sum(p.numel() for p in objective.parameters()) == 3 * C * 4 * C  # the SwiGLU head C -> 4C -> C
 
 
 def test_objective_adds_the_router_loss_of_a_mixture_of_experts():
-    """Mixtral's load-balancing term comes into the total through Objective, with weight moe_aux,
+    """Mixtral's load-balancing term comes into the total through Objective, with weight moe_aux_weight,
     only when the config has experts; a dense model's router_loss (None) changes nothing."""
     from losses import cross_entropy
     from objective import Objective
@@ -535,15 +534,14 @@ def test_objective_adds_the_router_loss_of_a_mixture_of_experts():
     logits, targets = torch.randn(B, T, V, dtype=torch.float64), torch.randint(0, V, (B, T))
     router_loss = torch.tensor(1.7, dtype=torch.float64)
     ce = cross_entropy(logits, targets)
-    total, terms = Objective(L, C, moe_aux=0.02)(logits, hidden, targets, {}, router_loss=router_loss)
+    total, terms = Objective(L, C, moe_aux_weight=0.02)(logits, hidden, targets, {}, router_loss=router_loss)
     assert terms.keys() == {"ce", "moe_aux"} and torch.equal(total, ce + 0.02 * router_loss)
-    assert Objective(L, C, moe_aux=0.02)(logits, hidden, targets, {})[1].keys() == {"ce"}
-    assert Objective(L, C)(logits, hidden, targets, {}, router_loss=router_loss)[1].keys() == {"ce"}
-    defaults = inspect.signature(Objective).parameters
-    config = dict(n_layer=L, n_embd=C, ce_weight=1.0, simreg_weight=0.0, dispersion_weight=0.0, nitp_weight=0.0,
-                  cwt_weight=0.0, moe_aux_weight=0.02, **{key: defaults[key].default for key in Objective.SETTINGS})
-    assert Objective.from_config({**config, "n_expert": 8}).moe_aux == 0.02
-    assert Objective.from_config({**config, "n_expert": 1}).moe_aux == 0.0
+    assert Objective(L, C, moe_aux_weight=0.02)(logits, hidden, targets, {})[1].keys() == {"ce"}
+    switched_off = Objective(L, C, moe_aux_weight=0.0)
+    assert switched_off(logits, hidden, targets, {}, router_loss=router_loss)[1].keys() == {"ce"}
+    config = dict(n_layer=L, n_embd=C, moe_aux_weight=0.02)
+    assert Objective.from_config({**config, "n_expert": 8}).config.moe_aux_weight == 0.02
+    assert Objective.from_config({**config, "n_expert": 1}).config.moe_aux_weight == 0.0
 
 
 def test_l2_repel_is_bounded_below_as_states_grow_apart():

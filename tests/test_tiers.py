@@ -1,5 +1,7 @@
 """tiers.py, the quick tier's check: run on small test files by pytest itself (pytester)."""
 
+import os
+
 import pytest
 
 import tiers
@@ -9,6 +11,8 @@ pytest_plugins = ["pytester"]
 TESTS = '''
 import subprocess
 import time
+
+import os
 
 import pytest
 
@@ -62,3 +66,18 @@ def test_an_unmarked_test_that_starts_a_process_or_computes_long_fails_and_says_
     # the quick tier deselects what is marked, and runs the rest
     quick = pytester.runpytest("-p", "tiers", "-p", "no:cacheprovider", "-m", "not slow")
     quick.assert_outcomes(passed=1, failed=3, deselected=2)
+
+
+def test_every_test_the_floor_skips_exists():
+    """tests/floor_skip.txt (written by tests/torch_use.py) names tests by node id: one renamed or
+    removed since would leave a stale line, and its new name would run on the floor unmeasured."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(repo, "tests", "floor_skip.txt")) as f:
+        lines = f.read().splitlines()
+    assert lines, "tests/floor_skip.txt is empty: run python tests/torch_use.py"
+    for line in lines:
+        path, name = line.split("::")
+        with open(os.path.join(repo, path)) as f:
+            source = f.read()
+        assert f"def {name.split('[')[0]}(" in source, \
+            f"tests/floor_skip.txt names {line}, which {path} no longer has: run python tests/torch_use.py"

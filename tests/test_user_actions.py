@@ -22,12 +22,6 @@ from tools import grids
 pytestmark = pytest.mark.slow  # every test here starts processes (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, data_dir):  # noqa: F811
-    out = str(tmp_path_factory.mktemp("runs") / "done")
-    train(out, data_dir, *SHORT)
-    return out
-
 
 # 1. no tool deletes a training run ---------------------------------------------------------------
 def _export(best, out_dir):

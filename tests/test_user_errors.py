@@ -9,6 +9,7 @@ namespace (`unshare -rm`, skipped where the kernel does not allow it)."""
 import importlib.util
 import os
 import re
+import runpy
 import shutil
 import signal
 import subprocess
@@ -17,7 +18,7 @@ import time
 
 import pytest
 
-from test_train import REPO, TINY, train
+from test_train import REPO, TINY
 
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 SHORT = ["--max_iters=4", "--eval_interval=2", "--lr_decay_iters=4", "--final_eval=False"]
@@ -79,12 +80,6 @@ def in_tmpfs(mount_point, options, cmd, after=""):
     script = f'mount -t tmpfs -o {options} tmpfs "$0" || exit 99; "$@"; status=$?; {after or ":"}; exit $status'
     return ["unshare", "-rm", "sh", "-c", script, mount_point, *cmd]
 
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, data_dir):  # noqa: F811
-    out = str(tmp_path_factory.mktemp("runs") / "done")
-    train(out, data_dir, *SHORT)
-    return out
 
 
 # 1. a config file that exits or raises ------------------------------------------------------------
@@ -292,11 +287,33 @@ def tool_cases(tmp, data, best, run_dir):
     ]
 
 
-@pytest.mark.slow
-def test_tools_refuse_bad_arguments_and_unusable_paths(tmp_path, data_dir, finished_run):  # noqa: F811
+def in_process(cmd, capfd, monkeypatch):
+    """cmd ([python, a script or -m module, arguments...]) run as `python` would run it, but in this
+    process (the process boundary is not what the sweep tests): its exit status and its stderr."""
+    monkeypatch.chdir(REPO)
+    module = cmd[1] == "-m"
+    target, argv = (cmd[2], cmd[3:]) if module else (cmd[1], cmd[2:])
+    monkeypatch.setattr(sys, "argv", [target, *argv])
+    capfd.readouterr()
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+        status = 0
+    except SystemExit as e:
+        status = e.code if isinstance(e.code, int) else int(e.code is not None)
+    return status, capfd.readouterr().err
+
+
+@pytest.mark.slow  # the shared finished_run is a train.py process
+def test_tools_refuse_bad_arguments_and_unusable_paths(tmp_path, data_dir, finished_run, capfd, monkeypatch):
     """Each script: a bad argument is exit 2, an unusable path exit 1, one line, nothing written
     (once: ZeroDivisionError for --workers 0, StatisticsError for --steps 0, FileNotFoundError or
-    NotADirectoryError tracebacks for outputs under /proc or a file, after the work for bench)."""
+    NotADirectoryError tracebacks for outputs under /proc or a file, after the work for bench).
+    In this process: the scripts' one catch of a UserError is what ends them (errors.end_with), the
+    same with or without a process around it; test_a_config_that_exits_or_raises_is_a_config_error
+    and the tests above run them as processes."""
     tmp = str(tmp_path / "work")
     os.mkdir(tmp)
     with open(os.path.join(tmp, "a_file"), "w") as f:
@@ -304,11 +321,10 @@ def test_tools_refuse_bad_arguments_and_unusable_paths(tmp_path, data_dir, finis
     before = snapshot(tmp, data_dir, finished_run)
     failures = []
     for cmd, status, message in tool_cases(tmp, data_dir, os.path.join(finished_run, "best.pt"), finished_run):
-        result = run(cmd)
-        lines = [line for line in result.stderr.splitlines() if line.strip()]
-        if not (result.returncode == status and len(lines) == 1 and lines[0].startswith("error: ")
-                and message in lines[0]):
-            failures.append((cmd[1:4], result.returncode, result.stderr[-500:]))
+        returncode, stderr = in_process(cmd, capfd, monkeypatch)
+        lines = [line for line in stderr.splitlines() if line.strip()]
+        if not (returncode == status and len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0]):
+            failures.append((cmd[1:4], returncode, stderr[-500:]))
     assert not failures, failures
     assert snapshot(tmp, data_dir, finished_run) == before
 

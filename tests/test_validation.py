@@ -29,7 +29,7 @@ def test_validation_losses_match_a_loop(shift, ce_chunk_size, simreg):
     vocab, block, batch, iters, prob = 20, 8, 3, 2, 0.5
     model = GPT(GPTConfig(vocab_size=vocab + shift, block_size=block, n_layer=1, n_head=2, n_embd=8))
     val_data = np.random.default_rng(0).integers(0, vocab, 200).astype(np.uint16)
-    objective = Objective(1, 8, ce_chunk_size=ce_chunk_size, simreg=simreg)
+    objective = Objective(1, 8, ce_chunk_size=ce_chunk_size, simreg_weight=simreg)
     out = validation_losses(model, objective, val_data, batch, block, iters, shift, prob if shift else 0.0,
                             "cpu", contextlib.nullcontext())
     generator = torch.Generator().manual_seed(0)  # the draw validation_losses makes

@@ -26,13 +26,13 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
 
 
-LOSSES = {  # name -> Objective kwargs on top of CE
+LOSSES = {  # name -> Objective's settings (objective.ObjectiveConfig) on top of CE
     "CE": {},
-    "CE + SimReg": {"simreg": 1.0},
-    "CE + SimReg chunk": {"simreg": 1.0, "simreg_chunk_size": None},  # chunk size set per section
-    "CE + dispersion (all layers)": {"dispersion": 0.1},
-    "CE + dispersion (all layers, 256 positions)": {"dispersion": 0.1, "dispersion_positions": 256},
-    "CE + NITP": {"nitp": 1.0},
+    "CE + SimReg": {"simreg_weight": 1.0},
+    "CE + SimReg chunk": {"simreg_weight": 1.0, "simreg_chunk_size": None},  # chunk size set per section
+    "CE + dispersion (all layers)": {"dispersion_weight": 0.1},
+    "CE + dispersion (all layers, 256 positions)": {"dispersion_weight": 0.1, "dispersion_positions": 256},
+    "CE + NITP": {"nitp_weight": 1.0},
 }
 
 
@@ -66,7 +66,7 @@ def toy(args, device, dtype):
     config = GPTConfig(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128)
     losses = {k: dict(v) for k, v in LOSSES.items() if "256" not in k}
     losses["CE + SimReg chunk"]["simreg_chunk_size"] = 32
-    losses["CWT (headless)"] = {"ce": 0.0, "cwt": 1.0}
+    losses["CWT (headless)"] = {"ce_weight": 0.0, "cwt_weight": 1.0}
     times = {name: step_time(config, kw, 12, args.steps * 4, args.warmup, device, dtype)
              for name, kw in losses.items()}
     base = times["CE"]
@@ -83,7 +83,7 @@ def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
     e.g. NITP's head), on hidden states of the real shape: the extra work that term adds to a
     training step. Timing the term by itself is far less noisy than subtracting two ~40 s steps."""
     torch.manual_seed(0)
-    objective = Objective(n_layer, C, ce=0.0, **objective_kwargs).to(device)
+    objective = Objective(n_layer, C, ce_weight=0.0, **objective_kwargs).to(device)
     objective.init_weights()
     params = list(objective.parameters())
     optimizer = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1) if params else None
@@ -160,7 +160,7 @@ def paper_350m(args, device, dtype):
 def cwt_vs_ce(args, device, dtype):
     config = GPTConfig(vocab_size=50304, block_size=64, n_layer=4, n_head=4, n_embd=128)
     ce = step_time(config, {}, 12, args.steps * 2, args.warmup, device, dtype)
-    cwt = step_time(config, {"ce": 0.0, "cwt": 1.0}, 12, args.steps * 2, args.warmup, device, dtype)
+    cwt = step_time(config, {"ce_weight": 0.0, "cwt_weight": 1.0}, 12, args.steps * 2, args.warmup, device, dtype)
     table("CWT vs CE at V = 50304 (4 x 128, T 64, batch 12)", ["objective", "ms / step", "speed-up vs CE"],
           [("CE", f"{1000 * ce:.1f}", "1.00x"), ("CWT (headless)", f"{1000 * cwt:.1f}", f"{ce / cwt:.2f}x")])
     emit()

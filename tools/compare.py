@@ -26,13 +26,13 @@ import os
 import signal
 import sys
 
-from configurator import TRAIN_RULES, check_values, parse_config, train_defaults
+from configurator import check_values, parse_config, train_defaults, train_rules
 from errors import UserError, end_with
 from tools import figures
 from tools.grid_figures import make_figures
 from tools.grids import GRIDS, runs_of, stages
 from tools.report import build_table
-from tools.runner import check_like, run_grid, sync_archive
+from tools.runner import check_like, check_pooled_call, run_grid, sync_archive
 from utils import check_arguments, check_writable, save_text
 
 
@@ -40,10 +40,10 @@ def check_overrides(grid, overrides):
     """Every run's train.py arguments (its config files, its own and the grid's overrides) as train.py
     would read them, before any run starts: a misspelt key is a ConfigError (one line, exit 2), not
     the first run's failure an hour in."""
-    defaults = train_defaults()
+    defaults, rules = train_defaults(), train_rules()
     for _, seed, config, args, _ in runs_of(grid, "."):
         for config_file in stages(config):
-            check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults), TRAIN_RULES)
+            check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults), rules)
 
 
 def main(argv=None):
@@ -73,6 +73,7 @@ def main(argv=None):
     for folder in (args.archive,) if args.table_only else (args.archive, args.root):
         check_like(args.grid, folder, overrides, only)
     if not args.table_only:
+        check_pooled_call(args.grid, args.archive, only)  # what the table would pair, before hours of runs
         signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the grid as Ctrl-C does
         run_grid(args.grid, args.root, args.workers, overrides, args.archive, only)
     sync_archive(args.grid, args.root, args.archive)

@@ -89,7 +89,7 @@ def throughput_350m(check):
         b = run["batch_size"]
         built = None  # the previous row's model and states go before the next is built
         ms, first, loss, allocated, built = measure_step(check, run, residual)
-        flops = plan.training_flops_per_token(built[0], built[1], b * T, False) * b * T
+        flops = plan.training_flops_per_token(built[0], built[1], b * T) * b * T
         if divisor == 1:
             losses_seen.append(loss)
         rows.append((name, f"{b} x {T}", f"{1000 * ms:.1f}", f"{b * T / ms:,.0f}",
@@ -185,8 +185,8 @@ def loss_costs(check):
         objective = Objective.from_config({**config, **keys}).to(check.device)
         objective.init_weights()
         optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
-        flops = plan.training_flops_per_token(model, objective, B * T, keys.get("cwt_weight", 0) > 0)
-        base_flops = plan.training_flops_per_token(model, Objective.from_config(config), B * T, False)
+        flops = plan.training_flops_per_token(model, objective, B * T)
+        base_flops = plan.training_flops_per_token(model, Objective.from_config(config), B * T)
         check.reset_memory()
         try:
             def step():
@@ -219,7 +219,7 @@ def wide_7b(check):
                                   keep_gathered=True)
         first, s = step_times(check, step, 1, 2)
         allocated, reserved = check.peak_gib()
-        flops = plan.training_flops_per_token(model, objective, B * T, False) * B * T
+        flops = plan.training_flops_per_token(model, objective, B * T) * B * T
         measured[layers] = {"allocated": allocated, "reserved": reserved, "micro_s": s / micro,
                             "first": first, "plan": plan_gib(config), "flops": flops}
         model = objective = optimizers = step = None  # freed before the next depth is built
@@ -301,7 +301,7 @@ def moe_figures(check, B, routing):
         terms.update(train_step(model, objective, optimizers, scaler, batches, check.autocast)[1])
     first, s = step_times(check, step, 2, check.sizes["steps"] // 2 or 1)
     tokens = B * config["block_size"]
-    flops = plan.training_flops_per_token(model, objective, tokens, False) * tokens
+    flops = plan.training_flops_per_token(model, objective, tokens) * tokens
     aux = float(terms["moe_aux"].detach())
     if not math.isfinite(aux):
         raise RuntimeError(f"the router's loss is not finite ({routing})")

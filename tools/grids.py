@@ -134,6 +134,18 @@ UNRECORDED_RUNS = {
 }
 
 # a grid that trains another grid's configs and seeds again: its report says how far the numbers moved
+# A comparison pairs a method's run with its baseline's on one seed only when both ran the same code
+# (commit, and uncommitted changes) on the same CPU model, unless its grid is declared here, with why
+# its runs pool: the report then names every commit and CPU its rows came from.
+POOLABLE = {
+    "jostling": "archived before run.json recorded the commit; trained on an Intel Xeon and an AMD EPYC "
+                "machine",
+    "lowres": "archived before run.json recorded the commit; trained on an Intel Xeon and an AMD EPYC machine",
+    "bpe": "archived before run.json recorded the commit",
+    "jostling_prereg": "the archive's seeds were trained before run.json recorded the commit, the fresh "
+                       "seeds on an uncommitted tree whose changes were not hashed",
+    "jostling_swap": "archived before run.json recorded the commit",
+}
 RERUN_OF = {"bpe_rare": "bpe"}
 
 # train.py arguments every run of a grid gets. bpe_1600 ran on one GPU in float32, its pairs all in

@@ -163,9 +163,34 @@ def of_run(directory, cpu_of_grid=UNKNOWN):
     with open(path) as f:
         run = json.load(f)
     if "identity" in run:
-        return run["identity"]
-    return {"training": training_keys(run["commands"]), "commit": UNKNOWN, "cpu": cpu_of_grid,
-            "inferred": True}
+        return {**run["identity"], "code": code(run["identity"]["commit"], run.get("provenance", {}))}
+    return {"training": training_keys(run["commands"]), "commit": UNKNOWN, "code": UNKNOWN,
+            "cpu": cpu_of_grid, "inferred": True}
+
+
+def code(commit, provenance):
+    """The code a run trained with, as far as its record shows it: its commit, with the hash of its
+    uncommitted changes where the tree was dirty ('<commit>+dirty' where they were not hashed, as
+    before provenance was recorded: not known to equal any other)."""
+    diff = provenance.get("diff_sha256")
+    return f"{commit[:-len('+dirty')]}+{diff[:12]}" if commit.endswith("+dirty") and diff else commit
+
+
+def current_code():
+    """code() of a run started now from this checkout."""
+    head = commit()
+    return code(head, {"diff_sha256": git_diff_sha256()} if head.endswith("+dirty") else {})
+
+
+def known_code(run_code):
+    """Whether a run's code (code()) is known well enough to be the same as another's."""
+    return run_code != UNKNOWN and not run_code.endswith("+dirty")
+
+
+def short_code(run_code):
+    """A code as the tables print it: the commit's first 12 characters, and what follows its '+'."""
+    commit, plus, rest = run_code.partition("+")
+    return commit[:12] + plus + rest
 
 
 def first_difference(trained, planned):

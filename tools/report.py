@@ -19,8 +19,8 @@ import evaluate
 import metrics
 from tools import claims, identity, preregistered, stats, transition
 from tools.grid_runs import Grid, paired_columns
-from tools.grids import METRICS, PAPER, RERUN_OF, run_dir, runs_of
-from tools.runner import grid_calls
+from tools.grids import METRICS, PAPER, POOLABLE, RERUN_OF, run_dir, runs_of
+from tools.runner import UnpooledRuns, grid_calls
 from utils import read_log, save_json
 
 # the char grids score two languages; their tables use the paper's names
@@ -112,7 +112,9 @@ def machine_lines(g):
     pairs = [(g.runs[a][s]["dir"], g.runs[b][s]["dir"])
              for a, b in sorted(compared) if a in g.runs and b in g.runs
              for s in sorted(set(g.runs[a]) & set(g.runs[b]))]
+    check_poolable(g.name, g.runs, compared, identities)
     lines = [identity.machines_line(pairs, identities), ""] if pairs else []
+    lines += provenance_lines(g, identities)
     unrecorded = sorted((m, s) for m, per_seed in g.runs.items() for s, run in per_seed.items()
                         if identities[run["dir"]] is None)
     if unrecorded:
@@ -120,6 +122,48 @@ def machine_lines(g):
         lines += [f"Runs without a record of what trained them (no run.json; declared in "
                   f"`tools/grids.py`, UNRECORDED_RUNS, since a comparison refuses any other): {named}.", ""]
     return lines, identities
+
+
+def check_poolable(grid, runs, compared, identities):
+    """Raise UnpooledRuns for the first compared pair (method, baseline, seed) whose two runs differ
+    in code or CPU model, or do not record one, unless grids.POOLABLE declares the grid."""
+    if grid in POOLABLE:
+        return
+    for method, baseline in sorted(compared):
+        for seed in sorted(set(runs.get(method, {})) & set(runs.get(baseline, {}))):
+            sides = [identities[runs[m][seed]["dir"]] or {} for m in (method, baseline)]
+            found = [(side.get("code", identity.UNKNOWN), side.get("cpu", identity.UNKNOWN)) for side in sides]
+            (code_a, cpu_a), (code_b, cpu_b) = found
+            if not (identity.known_code(code_a) and cpu_a != identity.UNKNOWN and found[0] == found[1]):
+                raise UnpooledRuns(
+                    f"grid {grid}: {method} and {baseline} on seed {seed} ran code {identity.short_code(code_a)} "
+                    f"on {cpu_a} and code {identity.short_code(code_b)} on {cpu_b}: a comparison pairs runs of "
+                    "one code on one CPU model; "
+                    "train both again on one machine, or declare the grid in tools/grids.py's POOLABLE "
+                    "with why its runs pool")
+
+
+def provenance_lines(g, identities):
+    """Which code (commit) and which CPU each method's runs came from, and, for a grid whose
+    pairs may mix them, why it pools them (grids.POOLABLE)."""
+    def counted(values):
+        counts = {}
+        for value in values:
+            counts[value] = counts.get(value, 0) + 1
+        return ", ".join(f"{value} ×{n}" if n > 1 else value for value, n in sorted(counts.items()))
+    rows = []
+    for method in g.every_method():
+        found = [identities[run["dir"]] or {} for run in g.runs.get(method, {}).values()]
+        if found:
+            rows.append((method, len(found), counted(identity.short_code(i.get("code", identity.UNKNOWN)) for i in found),
+                         counted(i.get("cpu", identity.UNKNOWN) for i in found)))
+    lines = ["Code and machines: the commit each run trained at (+ the hash of its uncommitted changes; "
+             "+dirty where they were not recorded) and its CPU model, per method.", ""]
+    lines += table_lines(["method", "runs", "code", "CPU"], rows) + [""]
+    if g.name in POOLABLE:
+        lines += [f"This grid's pairs may mix code and machines, by declaration (tools/grids.py, "
+                  f"POOLABLE): {POOLABLE[g.name]}.", ""]
+    return lines
 
 
 def metric_tables(g):

@@ -30,7 +30,7 @@ from tqdm import tqdm
 import checkpoint as checkpoints
 from errors import UsageError, UserError
 from tools import identity
-from tools.grids import GRID_ARGS, UNRECORDED_RUNS, run_dir, runs_of, stages
+from tools.grids import GRID_ARGS, POOLABLE, UNRECORDED_RUNS, run_dir, runs_of, stages
 from utils import atomic_write, choose_device, measure_matmul_flops, read_log, save_json, save_text
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -360,6 +360,36 @@ def check_like(grid, folder, overrides, only=None):
             raise UnlikeRuns(f"{directory} ({method}, seed {seed}) was trained with {difference}: the table "
                              "would pair unlike runs; give --archive and --root other folders for a "
                              "comparison with other keys (--methods and --seeds make it smaller)")
+
+
+class UnpooledRuns(UserError):
+    """A pair of runs from other code or another machine, in a grid that does not declare them
+    poolable (grids.POOLABLE)."""
+
+
+def check_pooled_call(grid, archive, only=None):
+    """Before a call trains: raise UnpooledRuns when a run it would train shares its seed with an
+    archived run of other code or another CPU model (its table would pair them), unless the grid
+    is in grids.POOLABLE. only: the (method, seed) pairs this call trains, all by default."""
+    if grid in POOLABLE:
+        return
+    here = (identity.current_code(), identity.cpu_name())
+    runs = list(runs_of(grid, archive))
+    finished = {(m, s): d for m, s, *_, d in runs if os.path.exists(os.path.join(d, "metrics.json"))}
+    cpu_of_grid = identity.grid_cpu(archive, grid)
+    for method, seed, *_ in runs:
+        if (method, seed) in finished or (only is not None and (method, seed) not in only):
+            continue
+        for (other, other_seed), directory in finished.items():
+            found = identity.of_run(directory, cpu_of_grid) or {}
+            there = (found.get("code", identity.UNKNOWN), found.get("cpu", identity.UNKNOWN))
+            if other_seed == seed and there != here:
+                raise UnpooledRuns(
+                    f"grid {grid}: {method} on seed {seed} would run code {identity.short_code(here[0])} on "
+                    f"{here[1]}, and its table would pair it with {other}'s archived run, code "
+                    f"{identity.short_code(there[0])} on {there[1]}; train the seed's runs again together "
+                    "(--archive and --root another folder), or declare the grid in tools/grids.py's "
+                    "POOLABLE with why its runs pool")
 
 
 def stopped_difference(out_dir, planned):
