@@ -85,6 +85,9 @@ def read_config_file(path, _chain=()):
     if not isinstance(includes, list) or not all(isinstance(name, str) for name in includes):
         raise ConfigError(f"config file '{path}': include must be a file name or a list of them, "
                           f"got {include!r}")
+    if not own and not includes:  # JSON and YAML are valid Python too: they assign nothing
+        raise ConfigError(f"config file '{path}'{where} sets no key: a config file is Python assignments, "
+                          "one key = value per line (e.g. learning_rate = 3e-4)")
     values = {}
     for name in includes:
         values.update(read_config_file(os.path.join(os.path.dirname(path), name), _chain + (path,)))

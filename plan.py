@@ -38,7 +38,7 @@ import statistics
 
 import torch
 
-from configurator import ConfigError, check_train_config, parse_config, train_defaults
+from configurator import ConfigError, check_train_config, parse_config, train_defaults, train_rules
 from data import DataError, preparation_command, read_meta
 import parallelism
 from memory import (AUTO_BATCH_MEMORY, GPU_MEMORY_GIB, GiB, compute_dtype, cpu_heap_allowance,
@@ -110,8 +110,8 @@ EFFICIENCY_SETTINGS = {
 
 
 def step_time(model_config, objective_kwargs, batch_size, steps, warmup, device, dtype):
-    """Median seconds of one training step of random tokens with the given objective (Objective's
-    keyword arguments), after `warmup` untimed steps."""
+    """Median seconds of one training step of random tokens with the given objective (its keys,
+    objective.ObjectiveConfig's), after `warmup` untimed steps."""
     torch.manual_seed(0)
     model = build_model(model_config, device)
     objective = Objective(model_config.n_layer, model_config.n_embd, **objective_kwargs).to(device)
@@ -415,7 +415,7 @@ def main(argv=None):
                              "(default: LINK_GBPS's for --gpu)")
     args, config_args = parser.parse_known_args(argv)
     try:
-        config = parse_config(config_args, train_defaults())
+        config = parse_config(config_args, train_defaults(), train_rules())  # train.py's rules
         print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu, link_gbps=args.link_gbps)))
     except ConfigError as e:  # a config, a key or an argument: the usage error's status
         end_with(e)

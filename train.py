@@ -11,8 +11,9 @@ low_resource_prob, rewritten into a second "low-resource" language (every id shi
 char vocabulary size). The run writes log.jsonl, ckpt.pt (resume with --init_from=resume),
 best.pt and metrics.json to out_dir (every file and failure case: docs/runs.md; checkpoint.py
 writes and reads them); under torchrun only rank 0 writes, and with parallel='fsdp' the latest
-state is sharded (ckpt_dcp/). Ctrl-C, `kill` or a scheduler's SIGUSR1 finishes the step, saves
-ckpt.pt and prints the command that resumes; a non-finite loss stops the run before anything is saved.
+state is sharded (ckpt_dcp/). Ctrl-C, `kill`, a closed terminal or a scheduler's SIGUSR1 finishes
+the step, saves ckpt.pt and prints the command that resumes; a non-finite loss stops the run before
+anything is saved.
 """
 
 

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import sys
 import tempfile
 import time
@@ -301,9 +302,9 @@ def check_arguments(*checks):
 
 
 class StopRequest:
-    """Turn SIGINT (Ctrl-C), SIGTERM (`kill`, torchrun passing on a stop) and SIGUSR1 (what a
-    cluster scheduler such as SLURM's --signal sends before preempting a job) into a request the
-    training loop reads between steps: it says so at once (one line on stderr; announce=False: ranks
+    """Turn SIGINT (Ctrl-C), SIGTERM (`kill`, torchrun passing on a stop), SIGUSR1 or SIGUSR2 (what a
+    cluster scheduler such as SLURM's --signal sends before preempting a job) and SIGHUP (the
+    terminal closed, an ssh dropped) into a request the training loop reads between steps: it says so at once (one line on stderr; announce=False: ranks
     other than 0), finishes the step (an evaluation stops between its batches), writes a checkpoint
     and exits with 128 + the signal's number, the shell's convention for "ended by a signal". A
     second SIGINT or SIGTERM while a stop is pending (a step or an evaluation that takes long, a
@@ -311,7 +312,7 @@ class StopRequest:
     written is left as it was (writes are atomic), so the run resumes from its last one. A SIGTERM
     within REPEAT_S of the first is not a second one."""
 
-    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
 
     def __init__(self, announce=True):
         self.signum, self.since, self.announce = None, None, announce  # announce: say so at once (rank 0)
@@ -329,6 +330,8 @@ class StopRequest:
             print(f"\n{signal.Signals(signum).name} while a stop was pending: ending now, without saving "
                   f"this step; the last checkpoint is as it was", file=sys.stderr, flush=True)
             raise SystemExit(128 + signum)
+        if signum == signal.SIGHUP:  # a closed terminal: what the run still prints goes nowhere, as
+            detach_from_terminal()   # nohup would send it, instead of failing the save with EIO
         # os.write: the handler may run inside a write to stderr (tqdm)
         if self.signum is None and self.announce:
             os.write(2, f"\n{signal.Signals(signum).name}: stopping after this step (an evaluation stops at "
@@ -344,6 +347,16 @@ class StopRequest:
         """Give the signals their default actions back (Ctrl-C raises KeyboardInterrupt again)."""
         for signum in self.SIGNALS:
             signal.signal(signum, signal.default_int_handler if signum == signal.SIGINT else signal.SIG_DFL)
+
+
+def detach_from_terminal():
+    """Point stdout and stderr at /dev/null where they are a terminal (a character device: one that
+    has hung up no longer answers isatty); a file or a pipe they write to is kept."""
+    null = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        if stat.S_ISCHR(os.fstat(fd).st_mode):
+            os.dup2(null, fd)
+    os.close(null)
 
 
 def save_json(obj, path):

@@ -84,3 +84,16 @@ def test_every_shipped_config_parses():
     assert any(os.sep + "methods" + os.sep in p for p in paths)
     for path in paths:
         parse_config([path], defaults)
+
+
+@pytest.mark.parametrize("name,text", [
+    ("c.json", '{"learning_rate": 0.5, "max_iters": 7}\n'),  # a dict expression: assigns nothing
+    ("c.yaml", "learning_rate: 0.5\nmax_iters: 7\n"),  # annotations without a value: assigns nothing
+    ("empty.py", "# nothing here yet\n")])
+def test_a_config_that_sets_no_key_is_refused_naming_the_file(tmp_path, name, text):
+    """Once trained train.py's defaults for 8,000 steps and exited 0: JSON and YAML are valid Python."""
+    cfg = tmp_path / name
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=rf"config file '.*{name}' sets no key: a config file is Python "
+                                          r"assignments, one key = value per line"):
+        parse_config([str(cfg)], DEFAULTS)

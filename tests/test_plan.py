@@ -463,6 +463,19 @@ def test_plan_cli_refuses_counts_and_fractions_out_of_range(args, message, capsy
     assert ended.value.code == 2 and capsys.readouterr().err == message + "\n"
 
 
+@pytest.mark.parametrize("key,message", [
+    ("--n_head=-4", "key 'n_head' must be a positive integer, got -4"),
+    ("--n_layer=0", "key 'n_layer' must be a positive integer, got 0"),
+    ("--learning_rate=-1", "key 'learning_rate' must be a finite number > 0, got -1.0"),
+    ("--simreg_tau=0", "key 'simreg_tau' must be a finite number > 0, got 0.0")])
+def test_plan_cli_applies_train_pys_rules(key, message, capsys):
+    """Once a traceback (n_head), another key blamed (n_layer: nitp_layer) or a plan (a negative
+    learning rate): the plan refuses what train.py refuses, in train.py's words."""
+    with pytest.raises(SystemExit) as ended:
+        plan.main([os.path.join(REPO, "config/baseline_350m.py"), key])
+    assert ended.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+
+
 def test_plan_cli_takes_link_gbps(capsys):
     plan.main([os.path.join(REPO, "config/baseline_350m.py"), "--processes", "16", "--link_gbps", "800"])
     line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("communication:"))

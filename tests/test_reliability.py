@@ -1,17 +1,20 @@
 """A run never loses or misreports work. Real processes, real signals, real files:
-kill -9 at random moments (inside checkpoint writes too) and resume bit-identically; SIGTERM and
-SIGINT save and resume bit-identically; a full disk leaves the previous checkpoint intact; an
+kill -9 at random moments (inside checkpoint writes too) and resume bit-identically; SIGTERM,
+SIGINT, SIGUSR2 and SIGHUP (a closed terminal too) save and resume bit-identically; a full disk leaves the previous checkpoint intact; an
 unreadable latest checkpoint falls back to the previous one; every bad input is one line, a
 conventional exit status, and no file changed."""
 
+import contextlib
 import hashlib
 import json
 import os
+import pty
 import random
 import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -138,9 +141,9 @@ def test_kill_9_at_random_moments_resumes_bit_identically(tmp_path, data_dir, un
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR2, signal.SIGHUP])
 def test_a_stop_signal_saves_the_step_and_resumes_bit_identically(tmp_path, data_dir, uninterrupted, signum):  # noqa: F811
-    """SIGTERM / SIGINT: the step finishes, ckpt.pt holds it (not only the last evaluation), the
+    """SIGTERM / SIGINT / SIGUSR2 / SIGHUP (SIGUSR1: test_distributed.py): the step finishes, ckpt.pt holds it (not only the last evaluation), the
     command that resumes is printed, the exit status is 128 + the signal; resuming finishes the
     same run."""
     out = str(tmp_path / "stopped")
@@ -161,6 +164,35 @@ def test_a_stop_signal_saves_the_step_and_resumes_bit_identically(tmp_path, data
     result = subprocess.run([sys.executable, *resume[1:]], cwd=REPO, env=ENV, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-2000:]
     assert_same_run(out, uninterrupted)
+
+
+@pytest.mark.slow
+def test_a_closed_terminal_saves_the_step(tmp_path, data_dir):  # noqa: F811
+    """A run writing to a terminal that closes (its pty's other end gone, then SIGHUP, as a dropped
+    ssh does): every write to it fails with EIO, yet the step is saved and the run exits 129. Once:
+    exit 129 at once, nothing saved since the last evaluation."""
+    out = str(tmp_path / "hung_up")
+    args = [a for a in LONG if not a.startswith("--checkpoint_interval")] + ["--final_eval=False"]
+    terminal, its_end = pty.openpty()
+    process = subprocess.Popen(command(out, data_dir, *args), cwd=REPO, env=ENV, stdin=subprocess.DEVNULL,
+                               stdout=its_end, stderr=its_end)
+    os.close(its_end)
+    reader = threading.Thread(target=drain, args=(terminal,), daemon=True)  # a full pty would block the run
+    reader.start()
+    assert wait_for(lambda: os.path.exists(os.path.join(out, "log.jsonl"))
+                    and sum(1 for _ in open(os.path.join(out, "log.jsonl"))) > 60, process)
+    os.close(terminal)  # the terminal is gone: the run's writes to it now fail
+    process.send_signal(signal.SIGHUP)
+    assert process.wait(timeout=120) == 128 + signal.SIGHUP
+    step = torch.load(os.path.join(out, "ckpt.pt"), weights_only=True)["iter_num"]
+    assert 50 < step < 200  # past the evaluation at 50: saved by the stop itself
+
+
+def drain(fd):
+    """Read a pty's output until its other end is gone."""
+    with contextlib.suppress(OSError):
+        while os.read(fd, 4096):
+            pass
 
 
 @pytest.mark.slow

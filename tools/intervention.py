@@ -40,6 +40,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import torch
 
 from errors import UsageError, UserError, end_with
+from metrics import twin_alignment
 from tools import identity, runner
 from tools.grids import run_dir
 from utils import read_log, save_json, torch_save
@@ -110,12 +111,6 @@ def rotate_twins(E, shift, arm, target=None, generator=None):
     return out, theta
 
 
-def twin_cos(E, shift):
-    """The mean cosine of each LR row with its HR twin (as metrics.twin_alignment logs it)."""
-    X = torch.nn.functional.normalize(E[:2 * shift].double(), dim=1)
-    return (X[:shift] * X[shift:]).sum(dim=1).mean().item()
-
-
 def make_branch(trunk_dir, out_dir, arm, seed):
     """A copy of the trunk's checkpoint (ckpt.pt) and log in out_dir, its LR rows rotated by arm
     (generator seeded with seed for the sham); the optimizer, data and RNG states stay as they are.
@@ -131,7 +126,7 @@ def make_branch(trunk_dir, out_dir, arm, seed):
         raise UsageError(f"{path} is not a whole-weights checkpoint of a two-language run")
     shift = checkpoint["meta"]["vocab_size"]
     weights = checkpoint["model"]
-    before = twin_cos(weights["wte.weight"], shift)
+    before = twin_alignment(weights["wte.weight"], shift)["twin_cos"]
     generator = torch.Generator().manual_seed(seed)
     rotated, theta = rotate_twins(weights["wte.weight"], shift, arm, TARGETS[arm], generator)
     weights["wte.weight"] = rotated
@@ -140,7 +135,7 @@ def make_branch(trunk_dir, out_dir, arm, seed):
     checkpoint["best_val_loss"] = float("inf")
     record = {"arm": arm, "target": TARGETS[arm], "theta": theta, "seed": seed,
               "step": checkpoint["iter_num"], "twin_cos_before": before,
-              "twin_cos_after": twin_cos(rotated, shift), "trunk": os.path.abspath(trunk_dir)}
+              "twin_cos_after": twin_alignment(rotated, shift)["twin_cos"], "trunk": os.path.abspath(trunk_dir)}
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
