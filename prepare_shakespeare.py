@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from data import (BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE, DataError, gpt2_encoding, sha256_of_file,
                   write_meta, write_tokens)
-from errors import UserError, end_with
+from errors import UsageError, UserError, end_with
 from utils import atomic_write, check_arguments, check_writable, remove_leftovers
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
@@ -206,6 +206,10 @@ def prepare_missing(data_dir, source=""):
     True; otherwise leave it alone and return False. `source` is a URL or a local file ('' = the
     public tiny Shakespeare, sha256-checked); a failed download says how to use a local copy."""
     tokenizer = next((t for t in TOKENIZERS if os.path.normpath(data_dir) == default_out_dir(t)), None)
+    if tokenizer is None and source:  # it would be ignored: the run would train on what data_dir holds
+        folders = " or ".join(default_out_dir(t) for t in TOKENIZERS)
+        raise UsageError(f"--data_source prepares {folders} while it is empty, not --data_dir {data_dir}: "
+                         f"prepare that with python prepare_shakespeare.py --input ... --out_dir {data_dir}")
     if tokenizer is None or os.path.exists(os.path.join(data_dir, "meta.json")):
         return False
     is_url = not source or source.startswith(("http://", "https://"))

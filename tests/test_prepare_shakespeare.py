@@ -457,3 +457,13 @@ def test_train_prepares_from_a_local_copy(tmp_path, sample_file):
     assert result.returncode == 0, result.stderr[-2000:]
     _, _, _, train_text, val_text = decode_outputs(tmp_path / "data" / "shakespeare_char")
     assert train_text + val_text == SAMPLE_TEXT and "note:" in result.stdout
+
+
+def test_a_data_source_for_a_folder_it_does_not_prepare_is_refused(tmp_path):
+    """--data_source prepares only this script's own folders while they are empty; with another
+    --data_dir it was ignored without a word (the run trained on that folder's data)."""
+    from errors import UsageError
+    with pytest.raises(UsageError, match=rf"--data_source prepares data/shakespeare_char or data/shakespeare_gpt2 "
+                                         rf"while it is empty, not --data_dir {tmp_path}: prepare that with"):
+        ps.prepare_missing(str(tmp_path), "input.txt")
+    assert ps.prepare_missing(str(tmp_path)) is False and os.listdir(tmp_path) == []  # no source: its data
