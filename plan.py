@@ -50,7 +50,7 @@ from model import GPT, GPTConfig, build_model
 from objective import Objective, objective_step
 from optim import configure_optimizers
 from utils import (GPU_PEAK_BF16_FLOPS, autocast_context, available_memory, choose_device, choose_dtype, duration,
-                   peak_flops, seconds)
+                   measure_matmul_flops, peak_flops, seconds)
 
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
 
@@ -372,6 +372,19 @@ def memory_heading(p, unit):
     activations = str(compute_dtype({"device": p["device"], "dtype": p["dtype"]})).removeprefix("torch.")
     whose = "the process" if p["processes"] == 1 else "each process"
     return f"memory of {whose} ({unit}; its tensors, activations in {activations}):"
+
+
+def slow_dtype_notice(device, dtype, peak):
+    """The line train.py prints when a CPU runs the chosen dtype's matmuls slower than float32's
+    (peak: the chosen dtype's measured FLOP/s; most CPUs have no float16 units, some no bfloat16
+    ones): both speeds, measured here. None on a GPU, in float32, or where the dtype is faster."""
+    if device != "cpu" or dtype == "float32":
+        return None
+    float32 = measure_matmul_flops(device, torch.float32)
+    if float32 <= peak:
+        return None
+    return (f"note: {dtype} matmuls run at {peak / 1e9:,.0f} GFLOP/s on this CPU and float32's at "
+            f"{float32 / 1e9:,.0f}: --dtype=float32 would train about {float32 / peak:,.0f}x faster")
 
 
 def run_summary(params, device, dtype, tokens_per_iter, flops_per_iter, peak, parallel, processes,

@@ -268,6 +268,8 @@ if master:
                            world_size, fsdp_shard_size))
     if notice := plan.long_work_notice(flops_per_iter, flops_per_eval, peak):  # a long wait for the first log
         print(notice, flush=True)
+    if notice := plan.slow_dtype_notice(device, dtype, peak / world_size):  # e.g. float16 on most CPUs
+        print(notice, flush=True)
 
 last_eval = None
 # a stop takes effect between steps: after every step the ranks agree on it (one host all-reduce of

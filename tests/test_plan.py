@@ -606,3 +606,14 @@ def test_moe_communication_is_what_a_counted_all_gather_moves_on_4_processes():
         unpadded = 3 / 4 * 4 * model.num_params()
         assert (planned["reduce_scatter"] > unpadded * 1.2) == (name == "2 experts, nothing divides"), name
     assert result.stdout.count("note: fsdp pads") == 1 and "mlp.gate [2, 30, 18]" in result.stdout
+
+
+def test_a_dtype_slower_than_float32_on_the_cpu_is_said_with_both_speeds(monkeypatch):
+    """float16 on a CPU without float16 units once trained many times slower with no word."""
+    monkeypatch.setattr(plan, "measure_matmul_flops", lambda device, dtype: 50e9)  # float32's, "measured"
+    assert plan.slow_dtype_notice("cpu", "float16", 1e9) == (
+        "note: float16 matmuls run at 1 GFLOP/s on this CPU and float32's at 50: --dtype=float32 would "
+        "train about 50x faster")
+    assert plan.slow_dtype_notice("cpu", "bfloat16", 200e9) is None  # faster than float32 here
+    assert plan.slow_dtype_notice("cpu", "float32", 1e9) is None
+    assert plan.slow_dtype_notice("cuda:0", "float16", 1e9) is None
