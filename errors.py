@@ -47,9 +47,16 @@ def end_with(error, master=True):
     stops the ranks still running as soon as one has exited, and a rank still tearing down would
     be reported killed by SIGTERM."""
     report(error, master)
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
+    if several_processes():
         os._exit(error.status)
     sys.exit(error.status)
+
+
+def several_processes():
+    """Whether torchrun started this process as one of several (WORLD_SIZE > 1; a WORLD_SIZE that
+    is not a number counts as one process here: utils.launched says what is wrong with it)."""
+    size = os.environ.get("WORLD_SIZE", "1")
+    return size.isdigit() and int(size) > 1
 
 
 def end_on_user_error():
@@ -66,7 +73,7 @@ def end_on_user_error():
         # prints afterwards (each line prefixed [rankN]): os._exit comes first, so write to the streams
         sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
         report(error, os.environ.get("RANK", "0") == "0")
-        if error.status != 1 or int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        if error.status != 1 or several_processes():
             os._exit(error.status)
     sys.excepthook = hook
 

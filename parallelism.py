@@ -45,7 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from errors import UsageError
 from model import fill_parameters
+from utils import launched
 
 
 def init_distributed(device_type):
@@ -56,8 +58,13 @@ def init_distributed(device_type):
     if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
         return 0, 0, 1
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:  # WORLD_SIZE set by hand: the rendezvous would fail with a traceback, or wait
+        raise UsageError(f"WORLD_SIZE={os.environ['WORLD_SIZE']} is set but {', '.join(missing)} not: start "
+                         f"the processes with torchrun (torchrun --nproc_per_node=N train.py ...), which "
+                         f"sets them all")
     dist.init_process_group(backend)
-    return dist.get_rank(), int(os.environ.get("LOCAL_RANK", 0)), dist.get_world_size()
+    return dist.get_rank(), launched("LOCAL_RANK", 0), dist.get_world_size()
 
 
 def apply_activation_checkpointing(model):

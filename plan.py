@@ -45,12 +45,12 @@ from memory import (AUTO_BATCH_MEMORY, GPU_MEMORY_GIB, GiB, compute_dtype, cpu_h
                     gathered_bytes, memory_by_mode, meta_model, micro_steps_of, resolve_batch_size,
                     shard_group)
 from comms import communication_bytes, communication_lines, link_of, step_seconds
-from errors import end_with
+from errors import UsageError, end_with
 from model import GPT, GPTConfig, build_model
 from objective import Objective, objective_step
 from optim import configure_optimizers
 from utils import (GPU_PEAK_BF16_FLOPS, autocast_context, available_memory, choose_device, choose_dtype, duration,
-                   measure_matmul_flops, peak_flops, seconds)
+                   launched, measure_matmul_flops, peak_flops, seconds)
 
 C4_TOKENS_PER_SHARD = 150e6  # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
 
@@ -412,13 +412,13 @@ def print_plan(config, processes):
     if config["num_threads"] > 0:  # the run's threads time the toy's step (train.py sets them after this)
         torch.set_num_threads(config["num_threads"])
     p = make_plan(config, processes, device="cuda" if device.startswith("cuda") else device)
-    if int(os.environ.get("RANK", 0)) == 0:
+    if launched("RANK", 0) == 0:
         print(format_plan(p))
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
-    parser.add_argument("--processes", type=int, default=int(os.environ.get("WORLD_SIZE", 1)))
+    parser.add_argument("--processes", type=int, default=None, help="default: WORLD_SIZE, else 1")
     parser.add_argument("--gpu", default="H100",
                         help=f"one of {', '.join(GPU_PEAK_BF16_FLOPS)} (bf16 datasheet peak)")
     parser.add_argument("--mfu", type=float, default=0.4,
@@ -429,8 +429,9 @@ def main(argv=None):
     args, config_args = parser.parse_known_args(argv)
     try:
         config = parse_config(config_args, train_defaults(), train_rules())  # train.py's rules
-        print(format_plan(make_plan(config, args.processes, args.gpu, args.mfu, link_gbps=args.link_gbps)))
-    except ConfigError as e:  # a config, a key or an argument: the usage error's status
+        processes = launched("WORLD_SIZE", 1) if args.processes is None else args.processes
+        print(format_plan(make_plan(config, processes, args.gpu, args.mfu, link_gbps=args.link_gbps)))
+    except UsageError as e:  # a config, a key, an argument or the environment: the usage error's status
         end_with(e)
 
 

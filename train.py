@@ -40,8 +40,8 @@ from errors import end_on_user_error
 from model import GPT, GPTConfig, initial_weights
 from objective import Objective, ObjectiveConfig, objective_step
 from optim import AdaGC, apply_gradients, configure_optimizers, gradient_clipping, learning_rate_at
-from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, peak_flops,
-                   save_json)
+from utils import (StopRequest, autocast_context, choose_device, choose_dtype, keep_freed_memory, launched,
+                   peak_flops, save_json)
 
 
 # -----------------------------------------------------------------------------
@@ -143,7 +143,7 @@ keep_freed_memory()  # a big vocabulary's logits would otherwise be page-faulted
 stop = StopRequest(announce=os.environ.get("RANK", "0") == "0")  # from here a stop signal ends the run, saved
 # -----------------------------------------------------------------------------
 
-world_size = int(os.environ.get("WORLD_SIZE", 1))  # torchrun sets it; `python train.py` is one process
+world_size = launched("WORLD_SIZE", 1)  # torchrun sets it; `python train.py` is one process
 if dry_run:  # this run's plan (plan.py) on these processes: nothing allocated or read, out_dir untouched
     plan.print_plan(config, world_size)
     sys.exit(0)

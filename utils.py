@@ -70,7 +70,7 @@ def available_memory(device):
     device = torch.device(device)
     if device.type == "cuda":  # (before train.py picks its GPU under torchrun: LOCAL_RANK's)
         device = torch.device("cuda", device.index if device.index is not None
-                              else int(os.environ.get("LOCAL_RANK", 0)))
+                              else launched("LOCAL_RANK", 0))
         free, _ = torch.cuda.mem_get_info(device)
         return free, f"{torch.cuda.get_device_name(device)} free memory"
     if device.type == "mps" and hasattr(torch.mps, "recommended_max_memory"):
@@ -79,7 +79,7 @@ def available_memory(device):
     limit = _cgroup_memory_left()
     if limit is not None and limit < available:
         available, source = limit, "RAM left under the cgroup's memory.max"
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    local = launched("LOCAL_WORLD_SIZE", 1)
     if local > 1:
         available, source = available // local, f"{source} / {local} processes"
     return available, source
@@ -357,6 +357,18 @@ def detach_from_terminal():
         if stat.S_ISCHR(os.fstat(fd).st_mode):
             os.dup2(null, fd)
     os.close(null)
+
+
+def launched(name, default):
+    """A count or an index that torchrun sets (WORLD_SIZE, RANK, LOCAL_RANK, LOCAL_WORLD_SIZE), or
+    default where it is not set; set by hand to anything but a whole number, a UsageError."""
+    value = os.environ.get(name)
+    if value is None:
+        return default
+    if not value.strip().isdigit():
+        raise UsageError(f"environment variable {name} must be a whole number >= 0 (torchrun sets it), "
+                         f"got {value!r}")
+    return int(value)
 
 
 def save_json(obj, path):

@@ -81,6 +81,44 @@ def in_tmpfs(mount_point, options, cmd, after=""):
     return ["unshare", "-rm", "sh", "-c", script, mount_point, *cmd]
 
 
+# 0. the environment torchrun sets, set by hand ----------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("env,args,message", [
+    ({"WORLD_SIZE": "abc"}, [], "environment variable WORLD_SIZE must be a whole number >= 0 (torchrun sets it), "
+                                "got 'abc'"),
+    ({"WORLD_SIZE": "2"}, ["--parallel=ddp"], "WORLD_SIZE=2 is set but RANK, MASTER_ADDR, MASTER_PORT not: start "
+                                              "the processes with torchrun")])
+def test_a_hand_set_launch_environment_is_one_line(tmp_path, data_dir, env, args, message):
+    """Once a ValueError traceback (WORLD_SIZE=abc), and the rendezvous's own (WORLD_SIZE=2 without
+    torchrun): one line, the usage error's status, nothing written."""
+    out = tmp_path / "out"
+    result = subprocess.run(train_command(str(out), data_dir, *args), cwd=REPO, env={**ENV, **env},
+                            capture_output=True, text=True, timeout=300)
+    one_line(result, 2, message)
+    assert not out.exists()
+
+
+def test_launched_reads_what_torchrun_sets(monkeypatch):
+    import errors
+    import parallelism
+    import utils
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    assert utils.launched("LOCAL_RANK", 0) == 0
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert utils.launched("LOCAL_RANK", 0) == 3
+    monkeypatch.setenv("LOCAL_RANK", "-1")
+    with pytest.raises(errors.UsageError, match="LOCAL_RANK must be a whole number >= 0 .* got '-1'"):
+        utils.launched("LOCAL_RANK", 0)
+    monkeypatch.setenv("WORLD_SIZE", "abc")
+    assert not errors.several_processes()  # an error being reported is reported, not a second one raised
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert errors.several_processes()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(errors.UsageError, match="WORLD_SIZE=2 is set but MASTER_ADDR, MASTER_PORT not"):
+        parallelism.init_distributed("cpu")
+
 
 # 1. a config file that exits or raises ------------------------------------------------------------
 @pytest.mark.slow
