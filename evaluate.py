@@ -264,7 +264,7 @@ def validation_losses(model, objective, val_data, batch_size, block_size, eval_i
     results = torch.zeros(eval_iters, 2 * B + len(aux), device=device)
     with torch.random.fork_rng(devices=[torch.cuda.current_device()] if on_cuda else []):
         for i in range(rank, math.ceil(eval_iters / world_size) * world_size, world_size):
-            if stop_pending is not None and parallelism.any_over_processes(stop_pending(), device):
+            if stop_pending is not None and parallelism.max_over_processes(bool(stop_pending())):
                 model.train()
                 return None
             windows, is_low = draws[min(i, eval_iters - 1)]

@@ -369,15 +369,16 @@ def _host_group():
     return dist.new_group(backend="gloo") if dist.get_backend() != "gloo" else None
 
 
-def any_over_processes(flag, device=None):
-    """Whether flag is true on any rank, the same answer on every rank: one all-reduce of one number
-    on the host (a gloo group beside NCCL) whatever the device, so it costs no device sync and can
-    run every step. Collective: every rank calls it at the same point; bool(flag) on one process."""
+def max_over_processes(number):
+    """The largest of the ranks' whole numbers (a stop's signal number, 0 for none), the same answer
+    on every rank: one all-reduce of one number on the host (a gloo group beside NCCL) whatever the
+    device, so it costs no device sync and can run every step. Collective: every rank calls it at
+    the same point; int(number) on one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
-        return bool(flag)
-    vote = torch.tensor([int(bool(flag))])
+        return int(number)
+    vote = torch.tensor([int(number)])
     dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_host_group())
-    return bool(vote.item())
+    return int(vote.item())
 
 
 def from_rank_0(value):

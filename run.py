@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shlex
+import signal
 import shutil
 import socket
 import time
@@ -316,9 +317,10 @@ class RunFiles:
         self.keep_previous, self.saved_step = True, state["iter_num"]
 
 
-def stopped_message(signal_name, step, out_dir, argv, world_size):
-    """What rank 0 says when a stop signal ended the run, its step finished and saved: how to go on."""
-    return (f"stopped by {signal_name or 'a stop signal on another rank'} at step {step}; the full state "
+def stopped_message(signum, step, out_dir, argv, world_size):
+    """What rank 0 says when a stop signal (signum, whichever rank got it) ended the run, its step
+    finished and saved: how to go on."""
+    return (f"stopped by {signal.Signals(signum).name} at step {step}; the full state "
             f"is in {os.path.join(out_dir, 'ckpt.pt')}. Resume with:\n  {resume_command(argv, world_size)}")
 
 

@@ -274,7 +274,7 @@ if master:
 last_eval = None
 # a stop takes effect between steps: after every step the ranks agree on it (one host all-reduce of
 # the flag, no device sync), so every rank stops at the same step, well inside torchrun's 30 s
-stopping = False
+stopping = 0  # the signal number of a stop agreed by every rank, 0 while none
 bar = tqdm(total=max_iters, initial=iter_num, desc=os.path.basename(out_dir.rstrip("/")), dynamic_ncols=True,
            disable=not master)
 t_window, window_iters = time.perf_counter(), 0
@@ -289,8 +289,10 @@ while True:
         evaluation = evaluate.validation_losses(model, objective, val_data, batch_size, block_size,
                                                 eval_iters, shift, low_resource_prob, device, autocast, rank,
                                                 world_size, lambda: stop.signum and iter_num < max_iters)
-        # None: a stop cut it short (on any rank); this step is saved without it, a resume evaluates it again
-        stopping = stopping or evaluation is None
+        # None: a stop cut it short (on any rank); this step is saved without it, a resume evaluates it
+        # again. Every rank got None together: they agree on the stop's signal
+        if evaluation is None:
+            stopping = parallelism.max_over_processes(stop.signum or 0)
     if evaluating and evaluation is not None:
         last_eval = evaluation
         training.flops_done["eval"] += flops_per_eval
@@ -342,7 +344,7 @@ while True:
     window_iters += 1
     training.flops_done["train"] += flops_per_iter
     bar.update(1)
-    stopping = parallelism.any_over_processes(stop.signum is not None)  # a stop on any rank: every rank acts
+    stopping = parallelism.max_over_processes(stop.signum or 0)  # a stop on any rank: its signal, everywhere
 
     if iter_num % log_interval == 0:
         # the loss of the global batch: mean over micro-steps here, over processes by one all-reduce
@@ -362,13 +364,13 @@ while True:
 bar.close()
 stopped = stopping and iter_num < max_iters  # a stop signal ended the run (at max_iters it is complete)
 if stopped and master:  # the step is finished and saved: say how to go on, then exit 128 + signal
-    print(run.stopped_message(stop.name, iter_num, out_dir, sys.argv, world_size), flush=True)
+    print(run.stopped_message(stopping, iter_num, out_dir, sys.argv, world_size), flush=True)
 flops_done = training.flops_done  # what the run executed, for metrics.json
 if parallel != "none":  # nothing below needs the live model: the final evaluation reads best.pt
     del train_model, train_objective, model, objective, run_files, optimizers, clipper, clip, training
     parallelism.shutdown()
 if stopped:
-    sys.exit(128 + (stop.signum or 15))
+    sys.exit(128 + stopping)  # the same status on every rank, whichever got the signal
 
 if grad_recorder.steps:  # (log_marginalization, parallel='none' only: one process)
     parts, train_tokens = torch.stack(grad_recorder.steps), torch.from_numpy(train_data.astype(np.int64))
