@@ -332,6 +332,7 @@ def in_process(cmd, capfd, monkeypatch):
     module = cmd[1] == "-m"
     target, argv = (cmd[2], cmd[3:]) if module else (cmd[1], cmd[2:])
     monkeypatch.setattr(sys, "argv", [target, *argv])
+    monkeypatch.delitem(sys.modules, target, raising=False)  # run afresh as __main__, as python -m does
     capfd.readouterr()
     try:
         if module:
