@@ -1,9 +1,7 @@
-"""Download one file over HTTP, resumably: what a big download needs to survive a flaky network.
+"""Download one file over HTTP, resumably, retrying with backoff:
+prepare_c4.py fetches its shards with it.
 
-The bytes stream into ``<dest>.part``; if that file exists, the next attempt asks the server only
-for the missing bytes (HTTP ``Range``). Connection errors, 5xx answers and transfers cut short are
-retried with exponential backoff, and a run that gives up keeps the ``.part`` so the next run
-resumes. Only a complete file is renamed to its name. prepare_c4.py fetches its shards with it.
+Design notes: docs/data.md
 """
 
 import os
@@ -17,11 +15,11 @@ from tqdm import tqdm
 
 from data import DataError
 
-CHUNK_SIZE = 1 << 20       # download block
+CHUNK_SIZE = 1 << 20  # download block
 DEFAULT_RETRIES = 5
-DEFAULT_RETRY_DELAY = 2.0  # seconds before the first retry; doubles every retry
+DEFAULT_RETRY_DELAY = 2.0  # seconds before the first retry, then doubled
 MAX_RETRY_DELAY = 60.0
-DEFAULT_TIMEOUT = 60.0     # seconds to connect, and at most between two received blocks
+DEFAULT_TIMEOUT = 60.0  # seconds to connect, and between two blocks
 
 
 class _Retryable(Exception):
@@ -29,71 +27,84 @@ class _Retryable(Exception):
 
 
 def _parse_content_range(value):
-    """'bytes START-END/TOTAL' -> (START, TOTAL); 'bytes */TOTAL' -> (None, TOTAL)."""
+    """'bytes START-END/TOTAL' -> (START, TOTAL);
+    'bytes */TOTAL' -> (None, TOTAL)."""
     m = re.fullmatch(r"\s*bytes\s+(?:(\d+)-\d+|\*)/(\d+)\s*", value or "")
     if m is None:
         return None, None
-    return (int(m.group(1)) if m.group(1) is not None else None), int(m.group(2))
+    start, total = m.groups()
+    return (int(start) if start else None), int(total)
 
 
 def _fetch_into(url, part, timeout):
-    """One attempt: bring ``part`` up to the full file. Raises _Retryable or DataError."""
+    """One attempt: bring ``part`` up to the full file. Raises
+    _Retryable or DataError."""
     have = os.path.getsize(part) if os.path.exists(part) else 0
-    # identity: we want the file's own bytes, never a server-side re-compression of them.
+    # the file's own bytes, never a server's re-compression of them
     headers = {"Accept-Encoding": "identity"}
     if have:
         headers["Range"] = f"bytes={have}-"
     name = os.path.basename(part).removesuffix(".part")
     try:
-        with requests.get(url, headers=headers, stream=True, timeout=timeout) as resp:
+        with requests.get(url, headers=headers, stream=True,
+                          timeout=timeout) as resp:
             status = resp.status_code
-            if status == 416 and have:  # nothing left to send: is the .part already complete?
-                if _parse_content_range(resp.headers.get("Content-Range"))[1] == have:
+            reply = resp.headers.get("Content-Range")
+            if status == 416 and have:  # nothing left: is .part complete?
+                if _parse_content_range(reply)[1] == have:
                     return
                 os.remove(part)
-                raise _Retryable(f"server refused to resume at byte {have:,}; starting over")
+                raise _Retryable(f"server refused to resume at byte "
+                                 f"{have:,}; starting over")
             if status == 429 or status >= 500:
                 raise _Retryable(f"HTTP {status} {resp.reason}")
-            if status >= 400 or status not in (200, 206):
-                raise DataError(f"download of {url} failed: HTTP {status} {resp.reason}")
+            if status not in (200, 206):
+                raise DataError(f"download of {url} failed: "
+                                f"HTTP {status} {resp.reason}")
             if status == 206:
-                start, total = _parse_content_range(resp.headers.get("Content-Range"))
+                start, total = _parse_content_range(reply)
                 if start != have or total is None:
                     os.remove(part)
-                    raise _Retryable("server resumed at the wrong offset; starting over")
+                    raise _Retryable("server resumed at the wrong offset; "
+                                     "starting over")
                 mode = "ab"
-            else:  # 200: the whole file, whether or not we asked for a range
+            else:  # 200: the whole file, asked for a range or not
                 if have:
-                    print(f"{name}: server ignored the resume request, starting over")
+                    print(f"{name}: server ignored the resume request, "
+                          "starting over")
                 have, mode = 0, "wb"
                 length = resp.headers.get("Content-Length")
                 total = int(length) if length and length.isdigit() else None
-            with open(part, mode) as f, tqdm(total=total, initial=have, unit="B", unit_scale=True,
-                                             unit_divisor=1024, desc=name, leave=False) as bar:
-                # raw.stream: the bytes as sent (no transparent decoding), block by block.
-                for chunk in resp.raw.stream(CHUNK_SIZE, decode_content=False):
+            with open(part, mode) as f, tqdm(
+                    total=total, initial=have, unit="B", unit_scale=True,
+                    unit_divisor=1024, desc=name, leave=False) as bar:
+                # the bytes as sent (no transparent decoding)
+                for chunk in resp.raw.stream(CHUNK_SIZE,
+                                             decode_content=False):
                     f.write(chunk)
                     have += len(chunk)
                     bar.update(len(chunk))
             if total is not None and have != total:
-                raise _Retryable(f"connection closed after {have:,} of {total:,} bytes")
-    except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError,
+                raise _Retryable(f"connection closed after {have:,} "
+                                 f"of {total:,} bytes")
+    except (requests.ConnectionError, requests.Timeout,
+            requests.exceptions.ChunkedEncodingError,
             urllib3.exceptions.HTTPError) as exc:
         raise _Retryable(f"{type(exc).__name__}: {exc}") from exc
-    except requests.RequestException as exc:  # bad URL and the like: retrying will not help
+    except requests.RequestException as exc:  # a bad URL: retrying won't help
         raise DataError(f"download of {url} failed: {exc}") from exc
     except OSError as exc:
         raise DataError(f"could not write {part}: {exc}") from exc
 
 
-def download(url, dest_path, retries=DEFAULT_RETRIES, retry_delay=DEFAULT_RETRY_DELAY,
-             timeout=DEFAULT_TIMEOUT):
-    """Download ``url`` to ``dest_path`` unless that file exists; returns True if it downloaded.
-
-    Bytes go to ``dest_path + '.part'`` (resumed with a Range request if it exists) and are
-    renamed to ``dest_path`` only when complete. Up to ``retries`` retries, waiting
-    ``retry_delay * 2**k`` seconds (at most MAX_RETRY_DELAY) before retry k+1.
-    """
+def download(url, dest_path, retries=DEFAULT_RETRIES,
+             retry_delay=DEFAULT_RETRY_DELAY, timeout=DEFAULT_TIMEOUT):
+    """Download ``url`` to ``dest_path`` unless that file exists; return
+    True if it downloaded. Bytes go to ``dest_path + '.part'`` (resumed
+    with a Range request if it exists), renamed to ``dest_path`` only
+    when complete. Up to ``retries`` retries, waiting
+    ``retry_delay * 2**k`` seconds (at most MAX_RETRY_DELAY) before
+    retry k+1."""
     if os.path.isfile(dest_path):
         return False
     os.makedirs(os.path.dirname(dest_path) or ".", exist_ok=True)
@@ -104,13 +115,15 @@ def download(url, dest_path, retries=DEFAULT_RETRIES, retry_delay=DEFAULT_RETRY_
             break
         except _Retryable as exc:
             if attempt == retries:
-                kept = (f"; the partial download {part} is kept, rerun to resume"
-                        if os.path.exists(part) else "")
-                raise DataError(
-                    f"download of {url} failed after {attempt + 1} attempts: {exc}{kept}") from None
+                kept = (f"; the partial download {part} is kept, rerun "
+                        "to resume" if os.path.exists(part) else "")
+                raise DataError(f"download of {url} failed after "
+                                f"{attempt + 1} attempts: {exc}{kept}") \
+                    from None
             delay = min(retry_delay * 2 ** attempt, MAX_RETRY_DELAY)
-            print(f"{os.path.basename(dest_path)}: {exc}; retry {attempt + 1}/{retries} "
-                  f"in {delay:.1f}s", file=sys.stderr)
+            print(f"{os.path.basename(dest_path)}: {exc}; "
+                  f"retry {attempt + 1}/{retries} in {delay:.1f}s",
+                  file=sys.stderr)
             time.sleep(delay)
     os.replace(part, dest_path)
     return True

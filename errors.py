@@ -1,8 +1,11 @@
-"""Errors a user can act on, not bugs: one base class, UserError, whose message is the one line the
-user sees, printed once where the script started. Library modules raise it (or a subclass:
-utils.PathError, data.DataError, checkpoint.CheckpointError, configurator.ConfigError, ...); only a
-script's entry point ends the process: its main catches it once and calls end_with, and train.py,
-which runs at module level, installs end_on_user_error at its top."""
+"""Errors a user can act on, not bugs: UserError, whose message is the one
+line the user sees. Library modules raise it or a subclass
+(utils.PathError, data.DataError, checkpoint.CheckpointError,
+configurator.ConfigError, ...); a script's entry point catches it once
+and calls end_with (train.py, at module level, uses end_on_user_error).
+
+Design notes: docs/runs.md
+"""
 
 import math
 import os
@@ -12,9 +15,8 @@ from tqdm import tqdm
 
 
 class UserError(Exception):
-    """str(error): the one line the user sees, `error: ...`; status: the process's exit status. Under
-    torchrun every rank prints its own, unless it was raised alike on every rank (agreed=True: an
-    outcome the ranks agreed on), which rank 0 alone says."""
+    """str(error): the line the user sees; status: the exit status.
+    agreed=True: raised alike on every rank, so rank 0 alone says it."""
     status = 1
     agreed = False
 
@@ -30,22 +32,22 @@ class UsageError(UserError):
 
 
 def report(error, master=True):
-    """Show a UserError's one line (where not master, only if the ranks did not agree on it; a
-    progress bar still open is closed first, so the line is its own): `error: ...` on stderr, or
-    with status 0 the plain line on stdout."""
+    """Show a UserError's line, after closing any open progress bar:
+    `error: ...` on stderr, or with status 0 the plain line on stdout."""
     for bar in list(getattr(tqdm, "_instances", ())):
         bar.close()
     if master or not error.agreed:
-        print(f"error: {error}" if error.status else error, file=sys.stderr if error.status else sys.stdout)
+        if error.status:
+            print(f"error: {error}", file=sys.stderr)
+        else:
+            print(error)
     sys.stdout.flush()
     sys.stderr.flush()
 
 
 def end_with(error, master=True):
-    """A script's one catch of a UserError: its line (report) and its status. Under torchrun every
-    rank leaves at once, without the interpreter's teardown (os._exit after flushing): torchrun
-    stops the ranks still running as soon as one has exited, and a rank still tearing down would
-    be reported killed by SIGTERM."""
+    """A script's one catch of a UserError: its line and its status;
+    under torchrun without the interpreter's teardown (os._exit)."""
     report(error, master)
     if several_processes():
         os._exit(error.status)
@@ -53,35 +55,36 @@ def end_with(error, master=True):
 
 
 def several_processes():
-    """Whether torchrun started this process as one of several (WORLD_SIZE > 1; a WORLD_SIZE that
-    is not a number counts as one process here: utils.launched says what is wrong with it)."""
+    """Whether torchrun started this process as one of several
+    (WORLD_SIZE > 1; a non-number counts as one: utils.launched says
+    what is wrong with it)."""
     size = os.environ.get("WORLD_SIZE", "1")
     return size.isdigit() and int(size) > 1
 
 
 def end_on_user_error():
-    """end_with for a script that runs at module level (train.py), installed once at its top: a
-    UserError that reaches the top is its one line (report) and its status, anything else the
-    usual traceback. (An exception hook cannot raise SystemExit: a status other than the
-    interpreter's 1 for an uncaught exception, or any under torchrun, is os._exit after flushing.)"""
+    """end_with for a script that runs at module level, as an exception
+    hook: a UserError is its line and its status, anything else the
+    usual traceback."""
     previous = sys.excepthook
 
     def hook(kind, error, traceback):
         if not isinstance(error, UserError):
             return previous(kind, error, traceback)
-        # torch.distributed's own hook calls this one with sys.stderr redirected into a buffer that it
-        # prints afterwards (each line prefixed [rankN]): os._exit comes first, so write to the streams
-        sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
+        # torch.distributed's hook redirects sys.stderr into a buffer
+        sys.stdout = sys.__stdout__
+        sys.stderr = sys.__stderr__
         report(error, os.environ.get("RANK", "0") == "0")
         if error.status != 1 or several_processes():
             os._exit(error.status)
     sys.excepthook = hook
 
 
-# What a setting's value must be, as its one-line error says it: (what is expected, test). The
-# config's rules (configurator.TRAIN_RULES) and the objective's (objective.ObjectiveConfig) use them.
+# What a setting's value must be, as its error says it: (expected, test),
+# for configurator.TRAIN_RULES and objective.ObjectiveConfig.
 def is_number(v):
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v))
 
 
 def one_of(*options):
@@ -91,13 +94,14 @@ def one_of(*options):
 POSITIVE = ("a positive integer", lambda v: v > 0)
 NON_NEGATIVE = ("an integer >= 0", lambda v: v >= 0)
 POSITIVE_NUMBER = ("a finite number > 0", lambda v: is_number(v) and v > 0)
-NON_NEGATIVE_NUMBER = ("a finite number >= 0", lambda v: is_number(v) and v >= 0)
+NON_NEGATIVE_NUMBER = ("a finite number >= 0",
+                       lambda v: is_number(v) and v >= 0)
 FRACTION = ("a number in [0, 1)", lambda v: is_number(v) and 0 <= v < 1)
 NON_EMPTY = ("a non-empty string", lambda v: v != "")
 
 
 def broken_rule(config, rules):
-    """The message for the first key of config whose value breaks its rule, None if none does."""
+    """The message of the first key whose value breaks its rule, or None."""
     for key, (expected, ok) in rules.items():
         if key in config and not ok(config[key]):
             return f"key '{key}' must be {expected}, got {config[key]!r}"

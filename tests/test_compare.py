@@ -864,3 +864,10 @@ def test_a_pair_of_other_code_or_another_cpu_is_refused_unless_the_grid_pools_th
     assert identity.code("c" * 40 + "+dirty", {}) == "c" * 40 + "+dirty"
     assert identity.code("c" * 40, {}) == "c" * 40 and identity.short_code("c" * 40 + "+dirty") == "c" * 12 + "+dirty"
     assert identity.known_code("c" * 40 + "+" + "d" * 12) and not identity.known_code("c" * 40 + "+dirty")
+    # two runs pair only on one known code and one known CPU model
+    known = ("c" * 40, "CPU A")
+    assert identity.machine(None) == (identity.UNKNOWN, identity.UNKNOWN)
+    assert identity.machine({"code": "c" * 40, "cpu": "CPU A"}) == known
+    assert identity.pools(known, known) and not identity.pools(known, ("c" * 40, "CPU B"))
+    assert not identity.pools(("c" * 40, identity.UNKNOWN), ("c" * 40, identity.UNKNOWN))
+    assert not identity.pools(("c" * 40 + "+dirty", "CPU A"), ("c" * 40 + "+dirty", "CPU A"))

@@ -187,6 +187,17 @@ def known_code(run_code):
     return run_code != UNKNOWN and not run_code.endswith("+dirty")
 
 
+def machine(found):
+    """(code, CPU model) of a run's identity (of_run's dict, or None), UNKNOWN where not recorded."""
+    found = found or {}
+    return found.get("code", UNKNOWN), found.get("cpu", UNKNOWN)
+
+
+def pools(a, b):
+    """Whether a table may pair two runs of these machine()s: one known code on one known CPU."""
+    return a == b and known_code(a[0]) and a[1] != UNKNOWN
+
+
 def short_code(run_code):
     """A code as the tables print it: the commit's first 12 characters, and what follows its '+'."""
     commit, plus, rest = run_code.partition("+")

@@ -9,6 +9,7 @@ efficiency = (grid FLOPs / peak) / wall time over all its compare.py calls. Its 
 grid_figures.make_figures.
 """
 
+import collections
 import json
 import os
 import statistics
@@ -131,10 +132,9 @@ def check_poolable(grid, runs, compared, identities):
         return
     for method, baseline in sorted(compared):
         for seed in sorted(set(runs.get(method, {})) & set(runs.get(baseline, {}))):
-            sides = [identities[runs[m][seed]["dir"]] or {} for m in (method, baseline)]
-            found = [(side.get("code", identity.UNKNOWN), side.get("cpu", identity.UNKNOWN)) for side in sides]
-            (code_a, cpu_a), (code_b, cpu_b) = found
-            if not (identity.known_code(code_a) and cpu_a != identity.UNKNOWN and found[0] == found[1]):
+            a, b = (identity.machine(identities[runs[m][seed]["dir"]]) for m in (method, baseline))
+            (code_a, cpu_a), (code_b, cpu_b) = a, b
+            if not identity.pools(a, b):
                 raise UnpooledRuns(
                     f"grid {grid}: {method} and {baseline} on seed {seed} ran code {identity.short_code(code_a)} "
                     f"on {cpu_a} and code {identity.short_code(code_b)} on {cpu_b}: a comparison pairs runs of "
@@ -147,16 +147,14 @@ def provenance_lines(g, identities):
     """Which code (commit) and which CPU each method's runs came from, and, for a grid whose
     pairs may mix them, why it pools them (grids.POOLABLE)."""
     def counted(values):
-        counts = {}
-        for value in values:
-            counts[value] = counts.get(value, 0) + 1
-        return ", ".join(f"{value} ×{n}" if n > 1 else value for value, n in sorted(counts.items()))
+        counts = sorted(collections.Counter(values).items())
+        return ", ".join(f"{value} ×{n}" if n > 1 else value for value, n in counts)
     rows = []
     for method in g.every_method():
-        found = [identities[run["dir"]] or {} for run in g.runs.get(method, {}).values()]
+        found = [identity.machine(identities[run["dir"]]) for run in g.runs.get(method, {}).values()]
         if found:
-            rows.append((method, len(found), counted(identity.short_code(i.get("code", identity.UNKNOWN)) for i in found),
-                         counted(i.get("cpu", identity.UNKNOWN) for i in found)))
+            codes = counted(identity.short_code(code) for code, _ in found)
+            rows.append((method, len(found), codes, counted(cpu for _, cpu in found)))
     lines = ["Code and machines: the commit each run trained at (+ the hash of its uncommitted changes; "
              "+dirty where they were not recorded) and its CPU model, per method.", ""]
     lines += table_lines(["method", "runs", "code", "CPU"], rows) + [""]

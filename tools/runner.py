@@ -377,13 +377,13 @@ def check_pooled_call(grid, archive, only=None):
     runs = list(runs_of(grid, archive))
     finished = {(m, s): d for m, s, *_, d in runs if os.path.exists(os.path.join(d, "metrics.json"))}
     cpu_of_grid = identity.grid_cpu(archive, grid)
+    machines = {run: identity.machine(identity.of_run(directory, cpu_of_grid))
+                for run, directory in finished.items()}
     for method, seed, *_ in runs:
         if (method, seed) in finished or (only is not None and (method, seed) not in only):
             continue
-        for (other, other_seed), directory in finished.items():
-            found = identity.of_run(directory, cpu_of_grid) or {}
-            there = (found.get("code", identity.UNKNOWN), found.get("cpu", identity.UNKNOWN))
-            if other_seed == seed and there != here:
+        for (other, other_seed), there in machines.items():
+            if other_seed == seed and not identity.pools(here, there):
                 raise UnpooledRuns(
                     f"grid {grid}: {method} on seed {seed} would run code {identity.short_code(here[0])} on "
                     f"{here[1]}, and its table would pair it with {other}'s archived run, code "
