@@ -1,7 +1,8 @@
 """What a checkpoint holds, and how it is written and read so that no crash
 or full disk leaves a run without a good one: ckpt.pt (the full state),
 ckpt_prev.pt (the one before), best.pt (the weights), each with a readable
-.json; under FSDP each names a folder of shards. run.py says when and where.
+.json; under FSDP each names a folder of shards (checkpoint_shards.py).
+run.py says when and where.
 
 Design notes: docs/runs.md
 """
@@ -11,25 +12,23 @@ import json
 import os
 import pickle
 import shutil
-import warnings
 import zipfile
 
 import torch
 
 import parallelism
+from checkpoint_shards import (damaged_shards, load_sharded,
+                               load_shards_into, save_sharded,
+                               shard_errors, sharded_weights)
 from data import DataError, dataset_mismatch, read_meta
-from errors import UsageError, UserError
-from model import GPTConfig
+from errors import CheckpointError, UsageError
+from model import GPT, GPTConfig
 from utils import (atomic_write, remove_leftovers, save_json, torch_save,
                    write_failure)
 
 # FSDP: ckpt.pt's shard folders (latest, previous, being written)
 DCP_SLOTS = ("a", "b", "c")
 BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)
-
-
-class CheckpointError(UserError):
-    """A checkpoint that cannot be read, written or used here."""
 
 
 def load(path, device="cpu",
@@ -83,66 +82,30 @@ def load_with_weights(path, device="cpu", mmap=False):
         raise CheckpointError(
             f"{path} holds no model weights (no 'model' and no FSDP shards "
             f"named)")
-    checkpoint.update(sharded_weights(shards_of(path, checkpoint), device))
+    directory = shards_of(path, checkpoint)
+    checkpoint.update(sharded_weights(directory, device))
+    check_expert_layout(checkpoint["model"], directory)
     return checkpoint
+
+
+def load_model(path, device="cpu"):
+    """(model, checkpoint) of a train.py checkpoint (best.pt, ckpt.pt,
+    an FSDP run's too); a CheckpointError names a bad file. Built on the
+    meta device, the model takes the checkpoint's memory-mapped tensors
+    themselves: one copy of the weights."""
+    checkpoint = load_with_weights(path, "cpu", mmap=True)
+    config = GPTConfig.from_checkpoint(checkpoint["model_config"])
+    with torch.device("meta"):
+        model = GPT(config)
+    model.load_state_dict(checkpoint["model"], assign=True)
+    model.tie_weights()  # assign gave the tied matrix two parameters
+    return model.to(device).eval(), checkpoint
 
 
 def shards_of(path, checkpoint):
     """The folder of FSDP shards that the checkpoint at path names."""
     directory = os.path.dirname(os.path.abspath(path))
     return os.path.join(directory, checkpoint["dcp"])
-
-
-def damaged_shards(directory):
-    """Why the shards in directory cannot be read whole (an unreadable
-    .metadata, a .distcp file missing or short), or None."""
-    import torch.distributed.checkpoint as dcp
-    try:
-        metadata = dcp.FileSystemReader(directory).read_metadata()
-    except (OSError, ValueError, pickle.UnpicklingError, EOFError) as e:
-        return (f"cannot read the FSDP shards in {directory} "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-    expected = {}
-    for item in metadata.storage_data.values():
-        name = item.relative_path
-        end = item.offset + item.length
-        expected[name] = max(expected.get(name, 0), end)
-    for name, size in sorted(expected.items()):
-        shard = os.path.join(directory, name)
-        if not os.path.isfile(shard):
-            return f"the FSDP shard {shard} is missing"
-        if os.path.getsize(shard) < size:
-            return (f"the FSDP shard {shard} is truncated "
-                    f"({os.path.getsize(shard):,} bytes of {size:,})")
-    return None
-
-
-def sharded_weights(directory, device="cpu"):
-    """{'model': {name: tensor}, 'objective': {...}} from the shards in
-    directory (no optimizer state, no model needed)."""
-    import torch.distributed.checkpoint as dcp
-    if problem := damaged_shards(directory):
-        raise CheckpointError(problem)
-    metadata = dcp.FileSystemReader(directory).read_metadata()
-    weights = {"model": {}, "objective": {}}
-    for key, meta in metadata.state_dict_metadata.items():
-        # "model.<module>.<parameter>"
-        top, _, name = key.partition(".")
-        module, _, name = name.partition(".")
-        if top == "model" and module in weights and hasattr(meta, "size"):
-            weights[module][name] = torch.empty(
-                tuple(meta.size), dtype=meta.properties.dtype)
-    if not weights["model"]:
-        raise CheckpointError(f"{directory} holds no model weights")
-    check_expert_layout(weights["model"], directory)
-    flat = {f"{module}.{name}": tensor for module, part in weights.items()
-            for name, tensor in part.items()}
-    with warnings.catch_warnings():
-        # "assuming the intent is to load in a single process": it is
-        warnings.filterwarnings("ignore", message=".*single process.*")
-        dcp.load({"model": flat}, checkpoint_id=directory)
-    return {module: {name: t.to(device) for name, t in part.items()}
-            for module, part in weights.items()}
 
 
 def run_state(config, model_config, meta, iter_num, best_val_loss,
@@ -314,29 +277,6 @@ def starting_weights(path, model_config, head_from_embedding, data_dir,
     return weights
 
 
-def load_shards_into(directory, head_from_embedding, model):
-    """Read FSDP shards into an FSDP2 model in place, each rank its own
-    rows; head_from_embedding: the LM head copies wte. Collective."""
-    import torch.distributed.checkpoint as dcp
-    if problem := damaged_shards(directory):
-        raise CheckpointError(problem)
-    metadata = dcp.FileSystemReader(directory).read_metadata()
-    stored = {key.removeprefix("model.model.")
-              for key in metadata.state_dict_metadata
-              if key.startswith("model.model.")}
-    no_head = model.config.tie_weights or head_from_embedding
-    wanted = {name: tensor for name, tensor in model.state_dict().items()
-              if not (name == "lm_head.weight" and no_head)}
-    if missing := sorted(wanted.keys() - stored):
-        raise CheckpointError(
-            f"the shards in {directory} hold no {', '.join(missing)}")
-    state = {f"model.{name}": tensor for name, tensor in wanted.items()}
-    dcp.load({"model": state}, checkpoint_id=directory)
-    if head_from_embedding:
-        with torch.no_grad():
-            model.lm_head.weight.to_local().copy_(model.wte.weight.to_local())
-
-
 def check_dataset(checkpoint, data_dir, whole=True):
     """CheckpointError if data_dir holds another dataset than the
     checkpoint (whole=False: the same tokens suffice)."""
@@ -410,14 +350,13 @@ def write_shards(directory, modules, optimizers, with_optimizers, master,
                  path):
     """Every rank writes its shards into directory (emptied first), for
     the checkpoint at path; a failure on one rank fails all."""
-    from torch.distributed.checkpoint.api import CheckpointException
     if master and os.path.exists(directory):
         shutil.rmtree(directory)
     parallelism.barrier()
     problem = None
     try:
         save_sharded(directory, modules, optimizers, with_optimizers)
-    except (OSError, RuntimeError, CheckpointException) as e:
+    except shard_errors() as e:
         problem = (f"cannot write the shards in {directory} "
                    f"({str(e).splitlines()[0][:200]}); {path} is intact")
     agree(problem)
@@ -486,14 +425,12 @@ def restore(checkpoint, path, out_dir, modules, optimizers, parallel,
         raise CheckpointError(
             f"cannot resume: {path} was written with parallel='fsdp' (sharded "
             f"in {directory}); resume with --parallel=fsdp")
-    from torch.distributed.checkpoint.api import CheckpointException
     if checkpoint["objective_shapes"] != objective_shapes(modules):
         raise CheckpointError(mismatch)
     try:  # DCP gathers every rank's failure: all ranks are here together
         load_sharded(directory, modules, optimizers,
                      checkpoint["dcp_optimizers"])
-    except (CheckpointException, OSError, RuntimeError, EOFError,
-            pickle.UnpicklingError) as e:
+    except shard_errors() as e:
         before = ""
         if path.endswith("ckpt.pt"):
             before = f"; move {path} aside to resume from ckpt_prev.pt"
@@ -502,38 +439,3 @@ def restore(checkpoint, path, out_dir, modules, optimizers, parallel,
             f"({type(e).__name__}){before}") from None
     dcp_slots[:] = [checkpoint.get("dcp_previous"),
                     os.path.basename(checkpoint["dcp"])]
-
-
-# FSDP shards (DCP): they load back on any number of ranks
-
-def sharded_state(modules, optimizers, with_optimizers):
-    """What DCP writes and reads; without optimizers before the first
-    step (docs/runs.md)."""
-    from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_state_dict)
-    if not with_optimizers:
-        return {"model": get_model_state_dict(modules)}
-    model_state, optimizer_state = get_state_dict(modules, optimizers)
-    return {"model": model_state, "optimizers": optimizer_state}
-
-
-def save_sharded(directory, modules, optimizers, with_optimizers=True):
-    """Write the shards of modules (and optimizers); collective."""
-    import torch.distributed.checkpoint as dcp
-    state = sharded_state(modules, optimizers, with_optimizers)
-    dcp.save(state, checkpoint_id=directory)
-
-
-def load_sharded(directory, modules, optimizers, with_optimizers=True):
-    """Read back what save_sharded wrote, in place; collective."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (
-        set_model_state_dict, set_state_dict)
-    state = sharded_state(modules, optimizers, with_optimizers)
-    dcp.load(state, checkpoint_id=directory)
-    if with_optimizers:
-        set_state_dict(modules, optimizers,
-                       model_state_dict=state["model"],
-                       optim_state_dict=state["optimizers"])
-    else:
-        set_model_state_dict(modules, state["model"])

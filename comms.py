@@ -6,8 +6,7 @@ reduce-scatter of S bytes sends S (N-1)/N from each of N processes, an
 all-reduce twice that. Design notes: docs/parallelism.md.
 """
 
-import parallelism
-from memory import fsdp_units
+from memory import fsdp_units, gathered_bytes, held_numel, shard_group
 from utils import duration
 
 GPUS_PER_NODE = 8  # processes sharing a node's NVLink (or PCIe)
@@ -41,8 +40,7 @@ def communication_bytes(model, objective, parallel, processes,
     # FSDP's buffers: padded where no dimension divides
     shards = group if parallel == "fsdp" else 1
     blocks, root = fsdp_units(model, shards)
-    head = sum(parallelism.padded_numel(p.shape, shards)
-               for p in objective.parameters())
+    head = held_numel(objective.parameters(), shards)
     weights = root + sum(blocks) + head
     out = {"all_gather": 0.0, "reduce_scatter": 0.0, "all_reduce": 0.0,
            "exposed": 0.0, "exposed_between": 0.0}
@@ -69,6 +67,76 @@ def communication_bytes(model, objective, parallel, processes,
     out["total"] = (out["all_gather"] + out["reduce_scatter"]
                     + out["all_reduce"])
     return out
+
+
+def communication_plan(model, objective, config, processes, micro_steps,
+                       compute_s, gpu, link_gbps, timed, kept_gib=None):
+    """The plan's communication keys (plan.make_plan): a step's bytes by
+    collective, their seconds at the links' Gb/s, the step's seconds
+    with compute overlapped, and what would let compute hide them:
+    fewer micro-steps, fewer processes, or (FSDP; kept_gib: its memory
+    per GPU) the weights kept gathered. link_gbps: None, the gpu's
+    (link_of); timed: False, bytes only (processes on a CPU)."""
+    B = config["batch_size"]
+    sequences = config["global_batch_size"]
+
+    def communication(micro_steps, n=processes,
+                      keep=config.get("fsdp_keep_gathered", False)):
+        """Bytes, and seconds at the links' Gb/s: FSDP's within its shard
+        group's link; DDP's, and hybrid sharding's all-reduce between the
+        groups, over the link between all the processes."""
+        group = shard_group(config, n)
+        moved = communication_bytes(model, objective, config["parallel"], n,
+                                    micro_steps, gathered_bytes(config),
+                                    keep, group)
+        if not timed:  # nothing to set against compute
+            return {**moved, "seconds": 0.0, "exposed_seconds": 0.0}
+        within = link_of(gpu, group, link_gbps)[0] * 1e9 / 8
+        between = link_of(gpu, n, link_gbps)[0] * 1e9 / 8
+        sharded = moved["all_gather"] + moved["reduce_scatter"]
+        exposed = (moved["exposed"] / within
+                   + moved["exposed_between"] / between)
+        return {**moved,
+                "seconds": sharded / within + moved["all_reduce"] / between,
+                "exposed_seconds": exposed}
+
+    def batch_keys(k):
+        keys = f"--batch_size={B * micro_steps // k}"
+        if not sequences:
+            keys += f" --gradient_accumulation_steps={k}"
+        return keys
+
+    moved = communication(micro_steps)
+    # fewer micro-steps (a larger batch_size, the same tokens per step)
+    # gather FSDP's units fewer times: the most whose communication the
+    # compute would hide
+    fewer = next(({"micro_steps": k, "seconds": communication(k)["seconds"],
+                   "keys": batch_keys(k)}
+                  for k in range(micro_steps - 1, 0, -1)
+                  if micro_steps % k == 0
+                  and communication(k)["seconds"] <= compute_s), None)
+    # failing that, the most processes (fewer than now, one micro-step
+    # each) on which the step's compute would hide it
+    fewer_processes = next(
+        ({"processes": n, "keys": f"--batch_size={sequences // n}"}
+         for n in range(processes - 1, 0, -1)
+         if sequences and sequences % n == 0
+         and communication(1, n)["seconds"] <= compute_s * processes / n),
+        None)
+    kept = None
+    if kept_gib is not None:
+        kept = {"seconds": communication(micro_steps, keep=True)["seconds"],
+                "gib": kept_gib}
+    group = shard_group(config, processes)
+    links = (link_of(gpu, processes, link_gbps) if timed
+             else (None, None))
+    return {"communication": moved, "link_gbps": links[0],
+            "link": links[1], "shard_group": group,
+            "group_link": link_of(gpu, group, link_gbps) if timed else None,
+            "step_seconds": step_seconds(compute_s, moved["seconds"],
+                                         moved["exposed_seconds"]),
+            "fewer_micro_steps": fewer, "fewer_processes": fewer_processes,
+            "keep_gathered": kept}
 
 
 def link_of(gpu, processes, link_gbps=None):

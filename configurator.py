@@ -219,8 +219,6 @@ def check_train_config(config, world_size):
         (c["lr_schedule"] == "cosine" and c["lr_decay_iters"] <= c["warmup_iters"],
          f"key 'lr_decay_iters' ({c['lr_decay_iters']}) must be above warmup_iters "
          f"({c['warmup_iters']}) with the cosine schedule"),
-        (c["top_k"] > c["n_expert"] > 1,
-         f"key 'top_k' ({c['top_k']}) must be at most n_expert ({c['n_expert']})"),
         (world_size > 1 and c["parallel"] == "none",
          f"launched on {world_size} processes but key 'parallel' is 'none' (use ddp or fsdp)"),
         (c["parallel"] != "none" and c["log_marginalization"],

@@ -21,6 +21,8 @@ BPE_ENCODING = "r50k_base"  # tiktoken's name for "gpt2"'s ranks
 BPE_TOKENS = 50257       # every id in the data is below this
 BPE_EOT = 50256          # <|endoftext|>
 BPE_VOCAB_SIZE = 50304   # BPE_TOKENS padded to a multiple of 64
+BPE_META = {"tokenizer": BPE_ENCODING, "vocab_size": BPE_VOCAB_SIZE,
+            "tokenizer_vocab_size": BPE_TOKENS, "eot_token": BPE_EOT}
 
 # a per-shard train split up to this many bytes is hashed at every load
 HASH_TRAIN_UP_TO = 1 << 30

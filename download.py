@@ -1,5 +1,5 @@
 """Download one file over HTTP, resumably, retrying with backoff:
-prepare_c4.py fetches its shards with it.
+prepare_c4.py fetches its shards with it, prepare_shakespeare.py its text.
 
 Design notes: docs/data.md
 """

@@ -1,12 +1,13 @@
 """Errors a user can act on, not bugs: UserError, whose message is the one
 line the user sees. Library modules raise it or a subclass
-(utils.PathError, data.DataError, checkpoint.CheckpointError,
+(CheckpointError, UsageError, utils.PathError, data.DataError,
 configurator.ConfigError, ...); a script's entry point catches it once
 and calls end_with (train.py, at module level, uses end_on_user_error).
 
 Design notes: docs/runs.md
 """
 
+import argparse
 import math
 import os
 import sys
@@ -31,6 +32,10 @@ class UsageError(UserError):
     status = 2
 
 
+class CheckpointError(UserError):
+    """A checkpoint that cannot be read, written or used here."""
+
+
 def report(error, master=True):
     """Show a UserError's line, after closing any open progress bar:
     `error: ...` on stderr, or with status 0 the plain line on stdout."""
@@ -52,6 +57,14 @@ def end_with(error, master=True):
     if several_processes():
         os._exit(error.status)
     sys.exit(error.status)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's parser, but a bad argument is one `error: ...` line
+    and the usage error's status (argparse's own prints the usage)."""
+
+    def error(self, message):
+        end_with(UsageError(message))
 
 
 def several_processes():

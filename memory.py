@@ -27,13 +27,14 @@ import weakref
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import parallelism
 from model import GPT, GPTConfig
 from errors import UserError
-from objective import Objective, objective_step
+from objective import Objective, Trained
 from utils import available_memory
 
 GiB = 2 ** 30
@@ -95,20 +96,29 @@ class PeakTensorBytes(TorchDispatchMode):
         self.storages.discard(key)
 
 
-def cpu_flash_attention_on_meta(q, k, v, attn_mask=None, dropout_p=0.0,
-                                is_causal=False, **kwargs):
-    """The attention of a step measured on meta (GPT.use_attention):
-    there scaled_dot_product_attention takes its math form, which holds
-    the T x T scores that flash kernels never do, so a causal attention
-    runs the CPU flash kernel's meta function instead, and the step
-    holds what it holds on the CPU."""
-    plain = attn_mask is None and is_causal and not kwargs
-    if q.device.type == "meta" and plain:
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        return flash(q, k, v, dropout_p, True)[0]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask,
-                                          dropout_p=dropout_p,
-                                          is_causal=is_causal, **kwargs)
+class FlashAttentionOnMeta(TorchFunctionMode):
+    """The attention of a step measured on meta: there
+    scaled_dot_product_attention takes its math form, which holds the
+    T x T scores that flash kernels never do, so a causal attention runs
+    the CPU flash kernel's meta function instead, and the step holds
+    what it holds on the CPU."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self.attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    @staticmethod
+    def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False,
+                  **kwargs):
+        plain = attn_mask is None and is_causal and not kwargs
+        if q.device.type == "meta" and plain:
+            flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+            return flash(q, k, v, dropout_p, True)[0]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+            is_causal=is_causal, **kwargs)
 
 
 def compute_dtype(config):
@@ -174,13 +184,12 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size,
             # the gradients are the plan's states, not the step's
             p.grad = torch.zeros_like(p)
     x = torch.randint(0, cfg.vocab_size, (batch_size, seq_len), device=device)
-    model.use_attention(cpu_flash_attention_on_meta)
     # in the compute dtype, as autocast's matmuls store the activations
     # (the weights' own memory is the plan's states, not the step's)
     model.to(compute_dtype(config))
     objective.to(compute_dtype(config))
-    with PeakTensorBytes() as counter:
-        loss, _, logits, hidden = objective_step(model, objective, x, x)
+    with FlashAttentionOnMeta(), PeakTensorBytes() as counter:
+        loss, _, logits, hidden = Trained(model, objective)(x, x)
         loss.backward()
         del loss, logits, hidden
     return counter.peak
@@ -242,16 +251,21 @@ def memory_by_mode(model, config, processes, micro_steps, measure=True):
     return table, parts
 
 
+def held_numel(parameters, shards):
+    """Elements of `parameters` as FSDP holds them on `shards` ranks:
+    each padded where no dimension divides (parallelism.padded_numel;
+    the whole count on 1)."""
+    return sum(parallelism.padded_numel(p.shape, shards) for p in parameters)
+
+
 def fsdp_units(model, shards):
     """(elements of each block, of the root: embeddings, final norm, LM
-    head) as FSDP holds them on `shards` ranks: each parameter padded
-    where no dimension divides (parallelism.padded_numel; the whole
-    count on 1). A tied matrix counts once."""
-    def held(params):
-        return sum(parallelism.padded_numel(p.shape, shards) for p in params)
-    blocks = [held(block.parameters()) for block in model.h]
+    head) as FSDP holds them on `shards` ranks (held_numel). A tied
+    matrix counts once."""
+    blocks = [held_numel(block.parameters(), shards) for block in model.h]
     in_blocks = {id(p) for block in model.h for p in block.parameters()}
-    root = held(p for p in model.parameters() if id(p) not in in_blocks)
+    root = held_numel((p for p in model.parameters()
+                       if id(p) not in in_blocks), shards)
     return blocks, root
 
 

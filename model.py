@@ -124,9 +124,6 @@ class LayerNorm(nn.Module):
 
 
 class CausalSelfAttention(nn.Module):
-    # the kernel; GPT.use_attention swaps it
-    attention = staticmethod(F.scaled_dot_product_attention)
-
     def __init__(self, config):
         super().__init__()
         C = config.n_embd
@@ -143,7 +140,8 @@ class CausalSelfAttention(nn.Module):
         shape = (B, T, self.n_head, C // self.n_head)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (q, k, v))
         dropout = self.dropout if self.training else 0.0
-        y = self.attention(q, k, v, is_causal=True, dropout_p=dropout)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=dropout)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
@@ -240,8 +238,6 @@ def apply_rope(x, cos, sin, layout="half"):
 
 
 class RotaryAttention(nn.Module):
-    attention = staticmethod(F.scaled_dot_product_attention)
-
     def __init__(self, config):
         super().__init__()
         C = config.n_embd
@@ -260,7 +256,7 @@ class RotaryAttention(nn.Module):
         sin = sin.unsqueeze(1)
         q, k = (apply_rope(t, cos, sin, self.rope_layout) for t in (q, k))
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        y = self.attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(y.transpose(1, 2).contiguous().view(B, T, C))
 
 
@@ -366,13 +362,6 @@ class GPT(nn.Module):
         materialised with to_empty(), then initialised once."""
         self.tie_weights()  # to_empty() may have un-shared the tie
         fill_parameters(self, self.initializers())
-
-    def use_attention(self, kernel):
-        """Every block's attention calls kernel(q, k, v, ...) instead
-        of SDPA, in this model only."""
-        for module in self.modules():
-            if isinstance(module, (CausalSelfAttention, RotaryAttention)):
-                module.attention = kernel
 
     def embeddings(self):
         """The weights a loss may need, by name; tied: one matrix."""

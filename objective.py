@@ -1,5 +1,6 @@
 """
-The training objective: the losses a config weighs, and objective_step.
+The training objective: the losses a config weighs, and Trained (the
+model with its objective).
 Design notes: docs/losses.md.
 """
 
@@ -11,14 +12,18 @@ from torch import nn
 
 import losses
 from errors import (NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE_NUMBER,
-                    broken_rule, is_number, one_of)
+                    broken_rule, one_of)
 # NITP's head is the same C -> hidden -> C block as a LLaMA MLP
 from model import SwiGLU, fill_parameters
 
 
 def setting(default, rule=None):
     """A key's default and rule: (what is expected, test) as errors.py
-    words it, or None (its type, which the config checks)."""
+    words it, or None (its type, which the config checks). A default of
+    None is allowed besides what the rule allows."""
+    if rule and default is None:
+        expected, ok = rule
+        rule = (f"None or {expected}", lambda v: v is None or ok(v))
     return field(default=default, metadata={"rule": rule})
 
 
@@ -30,9 +35,7 @@ class ObjectiveConfig:
     # next-token cross-entropy; 0 with cwt_weight > 0: headless
     ce_weight: float = setting(1.0, NON_NEGATIVE_NUMBER)
     # Stop Jostling's logit threshold on CE; None: plain CE
-    margin: Optional[float] = setting(None, (
-        "None or a finite number > 0",
-        lambda v: v is None or (is_number(v) and v > 0)))
+    margin: Optional[float] = setting(None, POSITIVE_NUMBER)
     # n > 0: LM head and CE together, n positions at a time
     ce_chunk_size: int = setting(0, NON_NEGATIVE)
     simreg_weight: float = setting(0.0, NON_NEGATIVE_NUMBER)
@@ -169,13 +172,21 @@ class Objective(nn.Module):
         return total, terms
 
 
-def objective_step(model, objective, x, targets, run_model=None,
-                   run_objective=None):
-    """A micro-batch's objective, as train.py, plan.py and the benchmarks
-    compute it; run_model: the parallel wrapper, if any.
+class Trained(nn.ModuleDict):
+    """What a run trains: {'model', 'objective'}, the one module
+    parallelism.parallelize wraps. Its forward is a micro-batch's
+    objective, as train.py, plan.py and the benchmarks compute it:
     -> (loss, terms, logits or None, hidden_states)."""
-    logits, hidden_states = (run_model or model)(
-        x, return_hidden_states=True, compute_logits=objective.needs_logits)
-    loss, terms = (run_objective or objective)(
-        logits, hidden_states, targets, model.embeddings(), router_loss=model.aux_loss)
-    return loss, terms, logits, hidden_states
+
+    def __init__(self, model, objective):
+        super().__init__({"model": model, "objective": objective})
+
+    def forward(self, x, targets):
+        model = self.model
+        logits, hidden_states = model(
+            x, return_hidden_states=True,
+            compute_logits=self.objective.needs_logits)
+        loss, terms = self.objective(
+            logits, hidden_states, targets, model.embeddings(),
+            router_loss=model.aux_loss)
+        return loss, terms, logits, hidden_states

@@ -4,8 +4,8 @@ Data parallelism (DDP, FSDP2), applied to the model from outside
 train.py, launched by torchrun, runs:
 
     rank, local_rank, world_size = init_distributed(device_type)
-    train_model, train_objective = parallelize(model, objective, ...)
-    with gradient_sync((train_model, train_objective), enabled=last):
+    wrapped = parallelize(trained, ...)  # objective.Trained
+    with gradient_sync(wrapped, enabled=last):
         forward, backward
 
 and the collectives below. Design notes: docs/parallelism.md.
@@ -64,14 +64,15 @@ def compile_blocks(model, backend="inductor", fullgraph=False):
         block.compile(backend=backend, fullgraph=fullgraph)
 
 
-def parallelize(model, objective, parallel, device, param_dtype=None,
+def parallelize(trained, parallel, device, param_dtype=None,
                 unused_parameters=False, weights=None, keep_gathered=False,
                 shard_size=0):
-    """Apply `parallel` ('none' | 'ddp' | 'fsdp') to the model, and to
-    the objective if it has parameters. Returns (train_model,
-    train_objective) for the training step's forward; all else uses
-    `model` and `objective`, which FSDP2 shards in place. Modules built
-    on meta are materialised here, then given `weights`.
+    """Apply `parallel` ('none' | 'ddp' | 'fsdp') to `trained`
+    (objective.Trained: its model, and its objective if that has
+    parameters). Returns the wrapper the training step's forward runs
+    through (DDP's; FSDP2 shards `trained` in place and returns it);
+    all else uses `trained`. Modules built on meta are materialised
+    here, then given `weights`.
 
     param_dtype: FSDP2's all-gather dtype (gradients reduced in fp32).
     unused_parameters: some parameters may get no gradient on a rank.
@@ -79,19 +80,19 @@ def parallelize(model, objective, parallel, device, param_dtype=None,
         forward to the step's last backward.
     shard_size (fsdp): 0 shards over every process; k over groups of k
         consecutive ranks, replicated across the groups."""
+    model = trained.model
+    objective = trained.objective
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and parallel != "fsdp":
-        materialize(model, objective, device, weights)
+        materialize(trained, device, weights)
     if parallel == "none":
-        return model, objective
-    has_params = any(p.requires_grad for p in objective.parameters())
+        return trained
     if parallel == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
         cuda = device.startswith("cuda")
-        wrap = functools.partial(
-            DDP, device_ids=[torch.device(device).index] if cuda else None,
-            find_unused_parameters=unused_parameters)
-        return wrap(model), (wrap(objective) if has_params else objective)
+        return DDP(trained,
+                   device_ids=[torch.device(device).index] if cuda else None,
+                   find_unused_parameters=unused_parameters)
     assert parallel == "fsdp", parallel
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -119,13 +120,14 @@ def parallelize(model, objective, parallel, device, param_dtype=None,
     note = padding_note(named, shards)
     if note and dist.get_rank() == 0:
         print(note, flush=True)
+    has_params = any(p.requires_grad for p in objective.parameters())
     if has_params:
         # its own root, taking float32 logits and states as they are
         shard(objective, mp_policy=MixedPrecisionPolicy(
             param_dtype=param_dtype, reduce_dtype=torch.float32,
             cast_forward_inputs=False))
     if on_meta:
-        materialize(model, objective, device, weights)
+        materialize(trained, device, weights)
     if unused_parameters:
         from torch.distributed.fsdp import FSDPModule
         modules = (model, objective) if has_params else (model,)
@@ -135,16 +137,18 @@ def parallelize(model, objective, parallel, device, param_dtype=None,
                 module.set_reduce_scatter_unused_params(True)
         else:
             zero_gradients_for_unused(*modules)
-    return model, objective
+    return trained
 
 
 @torch.no_grad()
-def materialize(model, objective, device, weights=None):
+def materialize(trained, device, weights=None):
     """Allocate the meta-built model and objective on `device`, draw
     their weights as one process does (FSDP2's a parameter at a time),
-    then copy in `weights` ({name: whole tensor}, or a loader)."""
-    model.to_empty(device=device)
-    objective.to_empty(device=device)
+    then copy the model's `weights` ({name: whole tensor}, or a
+    loader) in."""
+    trained.to_empty(device=device)
+    model = trained.model
+    objective = trained.objective
     sharded = any(hasattr(p, "to_local") for p in model.parameters())
     fill = fill_sharded if sharded else fill_parameters
     if not sharded:
@@ -302,20 +306,19 @@ def add_zero_term(module, parameters):
     module.register_forward_hook(hook, prepend=True)
 
 
-def gradient_sync(modules, enabled, keep_gathered=False):
-    """Context for one micro-step: enabled=False accumulates gradients
-    locally, the step's last micro-step syncs. keep_gathered: FSDP2
-    reshards the weights after the last micro-step's backward only."""
-    stack = contextlib.ExitStack()
-    for module in modules:
-        if isinstance(module, nn.parallel.DistributedDataParallel):
-            if not enabled:
-                stack.enter_context(module.no_sync())
-        elif hasattr(module, "set_requires_gradient_sync"):  # FSDP2
+def gradient_sync(wrapped, enabled, keep_gathered=False):
+    """Context for one micro-step of parallelize's wrapper:
+    enabled=False accumulates gradients locally, the step's last
+    micro-step syncs. keep_gathered: FSDP2 reshards the weights after
+    the last micro-step's backward only."""
+    if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+        return contextlib.nullcontext() if enabled else wrapped.no_sync()
+    for module in wrapped.children():  # the model, the objective
+        if hasattr(module, "set_requires_gradient_sync"):  # FSDP2
             module.set_requires_gradient_sync(enabled)
             if keep_gathered:
                 module.set_reshard_after_backward(enabled)
-    return stack
+    return contextlib.nullcontext()
 
 
 def world_size():

@@ -34,7 +34,6 @@ Design notes and measurements: docs/performance.md.
 import argparse
 import math
 import os
-import statistics
 
 import torch
 
@@ -43,17 +42,13 @@ from configurator import (ConfigError, check_train_config, parse_config,
 from data import DataError, preparation_command, read_meta
 import parallelism
 from memory import (AUTO_BATCH_MEMORY, GPU_MEMORY_GIB, compute_dtype,
-                    device_memory, gathered_bytes, memory_by_mode,
-                    meta_model, micro_steps_of, resolve_batch_size,
-                    shard_group)
-from comms import communication_bytes, communication_lines, link_of, step_seconds
+                    device_memory, memory_by_mode, meta_model,
+                    micro_steps_of, resolve_batch_size)
+from comms import communication_lines, communication_plan
 from errors import UsageError, end_with
-from model import GPT, GPTConfig, build_model
-from objective import Objective, objective_step
-from optim import configure_optimizers
-from utils import (GPU_PEAK_BF16_FLOPS, autocast_context, choose_device,
-                   choose_dtype, duration, launched, measure_matmul_flops,
-                   peak_flops, seconds)
+from speed import measured_speed
+from utils import (GPU_PEAK_BF16_FLOPS, choose_device, choose_dtype,
+                   duration, launched)
 
 # GPT-2 BPE tokens in one C4 "en" train shard, roughly (prepare_c4.py)
 C4_TOKENS_PER_SHARD = 150e6
@@ -61,16 +56,23 @@ C4_TOKENS_PER_SHARD = 150e6
 
 def run_vocab(config):
     """The vocabulary a run builds its model with: vocab_size if set,
-    else the dataset's, doubled by the simulated low-resource language
-    (as train.py does)."""
-    if config["vocab_size"]:
-        return config["vocab_size"]
+    else the dataset's, doubled by the simulated low-resource language.
+    A ConfigError if vocab_size is below a prepared dataset's, or if
+    neither is there."""
+    vocab_size = config["vocab_size"]
     try:
         base = read_meta(config["data_dir"])["vocab_size"]
     except DataError as e:
+        if vocab_size:
+            return vocab_size
         raise ConfigError("a plan needs key 'vocab_size' or a dataset "
                           f"in data_dir ({e})") from None
-    return 2 * base if config["low_resource"] else base
+    dataset = 2 * base if config["low_resource"] else base
+    if vocab_size and vocab_size < dataset:
+        raise ConfigError(f"key 'vocab_size' is {vocab_size} but the "
+                          f"dataset in {config['data_dir']} has "
+                          f"{dataset} tokens")
+    return vocab_size or dataset
 
 
 def training_flops_per_token(model, objective, micro_batch_tokens):
@@ -91,87 +93,12 @@ def evaluation_flops(model, config, processes=1):
     """FLOPs of one evaluation over all processes: eval_iters batches
     split over them, each scored in every language with the LM head; a
     process whose share is short repeats a batch, so each runs
-    ceil(eval_iters / processes) (evaluate.validation_losses)."""
+    ceil(eval_iters / processes) (scoring.validation_losses)."""
     languages = 2 if config["low_resource"] else 1
     batches = math.ceil(config["eval_iters"] / processes) * processes
     sequences = batches * languages * config["batch_size"]
     tokens = sequences * config["block_size"]
     return tokens * model.flops_per_token(backward=False)
-
-
-def long_work_notice(flops_per_step, flops_per_eval, peak, mfu=0.4,
-                     threshold_s=120):
-    """The line train.py prints before its loop when one step or one
-    evaluation would take more than threshold_s at the plan's MFU of
-    `peak` (FLOP/s of all processes), so that a run that works does not
-    look hung until its first log line. None when both are short."""
-    long = []
-    for what, flops in (("one step", flops_per_step),
-                        ("one evaluation", flops_per_eval)):
-        time_s = flops / (mfu * peak)
-        if time_s > threshold_s:
-            long.append(f"{what} will take about {time_s / 60:,.0f} min")
-    if not long:
-        return None
-    return (f"note: {' and '.join(long)} on this device "
-            f"(plan: {flops_per_step / 1e12:,.1f} TFLOP per step, "
-            f"{flops_per_eval / 1e12:,.1f} per evaluation, "
-            f"at MFU {mfu:.0%} of {peak / 1e9:,.0f} GFLOP/s); "
-            "the first log line comes after it")
-
-
-# name -> (model config, batch size): the CE runs of the comparison
-# grids; a CPU plan times the first
-EFFICIENCY_SETTINGS = {
-    "lowres": (dict(vocab_size=130, block_size=64,
-                    n_layer=4, n_head=4, n_embd=128), 12),
-    "bpe": (dict(vocab_size=50304, block_size=128,
-                 n_layer=4, n_head=4, n_embd=128), 8),
-}
-
-
-def step_time(model_config, objective_kwargs, batch_size, steps, warmup,
-              device, dtype):
-    """Median seconds of one training step on random tokens with the
-    given objective (objective.ObjectiveConfig's keys), after `warmup`
-    untimed steps."""
-    torch.manual_seed(0)
-    model = build_model(model_config, device)
-    objective = Objective(model_config.n_layer, model_config.n_embd,
-                          **objective_kwargs).to(device)
-    objective.init_weights()
-    optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95),
-                                      extra_modules=[objective])
-    shape = (batch_size, model_config.block_size)
-    x = torch.randint(0, model_config.vocab_size, shape, device=device)
-    y = torch.randint(0, model_config.vocab_size, shape, device=device)
-    autocast = autocast_context(device, dtype)
-
-    def step():
-        with autocast:
-            loss, *_ = objective_step(model, objective, x, y)
-        loss.backward()
-        for opt in optimizers:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    times = [seconds(step, device) for _ in range(warmup + steps)]
-    return statistics.median(times[warmup:])
-
-
-def measured_speed(device, dtype):
-    """(peak FLOP/s, MFU) of this machine's `device` (a CPU, MPS: no
-    datasheet): the matmul peak train.py's MFU divides by
-    (utils.peak_flops), and the MFU the lowres toy's CE step reaches
-    here (docs/performance.md)."""
-    peak = peak_flops(device, dtype)
-    settings, batch_size = EFFICIENCY_SETTINGS["lowres"]
-    toy = GPTConfig(**settings)
-    # 10 steps timed after 3 untimed (allocation, the kernels' set-up)
-    step_s = step_time(toy, {}, batch_size, 10, 3, device, dtype)
-    with torch.device("meta"):
-        per_token = GPT(toy).flops_per_token()
-    flops = per_token * batch_size * toy.block_size
-    return peak, flops / step_s / peak
 
 
 def data_needed(config, tokens_per_run):
@@ -271,9 +198,7 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True,
     B = config["batch_size"]
     T = config["block_size"]
     steps = config["max_iters"]
-    sequences = config["global_batch_size"]
     fsdp = config["parallel"] == "fsdp"
-    keep = config.get("fsdp_keep_gathered", False)
     micro_steps = micro_steps_of(config, processes)
     tokens_per_step = micro_steps * B * T * processes
     flops_per_token = training_flops_per_token(model, objective, B * T)
@@ -286,73 +211,27 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True,
                                     measure)
     # processes on a CPU talk over gloo: no link figure unless given
     timed = device == "cuda" or link_gbps is not None
-    link, link_name = link_of(gpu, processes, link_gbps) if timed else (None, None)
     speed = figures["mfu"] * figures["peak"] * processes  # all processes
     hours = flops_per_run / speed / 3600
     compute_s = flops_per_step / speed
-
-    def group_of(n):
-        return shard_group(config, n) if fsdp else n
-
-    def communication(micro_steps, n=processes, keep=keep):
-        """Bytes, and seconds at the links' Gb/s: FSDP's within its shard
-        group's link; DDP's, and hybrid sharding's all-reduce between the
-        groups, over the link between all the processes."""
-        group = group_of(n)
-        moved = communication_bytes(model, objective, config["parallel"], n,
-                                    micro_steps, gathered_bytes(config),
-                                    keep, group)
-        if not timed:  # nothing to set against compute
-            return {**moved, "seconds": 0.0, "exposed_seconds": 0.0}
-        within = link_of(gpu, group, link_gbps)[0] * 1e9 / 8
-        between = link_of(gpu, n, link_gbps)[0] * 1e9 / 8
-        sharded = moved["all_gather"] + moved["reduce_scatter"]
-        exposed = (moved["exposed"] / within
-                   + moved["exposed_between"] / between)
-        return {**moved,
-                "seconds": sharded / within + moved["all_reduce"] / between,
-                "exposed_seconds": exposed}
-
-    def batch_keys(k):
-        keys = f"--batch_size={B * micro_steps // k}"
-        if not sequences:
-            keys += f" --gradient_accumulation_steps={k}"
-        return keys
-
-    moved = communication(micro_steps)
-    step_s = step_seconds(compute_s, moved["seconds"], moved["exposed_seconds"])
-    # fewer micro-steps (a larger batch_size, the same tokens per step)
-    # gather FSDP's units fewer times: the most whose communication the
-    # compute would hide
-    fewer = next(({"micro_steps": k, "seconds": communication(k)["seconds"],
-                   "keys": batch_keys(k)}
-                  for k in range(micro_steps - 1, 0, -1)
-                  if micro_steps % k == 0
-                  and communication(k)["seconds"] <= compute_s), None)
-    # failing that, the most processes (fewer than now, one micro-step
-    # each) on which the step's compute would hide it
-    fewer_processes = next(
-        ({"processes": n, "keys": f"--batch_size={sequences // n}"}
-         for n in range(processes - 1, 0, -1)
-         if sequences and sequences % n == 0
-         and communication(1, n)["seconds"] <= compute_s * processes / n),
-        None)
-    # FSDP with the weights kept gathered over the step: its time and its
-    # memory per GPU
-    kept = None
-    if fsdp and not keep:
+    # FSDP with the weights kept gathered over the step: its memory per GPU
+    kept_gib = None
+    if fsdp and not config.get("fsdp_keep_gathered", False):
         kept_config = {**config, "fsdp_keep_gathered": True}
         _, kept_parts = memory_by_mode(model, kept_config, processes,
                                        micro_steps, False)
         ckpt = config["activation_checkpointing"]
         gib = per_gpu["fsdp"]["checkpointed" if ckpt else "plain"]
-        kept = {"seconds": communication(micro_steps, keep=True)["seconds"],
-                "gib": gib + (kept_parts["fsdp"] - parts["fsdp"])}
-    group = group_of(processes)
+        kept_gib = gib + (kept_parts["fsdp"] - parts["fsdp"])
+    communication = communication_plan(
+        model, objective, config, processes, micro_steps, compute_s, gpu,
+        link_gbps, timed, kept_gib)
     padding = None
     if fsdp:
         named = [*model.named_parameters(), *objective.named_parameters()]
-        padding = parallelism.padding_note(named, group)
+        padding = parallelism.padding_note(named,
+                                           communication["shard_group"])
+    step_s = communication["step_seconds"]
     return {
         "params": model.num_params(),
         "active_params": model.num_params(active=True),
@@ -364,14 +243,10 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True,
         "tokens_per_run": tokens_per_step * steps, "steps": steps,
         "flops_per_step": flops_per_step, "flops_per_run": flops_per_run,
         "device": device, "dtype": config["dtype"], **figures,
-        "hours": hours, "compute_seconds": compute_s,
-        "communication": moved, "link_gbps": link, "link": link_name,
-        "step_seconds": step_s, "shard_group": group,
-        "group_link": link_of(gpu, group, link_gbps) if timed else None,
+        "hours": hours, "compute_seconds": compute_s, **communication,
         "hours_with_communication":
             hours + steps * (step_s - compute_s) / 3600,
-        "fewer_micro_steps": fewer, "fewer_processes": fewer_processes,
-        "keep_gathered": kept, "fsdp_keep_gathered": keep,
+        "fsdp_keep_gathered": config.get("fsdp_keep_gathered", False),
         "memory": per_gpu, "memory_parts": parts,
         "parallel": config["parallel"],
         "activation_checkpointing": config["activation_checkpointing"],
@@ -484,38 +359,6 @@ def memory_heading(p, unit):
     activations = str(dtype).removeprefix("torch.")
     whose = "the process" if p["processes"] == 1 else "each process"
     return f"memory of {whose} ({unit}; its tensors, activations in {activations}):"
-
-
-def slow_dtype_notice(device, dtype, peak):
-    """The line train.py prints when a CPU runs the chosen dtype's matmuls
-    (peak: their measured FLOP/s) slower than float32's, as most CPUs do
-    float16 and some bfloat16. None on a GPU, in float32, or where the
-    dtype is faster."""
-    if device != "cpu" or dtype == "float32":
-        return None
-    float32 = measure_matmul_flops(device, torch.float32)
-    if float32 <= peak:
-        return None
-    return (f"note: {dtype} matmuls run at {peak / 1e9:,.0f} GFLOP/s on "
-            f"this CPU and float32's at {float32 / 1e9:,.0f}: --dtype=float32 "
-            f"would train about {float32 / peak:,.0f}x faster")
-
-
-def run_summary(params, device, dtype, tokens_per_iter, flops_per_iter,
-                peak, parallel, processes, shard_size):
-    """train.py's first line: the model's size, the device, a step's
-    tokens and FLOPs, the peak (all processes') and how the processes
-    share the work."""
-    how = ""
-    if parallel != "none":
-        plural = "es" if processes > 1 else ""
-        how = f" | {processes} process{plural}, {parallel}"
-        if parallel == "fsdp" and 0 < shard_size < processes:
-            how += f" sharded in groups of {shard_size}"
-    return (f"params: {params:,} | device {device} {dtype} | "
-            f"{tokens_per_iter} tokens/iter | "
-            f"{flops_per_iter / 1e9:.2f} GFLOP/iter | "
-            f"peak {peak / 1e9:.0f} GFLOP/s{how}")
 
 
 def print_plan(config, processes):

@@ -19,9 +19,7 @@ A killed run resumes at the shard it was on; ``--shards 351`` after
 Design notes: docs/data.md
 """
 
-import argparse
 import concurrent.futures
-import errno
 import gzip
 import hashlib
 import itertools
@@ -35,12 +33,13 @@ import zlib
 
 import numpy as np
 
-from data import (BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE,
-                  DataError, gpt2_encoding, write_meta)
+from data import (BPE_ENCODING, BPE_EOT, BPE_META, BPE_TOKENS, DataError,
+                  gpt2_encoding, write_meta)
 from download import (CHUNK_SIZE, DEFAULT_RETRIES, DEFAULT_RETRY_DELAY,
                       DEFAULT_TIMEOUT, download)
-from errors import UsageError, UserError, end_with
-from utils import atomic_write, check_arguments
+from errors import ArgumentParser, UserError, end_with
+from utils import (atomic_write, check_arguments, check_writable,
+                   remove_leftovers)
 
 DEFAULT_OUT_DIR = os.path.join("data", "c4")
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/allenai/c4/resolve/main"
@@ -48,8 +47,6 @@ N_TRAIN_SHARDS = 1024
 N_VAL_SHARDS = 8
 DOCS_PER_BATCH = 256  # tokenised and written at a time (~0.5 MB of text)
 SPLIT_DIRS = {"train": "train", "validation": "val"}
-# utils.atomic_write's temp names
-TEMP_FILE = re.compile(r"\..+\.(bin|json|json\.gz)\.\w+\.tmp")
 
 
 def shard_names(split, n):
@@ -176,37 +173,18 @@ def tokenize_shard(path, out_path):
 
 # in the main process: schedule the shards, keep the index
 
-def check_out_dir(out_dir):
-    """Make out_dir and prove it writable before any download: one
-    DataError naming it otherwise."""
-    try:
-        os.makedirs(out_dir, exist_ok=True)
-        test_path = os.path.join(out_dir, ".write_test.json")
-        atomic_write(test_path, lambda tmp: None)
-        os.remove(test_path)
-    except OSError as exc:
-        denied = "permission denied: this user may not write there"
-        a_file = "it, or a folder on its path, is a file"
-        reason = {errno.EACCES: denied, errno.EPERM: denied,
-                  errno.ENOSPC: "the disk is full",
-                  errno.EROFS: "read-only file system",
-                  errno.ENOTDIR: a_file, errno.EEXIST: a_file}.get(
-                      exc.errno, exc.strerror or str(exc))
-        raise DataError(f"cannot write the outputs to --out_dir {out_dir}: "
-                        f"{reason} ({exc.filename or out_dir})") from None
-
-
 def remove_stale_temporaries(out_dir):
-    """The temp files a killed run left: never complete, never read."""
-    subdirs = [os.path.join(out_dir, sub) for sub in SPLIT_DIRS.values()]
-    for directory in [out_dir] + subdirs:
-        if not os.path.isdir(directory):
-            continue
-        for name in sorted(os.listdir(directory)):
-            if TEMP_FILE.fullmatch(name):
-                path = os.path.join(directory, name)
-                os.remove(path)
-                print(f"removed {path} (left by an interrupted run)")
+    """The temp files a killed run left (of any shard, this run's or
+    not): never complete, never read."""
+    shards = (shard_names("train", N_TRAIN_SHARDS)
+              + shard_names("validation", N_VAL_SHARDS))
+    names = ["meta.json", *shards]
+    names += [os.path.basename(token_file(name)) for name in shards]
+    for sub in ("", *SPLIT_DIRS.values()):
+        directory = os.path.join(out_dir, sub)
+        for name in remove_leftovers(directory, names):
+            path = os.path.join(directory, name)
+            print(f"removed {path} (left by an interrupted run)")
 
 
 def previous_meta(out_dir):
@@ -251,10 +229,7 @@ def make_meta(splits, done, source):
              for split, names in splits.items()}
     entries = files["train"] + files["val"]
     meta = {
-        "tokenizer": BPE_ENCODING,
-        "vocab_size": BPE_VOCAB_SIZE,
-        "tokenizer_vocab_size": BPE_TOKENS,
-        "eot_token": BPE_EOT,
+        **BPE_META,
         "dtype": "uint16",
         "n_train": sum(e["n_tokens"] for e in files["train"]),
         "n_val": sum(e["n_tokens"] for e in files["val"]),
@@ -329,10 +304,6 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR,
     splits = {"train": shard_names("train", shards),
               "val": shard_names("validation", val_shards)}
     workers = (os.cpu_count() or 1) if workers is None else workers
-    if workers < 1:
-        raise DataError(f"workers must be at least 1, got {workers}")
-    if retries < 0:
-        raise DataError(f"retries must be at least 0, got {retries}")
     gpt2_encoding()  # fail now, not after an hour of downloads
     base_url = base_url.rstrip("/")
     names = splits["train"] + splits["val"]
@@ -343,7 +314,8 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR,
     else:
         source = f"{base_url}/en"
 
-    check_out_dir(out_dir)
+    # before any download: one line naming out_dir
+    check_writable(out_dir, "--out_dir", directory=True)
     remove_stale_temporaries(out_dir)
     if from_text:
         shards_from_text(from_text, paths, splits["train"], splits["val"])
@@ -439,19 +411,12 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR,
 
 # command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        # one line and the usage error's status (argparse's own also
-        # prints the usage)
-        end_with(UsageError(message))
-
-
 def main(argv=None):
     """Parse arguments, run ``prepare`` and print a summary. A bad
     argument is one ``error: ...`` line and exit status 2; a problem
     with the data, the output folder or the network one such line and
     status 1, never a traceback."""
-    parser = _Parser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--shards", type=int, default=1,
         help=f"number of train shards, the first N of {N_TRAIN_SHARDS} "

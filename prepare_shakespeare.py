@@ -13,20 +13,17 @@ Usage::
 Design notes: docs/data.md
 """
 
-import argparse
 import hashlib
 import os
 import sys
 
 import numpy as np
-import requests
-from tqdm import tqdm
 
-from data import (BPE_ENCODING, BPE_EOT, BPE_TOKENS, BPE_VOCAB_SIZE,
-                  DataError, gpt2_encoding, write_meta)
-from errors import UsageError, UserError, end_with
-from utils import (atomic_write, check_arguments, check_writable,
-                   remove_leftovers)
+import download as downloads
+from data import (BPE_ENCODING, BPE_META, BPE_VOCAB_SIZE, DataError,
+                  gpt2_encoding, write_meta)
+from errors import ArgumentParser, UsageError, UserError, end_with
+from utils import check_arguments, check_writable, remove_leftovers
 
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
 DEFAULT_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/"
@@ -39,8 +36,6 @@ TOKENIZERS = ("char", "gpt2")
 TRAIN_FRACTION = 0.9
 # distinct characters: one fewer than uint16 holds, 65535 kept free
 MAX_VOCAB = int(np.iinfo(np.uint16).max)
-HTTP_TIMEOUT = (10, 60)  # seconds: (connect, read between chunks)
-CHUNK_SIZE = 1 << 16
 
 
 def _normalize_sha256(sha256):
@@ -55,54 +50,29 @@ def _normalize_sha256(sha256):
 
 
 def download(url, dest_path, sha256=None):
-    """Download ``url`` to ``dest_path``; return its sha256. Given
-    ``sha256``, a mismatch leaves nothing behind, and a ``dest_path``
-    that already has it is not downloaded again."""
+    """Download ``url`` to ``dest_path`` (download.py: resumed and
+    retried); return its sha256. Given ``sha256``, a mismatch leaves
+    nothing behind, and a ``dest_path`` that already has it is not
+    downloaded again."""
     expected = _normalize_sha256(sha256)
-    if expected is not None and os.path.isfile(dest_path):
-        with open(dest_path, "rb") as f:
-            if hashlib.sha256(f.read()).hexdigest() == expected:
-                print(f"{dest_path} already downloaded and verified, "
-                      "skipping download")
-                return expected
+    if os.path.isfile(dest_path):
+        if file_sha256(dest_path) == expected:
+            print(f"{dest_path} already downloaded and verified, "
+                  "skipping download")
+            return expected
+        os.remove(dest_path)
+    downloads.download(url, dest_path)
+    got = file_sha256(dest_path)
+    if expected is not None and got != expected:
+        os.remove(dest_path)
+        raise DataError(f"checksum mismatch for {url}: expected sha256 "
+                        f"{expected}, got {got}")
+    return got
 
-    digest = {}
 
-    def write(tmp):  # raising here leaves no file: atomic_write renames
-        with requests.get(url, stream=True, timeout=HTTP_TIMEOUT) as resp:
-            resp.raise_for_status()
-            # Content-Length counts the bytes on the wire: with gzip it
-            # is not the decoded bytes we count
-            length = resp.headers.get("Content-Length")
-            encoding = resp.headers.get("Content-Encoding", "identity")
-            known = length and length.isdigit() and encoding == "identity"
-            h = hashlib.sha256()
-            with open(tmp, "wb") as f, tqdm(
-                    total=int(length) if known else None, unit="B",
-                    unit_scale=True, desc="downloading") as bar:
-                for chunk in resp.iter_content(chunk_size=CHUNK_SIZE):
-                    f.write(chunk)
-                    h.update(chunk)
-                    bar.update(len(chunk))
-        digest["got"] = got = h.hexdigest()
-        if expected is not None and got != expected:
-            raise DataError(f"checksum mismatch for {url}: expected sha256 "
-                            f"{expected}, got {got}")
-
-    try:
-        atomic_write(dest_path, write)
-    except requests.HTTPError as exc:
-        response = exc.response
-        status = response.status_code if response is not None else "?"
-        reason = response.reason if response is not None else ""
-        raise DataError(f"download of {url} failed: HTTP {status} "
-                        f"{reason}".rstrip()) from exc
-    except requests.RequestException as exc:
-        raise DataError(f"download of {url} failed: {exc}") from exc
-    except OSError as exc:
-        raise DataError(f"could not save {url} to {dest_path}: {exc}") \
-            from exc
-    return digest["got"]
+def file_sha256(path):
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
 
 
 def read_text(path):
@@ -245,8 +215,7 @@ def prepare(input_path=None, out_dir=None, url=DEFAULT_URL,
         n_chars = int(len(text) * TRAIN_FRACTION)
         train_ids = np.array(encode(text[:n_chars]), dtype=np.uint16)
         val_ids = np.array(encode(text[n_chars:]), dtype=np.uint16)
-        vocab = {"tokenizer": BPE_ENCODING, "vocab_size": BPE_VOCAB_SIZE,
-                 "tokenizer_vocab_size": BPE_TOKENS, "eot_token": BPE_EOT}
+        vocab = BPE_META
 
     meta = {**vocab, "n_train": int(len(train_ids)),
             "n_val": int(len(val_ids)), "source": source, "sha256": digest}
@@ -257,9 +226,9 @@ def prepare(input_path=None, out_dir=None, url=DEFAULT_URL,
 
 def main(argv=None):
     """Parse arguments, run ``prepare`` and print a summary. An error
-    is one ``error: ...`` line and exit status 1, not a traceback: it
-    is about the user's data, not about this code."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    is one ``error: ...`` line, not a traceback: exit status 2 for a
+    bad argument, 1 for a problem with the data."""
+    parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--input", default=None,
         help="use this local text file instead of downloading")

@@ -5,7 +5,6 @@ check_resumable allows). checkpoint.py says what a checkpoint holds.
 A run's files and what happens when a run goes wrong: docs/runs.md
 """
 
-import errno
 import fcntl
 import json
 import math
@@ -16,15 +15,16 @@ import signal
 import socket
 import time
 
-import evaluate
 import parallelism
+import scoring
 import tracking
 from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, agree,
                         check_dataset, load, load_latest, restore, save_full,
                         save_weights)
 from errors import UserError
 from model import GPTConfig
-from utils import LogError, PathError, read_log, save_text, write_failure
+from utils import (NO_PERMISSION, NO_SPACE, LogError, PathError, read_log,
+                   remove_leftovers, save_text, write_failure)
 
 # the files of a run: a fresh run refuses an out_dir holding any of them
 RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json",
@@ -33,14 +33,6 @@ RUN_FILES = ("ckpt.pt", "ckpt.json", "ckpt_prev.pt", "ckpt_prev.json",
 # held (flock) by the one run that writes out_dir; not a run file
 LOCK_FILE = "run.lock"
 SHARD_FOLDERS = ("ckpt_dcp", BEST_DCP)
-
-
-def remove_temporaries(out_dir):
-    """The temporary files a killed write left (utils.atomic_write)."""
-    if os.path.isdir(out_dir):
-        for name in os.listdir(out_dir):
-            if name.startswith(".") and name.endswith(".tmp"):
-                os.remove(os.path.join(out_dir, name))
 
 
 def existing_run(out_dir):
@@ -70,8 +62,7 @@ def lock_run(out_dir, command):
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
         lock = open(fd, "r+")
     except OSError as e:
-        if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOSPC,
-                       errno.EDQUOT):
+        if e.errno in NO_PERMISSION + NO_SPACE:
             reason = write_failure(out_dir, e)
         else:
             reason = (f"cannot use {out_dir} as a run's directory "
@@ -164,7 +155,7 @@ def open_run(out_dir, init_from, overwrite, master, command):
                   f"starting it again; what it wrote is in {folder}")
         elif existing:
             clear_run(out_dir)
-        remove_temporaries(out_dir)
+        remove_leftovers(out_dir, RUN_FILES)  # of a killed write
     return lock, init_from
 
 
@@ -221,7 +212,7 @@ def end_if_complete(checkpoint, config, out_dir, master, device):
             f"further, resume with a larger --max_iters")
     if master:
         flops = checkpoint.get("flops_done") or {}
-        evaluate.write_run_metrics(out_dir, flops, device)
+        scoring.write_run_metrics(out_dir, flops, device)
     raise RunComplete(
         f"{complete} without its final evaluation: wrote metrics.json, "
         f"changed nothing else; to train it further, resume with a larger "

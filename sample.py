@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from evaluate import load_model
+from checkpoint import load_model
 from errors import UserError, end_with
 from utils import check_arguments, choose_device
 

@@ -25,13 +25,14 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
-import evaluate
+import scoring
 import metrics
 import parallelism
 import memory
 import plan
 import prepare_shakespeare
 import run
+import speed
 import tracking
 from configurator import (ConfigError, check_train_config, parse_config,
                           train_rules)
@@ -39,7 +40,7 @@ from data import (EpochWindows, load_tokens, read_meta, read_windows,
                   sample_windows)
 from errors import end_on_user_error
 from model import GPT, GPTConfig, initial_weights
-from objective import Objective, ObjectiveConfig, objective_step
+from objective import Objective, ObjectiveConfig, Trained
 from optim import (AdaGC, apply_gradients, configure_optimizers,
                    gradient_clipping, learning_rate_at)
 from utils import (StopRequest, autocast_context, choose_device, choose_dtype,
@@ -162,15 +163,11 @@ if world_size == 1:  # under torchrun every process would write it
     prepare_shakespeare.prepare_missing(data_dir, data_source)
 meta = read_meta(data_dir)
 base_vocab = meta["vocab_size"]
-dataset_vocab = 2 * base_vocab if low_resource else base_vocab
-if vocab_size and vocab_size < dataset_vocab:
-    raise ConfigError(f"key 'vocab_size' is {vocab_size} but the dataset "
-                      f"in {data_dir} has {dataset_vocab} tokens")
+vocab_size = plan.run_vocab(config)
 # read-only memmaps: only the sampled windows are ever read
 train_data, val_data = (
     load_tokens(data_dir, split, block_size, base_vocab, meta.get(f"n_{split}"))
     for split in ("train", "val"))
-vocab_size = vocab_size or dataset_vocab
 shift = base_vocab if low_resource else 0  # the low-resource language's ids
 rank = 0
 if parallel != "none":
@@ -206,9 +203,9 @@ if check_memory:  # before allocating anything
     memory.check_fits({**config, "dtype": dtype}, world_size, vocab_size,
                       device)
 model_config = GPTConfig.from_config(config, vocab_size)
-with torch.device("meta"):  # allocated by parallelism.parallelize
-    model = GPT(model_config)
-    objective = Objective.from_config(config)  # the loss (NITP's head)
+# the model and its loss (NITP's head), allocated by parallelize
+with torch.device("meta"):
+    trained = Trained(GPT(model_config), Objective.from_config(config))
 
 start_weights = None  # memory-mapped on the CPU until parallelize
 if init_from not in ("scratch", "resume", "auto"):  # CWT: fresh optimizer
@@ -226,30 +223,30 @@ if init_embeddings_from_seed is not None:
               f"initialisation, the rest from {seed}'s")
 
 # compile, checkpoint activations around the compiled blocks, then DDP or
-# FSDP2. train_model and train_objective are the parallel wrappers a step
-# runs forward through; all else uses model and objective themselves.
+# FSDP2. A step runs forward through the parallel wrapper; all else uses
+# trained itself.
 if compile == "True" or (compile == "auto" and on_cuda):
-    parallelism.compile_blocks(model)
+    parallelism.compile_blocks(trained.model)
 if activation_checkpointing:
-    parallelism.apply_activation_checkpointing(model)
-train_model, train_objective = parallelism.parallelize(
-    model, objective, parallel, device,
+    parallelism.apply_activation_checkpointing(trained.model)
+wrapper = parallelism.parallelize(
+    trained, parallel, device,
     param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # a headless run's untied LM head gets no gradient
-    unused_parameters=not (objective.trains_head or tie_weights),
+    unused_parameters=not (trained.objective.trains_head or tie_weights),
     weights=start_weights,
     keep_gathered=fsdp_keep_gathered, shard_size=fsdp_shard_size)
 del start_weights  # copied in
 optimizers = configure_optimizers(
-    model, learning_rate, weight_decay, (beta1, beta2), separate_embeddings,
-    extra_modules=[objective],
+    trained.model, learning_rate, weight_decay, (beta1, beta2),
+    separate_embeddings, extra_modules=[trained.objective],
     embedding_weight_decay=None if embedding_weight_decay < 0
     else embedding_weight_decay)
 clipper = None  # clipping covers the model, not the objective's head
 if grad_clip_mode == "adagc":
-    clipper = AdaGC(model.parameters(), grad_clip, adagc_beta, adagc_rel,
-                    adagc_warmup)
-clip = gradient_clipping(model, grad_clip, clipper)
+    clipper = AdaGC(trained.model.parameters(), grad_clip, adagc_beta,
+                    adagc_rel, adagc_warmup)
+clip = gradient_clipping(trained.model, grad_clip, clipper)
 # float16's loss scaling; a pass-through in other dtypes
 scaler = torch.amp.GradScaler(torch.device(device).type,
                               enabled=dtype == "float16")
@@ -262,9 +259,8 @@ training = checkpoint.TrainingState(data_generator, epoch_windows, clipper,
                                     scaler, grad_recorder, device)
 
 # out_dir: touched only now, with every setting and file checked
-run_files = run.RunFiles(
-    out_dir, torch.nn.ModuleDict({"model": model, "objective": objective}),
-    optimizers, parallel, master, device, learning_rate)
+run_files = run.RunFiles(out_dir, trained, optimizers, parallel, master,
+                         device, learning_rate)
 run_lock, init_from = run.open_run(out_dir, init_from, overwrite, master,
                                    sys.orig_argv)  # auto: resume | scratch
 if init_from == "resume":
@@ -282,17 +278,13 @@ tokens_per_iter = (gradient_accumulation_steps * batch_size * block_size
                    * world_size)
 # the FLOPs counted for MFU and for the grids' cost
 flops_per_iter = tokens_per_iter * plan.training_flops_per_token(
-    model, objective, batch_size * block_size)
-flops_per_eval = plan.evaluation_flops(model, config, world_size)
+    trained.model, trained.objective, batch_size * block_size)
+flops_per_eval = plan.evaluation_flops(trained.model, config, world_size)
 peak = peak_flops(device, dtype) * world_size
 if master:
-    print(plan.run_summary(model.num_params(), device, dtype, tokens_per_iter,
-                           flops_per_iter, peak, parallel, world_size,
-                           fsdp_shard_size))
-    if notice := plan.long_work_notice(flops_per_iter, flops_per_eval, peak):
-        print(notice, flush=True)
-    if notice := plan.slow_dtype_notice(device, dtype, peak / world_size):
-        print(notice, flush=True)
+    print(speed.start_lines(trained.model.num_params(), config, device,
+                            dtype, tokens_per_iter, flops_per_iter,
+                            flops_per_eval, peak, world_size), flush=True)
 
 last_eval = None
 stopping = 0  # the signal of a stop every rank agreed on; 0: none
@@ -311,9 +303,10 @@ while True:
     evaluating = iter_num % eval_interval == 0 or iter_num == max_iters
     evaluation = None
     if evaluating:
-        evaluation = evaluate.validation_losses(
-            model, objective, val_data, batch_size, block_size, eval_iters,
-            shift, low_resource_prob, device, autocast, rank, world_size,
+        evaluation = scoring.validation_losses(
+            trained.model, trained.objective, val_data, batch_size,
+            block_size, eval_iters, shift, low_resource_prob, device,
+            autocast, rank, world_size,
             lambda: stop.signum and iter_num < max_iters)
     best = False
     if evaluation is not None:
@@ -353,17 +346,17 @@ while True:
                             block_size, shift, device)
         last_micro_step = micro_step == gradient_accumulation_steps - 1
         # gradients are averaged over the processes in the last backward
-        with parallelism.gradient_sync((train_model, train_objective),
-                                       last_micro_step, fsdp_keep_gathered):
+        with parallelism.gradient_sync(wrapper, last_micro_step,
+                                       fsdp_keep_gathered):
             with autocast:
-                loss, terms, logits, hidden_states = objective_step(
-                    model, objective, x, y, train_model, train_objective)
+                loss, terms, logits, hidden_states = wrapper(x, y)
             loss = loss / gradient_accumulation_steps
             grad_recorder.watch(logits, hidden_states)
             scaler.scale(loss).backward()
         step_loss = step_loss + loss.detach()
-        if model.dropped_fraction is not None:  # MoE: tokens past capacity
-            terms = {**terms, "moe_dropped": model.dropped_fraction}
+        dropped = trained.model.dropped_fraction
+        if dropped is not None:  # MoE: tokens past capacity
+            terms = {**terms, "moe_dropped": dropped}
         for name, value in terms.items():
             share = value.detach() / gradient_accumulation_steps
             step_terms[name] = step_terms.get(name, 0) + share
@@ -403,7 +396,7 @@ if stopped and master:  # the step is saved: say how to go on
                               world_size), flush=True)
 flops_done = training.flops_done  # for metrics.json
 if parallel != "none":  # the final evaluation reads best.pt
-    del train_model, train_objective, model, objective, run_files
+    del wrapper, trained, run_files
     del optimizers, clipper, clip, training
     parallelism.shutdown()
 if stopped:
@@ -412,12 +405,12 @@ if stopped:
 if grad_recorder.steps:  # log_marginalization (one process)
     parts = torch.stack(grad_recorder.steps)
     train_tokens = torch.from_numpy(train_data.astype(np.int64))
-    report = evaluate.marginalization_report(parts, train_tokens, shift,
+    report = scoring.marginalization_report(parts, train_tokens, shift,
                                              meta["itos"])
     save_json(report, os.path.join(out_dir, "marginalization.json"))
 
 stop.release()  # the run is complete: Ctrl-C now ends the final evaluation
 if final_eval and master:  # best.pt, read whole (FSDP: from its shards)
-    evaluate.write_run_metrics(out_dir, flops_done, device, stop.name)
+    scoring.write_run_metrics(out_dir, flops_done, device, stop.name)
 if wandb_run is not None:
     wandb_run.finish()

@@ -227,10 +227,8 @@ def write_failure(path, error):
     disk, or the error with the space left on that disk."""
     if error.errno in NO_PERMISSION:
         return f"cannot write {path}: permission denied ({error.strerror})"
-    directory = os.path.abspath(path)
-    while not os.path.isdir(directory):
-        directory = os.path.dirname(directory)
-    free = f"{shutil.disk_usage(directory).free / 2**20:,.0f} MiB free on that disk"
+    disk = shutil.disk_usage(_nearest_existing(os.path.abspath(path)))
+    free = f"{disk.free / 2**20:,.0f} MiB free on that disk"
     if error.errno in NO_SPACE:
         return f"cannot write {path}: the disk is full ({error.strerror}; {free})"
     return f"cannot write {path}: {error.strerror or error} ({free})"

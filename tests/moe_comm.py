@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.getcwd())  # the repository's modules (the script's own folder is tests/)
 import parallelism  # noqa: E402
 from model import GPTConfig, build_model  # noqa: E402
+from objective import Trained  # noqa: E402
 from tools.bench_systems import CollectiveBytes  # noqa: E402
 
 LLAMA = dict(vocab_size=42, block_size=16, n_layer=2, arch="llama", tie_weights=False, top_k=2)
@@ -34,10 +35,10 @@ def main():
     for name, keys in MOE_MODELS.items():
         torch.manual_seed(0)
         model = build_model(GPTConfig(**keys))
-        train_model, _ = parallelism.parallelize(model, torch.nn.Module(), "fsdp", "cpu")
+        parallelism.parallelize(Trained(model, torch.nn.Module()), "fsdp", "cpu")
         x = torch.randint(0, keys["vocab_size"], (1, keys["block_size"]))
         with CollectiveBytes() as counter:
-            logits = train_model(x)
+            logits = model(x)
             (logits.float().square().mean() + model.aux_loss).backward()
         share = (world - 1) / world
         sent = {kind: buffer * share * (2 if kind == "all_reduce" else 1) for kind, buffer in counter.buffers.items()}

@@ -9,7 +9,7 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 from tools import bench_losses, bench_systems  # noqa: E402
 from model import GPTConfig  # noqa: E402
-import plan  # noqa: E402
+import speed  # noqa: E402
 
 
 def test_step_time_runs_each_objective():
@@ -17,7 +17,7 @@ def test_step_time_runs_each_objective():
     objectives = dict(bench_losses.LOSSES, cwt={"ce_weight": 0.0, "cwt_weight": 1.0})
     for name, kwargs in objectives.items():
         kwargs = {**kwargs, "simreg_chunk_size": 8} if "chunk" in name else kwargs
-        assert plan.step_time(config, kwargs, 2, steps=1, warmup=0, device="cpu", dtype="float32") > 0
+        assert speed.step_time(config, kwargs, 2, steps=1, warmup=0, device="cpu", dtype="float32") > 0
 
 
 @pytest.mark.slow

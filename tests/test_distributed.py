@@ -136,11 +136,10 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     assert {os.path.join("ckpt_dcp", slot) for slot in os.listdir(fsdp / "ckpt_dcp")} == named and len(named) == 2
     # best.pt names its shards, written by every rank, one folder kept; evaluate.py reads it whole
     import checkpoint
-    import evaluate
     best = torch.load(fsdp / "best.pt", weights_only=True)
     assert "model" not in best and os.listdir(fsdp / "best_dcp") == [os.path.basename(best["dcp"])]
-    model, _ = evaluate.load_model(str(fsdp / "best.pt"))
-    reference, _ = evaluate.load_model(str(single / "best.pt"))
+    model, _ = checkpoint.load_model(str(fsdp / "best.pt"))
+    reference, _ = checkpoint.load_model(str(single / "best.pt"))
     for (name, p), (_, q) in zip(model.state_dict().items(), reference.state_dict().items()):
         assert torch.allclose(p, q, rtol=0, atol=1e-6), name
     # the sharded ckpt.pt reads back whole in one process (evaluate.py, sample.py, the HF export,
@@ -150,7 +149,7 @@ def test_ddp_and_fsdp_match_one_process(tmp_path, data_dir):
     assert {f"{part}.{name}" for part in ("model", "objective") for name in whole[part]} == reference.keys()
     assert all(torch.equal(whole[part][name], reference[f"{part}.{name}"])
                for part in ("model", "objective") for name in whole[part])
-    model, _ = evaluate.load_model(str(fsdp / "ckpt.pt"))
+    model, _ = checkpoint.load_model(str(fsdp / "ckpt.pt"))
     assert torch.equal(model.wte.weight, reference["model.wte.weight"])
     import importlib.util
     if importlib.util.find_spec("transformers"):  # the optional extra; export() compares HF's logits with ours
@@ -363,7 +362,7 @@ def test_fsdp_set_up_holds_shards_not_the_whole_model(tmp_path, data_dir):
 @needs_fsdp_on_cpu
 def test_an_fsdp_run_starts_from_another_fsdp_runs_shards(tmp_path, data_dir):
     """init_from an FSDP run's checkpoint under FSDP: DCP reads each rank's rows of the shards into the
-    sharded model (checkpoint.load_shards_into); the weights are the source's, bit for bit, tied and
+    sharded model (checkpoint_shards.load_shards_into); the weights are the source's, bit for bit, tied and
     with head_from_embedding (the LM head's shards copies of wte's)."""
     source, start, headed = tmp_path / "source", tmp_path / "start", tmp_path / "headed"
     fsdp = [*GPT2, "--parallel=fsdp"]
@@ -501,6 +500,7 @@ def test_fsdp_gives_unused_parameters_zero_gradients():
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
     from model import GPTConfig, build_model
+    from objective import Trained
     config = GPTConfig(vocab_size=40, block_size=8, n_layer=2, n_head=2, n_embd=16, arch="llama", tie_weights=False,
                        n_expert=4, top_k=1, ffn_hidden=32)
     x = torch.randint(0, 40, (1, 3), generator=torch.Generator().manual_seed(0))
@@ -522,7 +522,8 @@ def test_fsdp_gives_unused_parameters_zero_gradients():
         for way in ways:
             model = build_model(config)
             model.load_state_dict(reference.state_dict())
-            parallelism.parallelize(model, torch.nn.Module(), "fsdp", "cpu", unused_parameters=way == "torch's")
+            parallelism.parallelize(Trained(model, torch.nn.Module()), "fsdp", "cpu",
+                                    unused_parameters=way == "torch's")
             if way == "zero terms":
                 parallelism.zero_gradients_for_unused(model)
             loss = loss_of(model)

@@ -14,8 +14,8 @@ import math
 import pytest
 import torch
 
-import evaluate
 import metrics
+import scoring
 import utils
 from optim import SeparatedRowsAdamW
 
@@ -72,7 +72,7 @@ def test_streamed_metrics_and_rare_targets(both):
     n, vocab = 1024, 65
     z, targets = model_like_logits(n, vocab, 4.0, seed=1)
     rare = torch.rand(n, generator=torch.Generator().manual_seed(2)) < 0.1
-    wide, narrow = both(evaluate.streamed_prediction_metrics, lambda h: h.clone(), z, targets, 128, rare)
+    wide, narrow = both(scoring.streamed_prediction_metrics, lambda h: h.clone(), z, targets, 128, rare)
     eps = (math.log2(vocab) + math.log2(n) + 4) * U * max(1.0, math.log(wide["ppl"]))
     for key in ("ppl", "ppl_best"):
         assert abs(math.log(narrow[key]) - math.log(wide[key])) <= eps
@@ -84,7 +84,7 @@ def test_streamed_metrics_and_rare_targets(both):
 
 @pytest.mark.parametrize("batch, length, dim", [(64, 256, 384), (256, 64, 128)])
 def test_pairwise_cosine_stats(both, batch, length, dim):
-    """What the final evaluation computes on the device, per batch and depth (evaluate.forward_val)."""
+    """What the final evaluation computes on the device, per batch and depth (scoring.forward_val)."""
     generator = torch.Generator().manual_seed(dim)
     for condensed in (0.0, 1.0, 5.0):  # mu from ~0 to ~0.96
         z = torch.randn(batch, length, dim, generator=generator) + condensed * torch.randn(dim, generator=generator)

@@ -1,4 +1,4 @@
-"""Loading a checkpoint for evaluation or sampling holds one copy of the weights: evaluate.load_model
+"""Loading a checkpoint for evaluation or sampling holds one copy of the weights: checkpoint.load_model
 builds the model on the meta device and takes the checkpoint's memory-mapped tensors themselves,
 where building it for real and copying the weights in held two (issue 42). Measured as the growth
 of the process's resident peak (VmHWM) across the load, in a fresh process."""
@@ -19,14 +19,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MEASURE = """
 import sys, torch
 sys.path.insert(0, '.')
-import evaluate
+import checkpoint
 
 def peak():
     with open('/proc/self/status') as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith('VmHWM:'))
 
 def load_and_read(path):
-    model, _ = evaluate.load_model(path)
+    model, _ = checkpoint.load_model(path)
     with torch.no_grad():
         return model, sum(float(p.sum(dtype=torch.float64)) for p in model.parameters())  # every page read
 
@@ -66,10 +66,9 @@ def test_load_model_holds_one_copy_of_the_weights(tmp_path):
 
 def test_a_llama_checkpoint_from_before_the_rope_layout_loads_interleaved(tmp_path, data_dir):
     """A LLaMA checkpoint whose model_config does not record 'rope_layout' was trained with the
-    interleaved layout: evaluate.load_model rebuilds it so (the logits it was trained to give), and
+    interleaved layout: checkpoint.load_model rebuilds it so (the logits it was trained to give), and
     starting a half-layout run from it is refused by name."""
     import checkpoint
-    import evaluate
     from data import read_meta
     from configurator import train_defaults
     meta = read_meta(data_dir)
@@ -85,7 +84,7 @@ def test_a_llama_checkpoint_from_before_the_rope_layout_loads_interleaved(tmp_pa
     checkpoint.write(path, {"model_config": old_config, "config": {**train_defaults(), "data_dir": data_dir},
                             "iter_num": 0, "best_val_loss": 0.0, "last_eval": None, "meta": meta,
                             "model": model.state_dict(), "objective": {}})
-    loaded, _ = evaluate.load_model(path)
+    loaded, _ = checkpoint.load_model(path)
     idx = torch.randint(0, config.vocab_size, (2, 16))
     assert loaded.config.rope_layout == "interleaved"
     with torch.no_grad():

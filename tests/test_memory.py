@@ -112,14 +112,14 @@ def test_every_layer_key_passes_the_memory_check_and_trains_a_step(keys):
     memory check (which measures the objective on the model cut to 1 and 2 blocks) and one training
     step of the whole model (issue 57: simreg_layer=3 ended before step 0)."""
     from model import build_model
-    from objective import Objective, objective_step
+    from objective import Objective, Trained
     config = {**train_defaults(), **keys, "vocab_size": 130, "batch_size": 4}
     assert config["n_layer"] == 4
     assert memory.device_memory_problem(config, 1, 130, "cpu") is None
     model = build_model(GPTConfig.from_config(config, 130))
     objective = Objective.from_config(config)
     x = torch.randint(0, 130, (2, config["block_size"]))
-    loss, terms, _, _ = objective_step(model, objective, x, x)
+    loss, terms, _, _ = Trained(model, objective)(x, x)
     loss.backward()
     assert torch.isfinite(loss) and len(terms) == 2
     assert memory.objective_on_blocks(config, 2).n_layer == 2

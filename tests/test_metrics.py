@@ -623,7 +623,7 @@ def test_streamed_ppl_best_is_the_minimum_of_the_dense_float64_nll():
     """The streamed passes (row sums of exp(b d), e d and e d^2 in float32, tokens added in
     float64) against the mean NLL of softmax(z / T) computed densely in float64: the same value at
     the T they return, and no lower value on either side of it."""
-    import evaluate
+    import scoring
     torch.manual_seed(1)
     head = torch.nn.Linear(16, 5003, bias=False).double()
     with torch.no_grad():
@@ -632,7 +632,7 @@ def test_streamed_ppl_best_is_the_minimum_of_the_dense_float64_nll():
     with torch.no_grad():
         z = head(h).float().double()                     # the float32 logits the streamed passes see
         targets = torch.where(torch.rand(700) < 0.3, z.argmax(dim=1), torch.randint(0, 5003, (700,)))
-        streamed = evaluate.streamed_prediction_metrics(head, h, targets, chunk=128)
+        streamed = scoring.streamed_prediction_metrics(head, h, targets, chunk=128)
 
     def mean_nll(b):
         return (torch.logsumexp(b * z, dim=1) - b * z.gather(1, targets.view(-1, 1)).squeeze(1)).mean().item()
@@ -644,9 +644,9 @@ def test_streamed_ppl_best_is_the_minimum_of_the_dense_float64_nll():
 
 
 def test_streamed_prediction_metrics_equal_the_full_ones():
-    """evaluate.streamed_prediction_metrics (chunks of an LM head) against prediction_metrics on
+    """scoring.streamed_prediction_metrics (chunks of an LM head) against prediction_metrics on
     all logits at once: the same Newton on 1/T, so the same PPL_best and t_best."""
-    import evaluate
+    import scoring
     torch.manual_seed(0)
     head = torch.nn.Linear(16, 300, bias=False).double()
     with torch.no_grad():
@@ -656,8 +656,8 @@ def test_streamed_prediction_metrics_equal_the_full_ones():
     targets = torch.where(torch.rand(500) < 0.6, logits.argmax(dim=1), torch.randint(0, 300, (500,)))
     rare = torch.rand(500) < 0.2
     with torch.no_grad():
-        full = evaluate.prediction_metrics(logits.float(), targets)
-        streamed = evaluate.streamed_prediction_metrics(head, h, targets, chunk=64, rare=rare)
+        full = scoring.prediction_metrics(logits.float(), targets)
+        streamed = scoring.streamed_prediction_metrics(head, h, targets, chunk=64, rare=rare)
     for key in ("ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr"):
         assert streamed[key] == pytest.approx(full[key], rel=1e-6), key
     assert 0.05 < full["t_best"] < 2.0
@@ -671,7 +671,7 @@ def test_streamed_prediction_metrics_equal_the_full_ones():
                 "mrr": sum(1 / r for r in ranks) / len(picked), "ppl": math.exp(sum(nll) / len(picked)),
                 "ppl_at_t_best": math.exp(sum(nll_best) / len(picked))}
     assert streamed["rare"] == pytest.approx(expected, rel=1e-5)
-    assert evaluate.streamed_prediction_metrics(head, h, targets, chunk=64)["rare"] is None  # no rare positions
+    assert scoring.streamed_prediction_metrics(head, h, targets, chunk=64)["rare"] is None  # no rare positions
 
 
 def test_streamed_and_in_memory_paths_on_the_very_same_logits():
@@ -680,7 +680,7 @@ def test_streamed_and_in_memory_paths_on_the_very_same_logits():
     inner minima and at the edges. The head only ever sees one chunk, and goes over all states
     head_passes times: the rank and rare-target sums add no pass, the rare targets at t_best their
     rows' share of one (all of them here)."""
-    import evaluate
+    import scoring
     sets = _miscalibrated_logit_sets()[1::3]
     g = torch.Generator().manual_seed(5)
     flat = torch.randn(300, 40, generator=g)
@@ -693,8 +693,8 @@ def test_streamed_and_in_memory_paths_on_the_very_same_logits():
             calls.append(len(states))
             return logits[states[:, 0].long()].clone()
         ids = torch.arange(n, dtype=torch.float64).view(-1, 1)
-        full = evaluate.prediction_metrics(logits, targets)
-        streamed = evaluate.streamed_prediction_metrics(head, ids, targets, chunk=chunk, rare=torch.ones(n, dtype=torch.bool))
+        full = scoring.prediction_metrics(logits, targets)
+        streamed = scoring.streamed_prediction_metrics(head, ids, targets, chunk=chunk, rare=torch.ones(n, dtype=torch.bool))
         for key in ("ppl_best", "t_best", "accuracy", "recall_at_5", "mrr"):
             assert streamed[key] == pytest.approx(full[key], rel=1e-9, abs=1e-12), key
         assert streamed["ppl"] == pytest.approx(full["ppl"], rel=1e-6)  # float32 exp sums vs float64 log_softmax

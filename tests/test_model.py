@@ -38,10 +38,10 @@ def test_untied_model_has_its_own_head():
 
 
 def test_a_loss_reaches_each_embedding_by_name_on_tied_and_untied_models():
-    """objective.objective_step hands the objective model.embeddings(): 'input' is the table looked up
+    """objective.Trained hands the objective model.embeddings(): 'input' is the table looked up
     for input tokens, 'output' the LM head. A term on 'output' trains the LM head of an untied
     model and the one shared matrix of a tied one; a term on 'input' (CWT) trains the token table."""
-    from objective import Objective, objective_step
+    from objective import Objective, Trained
     x = torch.randint(0, 30, (2, 8))
     for tied in (True, False):
         model = build_model(GPTConfig(**{**TINY.__dict__, "tie_weights": tied}))
@@ -52,12 +52,12 @@ def test_a_loss_reaches_each_embedding_by_name_on_tied_and_untied_models():
         class OnOutput(Objective):  # a term on the output embedding alone, as docs/adding_a_loss.md adds one
             def forward(self, logits, hidden_states, targets, embeddings, ignore_index=-1, router_loss=None):
                 return embeddings["output"].square().sum(), {}
-        objective_step(model, OnOutput(TINY.n_layer, TINY.n_embd), x, x)[0].backward()
+        Trained(model, OnOutput(TINY.n_layer, TINY.n_embd))(x, x)[0].backward()
         assert model.lm_head.weight.grad is not None and model.lm_head.weight.grad.abs().sum() > 0
         assert (model.wte.weight.grad is not None) == tied
         model.zero_grad(set_to_none=True)
         headless = Objective(TINY.n_layer, TINY.n_embd, ce_weight=0.0, cwt_weight=1.0)
-        loss, terms, logits, _ = objective_step(model, headless, x, x)
+        loss, terms, logits, _ = Trained(model, headless)(x, x)
         loss.backward()
         assert logits is None and set(terms) == {"cwt"} and model.wte.weight.grad.abs().sum() > 0
         assert (model.lm_head.weight.grad is not None) == tied

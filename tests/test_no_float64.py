@@ -22,8 +22,9 @@ import torch
 from torch.utils import _pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import evaluate
+import scoring
 import utils
+from checkpoint import load_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -103,12 +104,12 @@ def test_one_language_evaluation_makes_no_float64(se_run, data_dir, monkeypatch,
     """The path of a one-language (e.g. GPT-2 BPE) run: rare-target metrics, and the streamed
     evaluation that recomputes the logits chunk by chunk when they are too many to hold."""
     out, _ = se_run
-    model, checkpoint = evaluate.load_model(os.path.join(out, "best.pt"))
+    model, checkpoint = load_model(os.path.join(out, "best.pt"))
     monkeypatch.setattr(utils, "has_float64", lambda device: torch.device(device).type != "cpu")
-    monkeypatch.setattr(evaluate, "RARE_MAX_COUNT", 10 ** 9)  # every target rare: the small text has no rare one
+    monkeypatch.setattr(scoring, "RARE_MAX_COUNT", 10 ** 9)  # every target rare: the small text has no rare one
     if streamed:
-        monkeypatch.setattr(evaluate, "STREAM_ABOVE", 0)
+        monkeypatch.setattr(scoring, "STREAM_ABOVE", 0)
     with Float64Recorder() as recorder:
-        result = evaluate.evaluate_model(model, data_dir, False, checkpoint["meta"]["itos"])
+        result = scoring.evaluate_model(model, data_dir, False, checkpoint["meta"]["itos"])
     assert recorder.float64 == [], "float64 on the device:\n" + "\n".join(recorder.float64[:20])
     assert result["val"]["ppl_best"] <= result["val"]["ppl"] and result["rare"]["tokens"] > 0

@@ -18,6 +18,7 @@ import parallelism  # noqa: E402
 import memory  # noqa: E402
 import comms  # noqa: E402
 import plan  # noqa: E402
+import speed  # noqa: E402
 import utils  # noqa: E402
 from tools import bench_systems  # noqa: E402
 from configurator import ConfigError, parse_config, train_defaults  # noqa: E402
@@ -129,12 +130,12 @@ def test_a_gpu_plan_is_made_from_the_datasheet_and_reads_as_before(monkeypatch):
 def test_measured_speed_is_the_toy_ce_steps_rate_against_the_matmul_peak(monkeypatch):
     """The MFU measured here is the toy's CE step (tools.bench --section efficiency's lowres setting)
     against the peak train.py's MFU divides by; measured for real, both are positive."""
-    monkeypatch.setattr(plan, "peak_flops", lambda device, dtype: 100e9)
-    monkeypatch.setattr(plan, "step_time", lambda *args: 0.05)
+    monkeypatch.setattr(speed, "peak_flops", lambda device, dtype: 100e9)
+    monkeypatch.setattr(speed, "step_time", lambda *args: 0.05)
     mfu = toy_flops_per_step() / 0.05 / 100e9
-    assert plan.measured_speed("cpu", "float32") == (100e9, pytest.approx(mfu))
+    assert speed.measured_speed("cpu", "float32") == (100e9, pytest.approx(mfu))
     monkeypatch.undo()
-    peak, mfu = plan.measured_speed("cpu", "float32")
+    peak, mfu = speed.measured_speed("cpu", "float32")
     assert peak > 1e9 and mfu > 0
 
 
@@ -610,10 +611,10 @@ def test_moe_communication_is_what_a_counted_all_gather_moves_on_4_processes():
 
 def test_a_dtype_slower_than_float32_on_the_cpu_is_said_with_both_speeds(monkeypatch):
     """float16 on a CPU without float16 units once trained many times slower with no word."""
-    monkeypatch.setattr(plan, "measure_matmul_flops", lambda device, dtype: 50e9)  # float32's, "measured"
-    assert plan.slow_dtype_notice("cpu", "float16", 1e9) == (
+    monkeypatch.setattr(speed, "measure_matmul_flops", lambda device, dtype: 50e9)  # float32's, "measured"
+    assert speed.slow_dtype_notice("cpu", "float16", 1e9) == (
         "note: float16 matmuls run at 1 GFLOP/s on this CPU and float32's at 50: --dtype=float32 would "
         "train about 50x faster")
-    assert plan.slow_dtype_notice("cpu", "bfloat16", 200e9) is None  # faster than float32 here
-    assert plan.slow_dtype_notice("cpu", "float32", 1e9) is None
-    assert plan.slow_dtype_notice("cuda:0", "float16", 1e9) is None
+    assert speed.slow_dtype_notice("cpu", "bfloat16", 200e9) is None  # faster than float32 here
+    assert speed.slow_dtype_notice("cpu", "float32", 1e9) is None
+    assert speed.slow_dtype_notice("cuda:0", "float16", 1e9) is None

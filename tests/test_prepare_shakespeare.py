@@ -260,6 +260,16 @@ def test_invalid_sha256_argument(tmp_path, sample_file):
         ps.prepare(input_path=str(sample_file), out_dir=str(tmp_path / "out"), sha256="abc")
 
 
+def test_a_bad_argument_is_one_line_and_status_2(tmp_path, capsys):
+    """argparse's own error printed its usage block too (errors.ArgumentParser, as prepare_c4.py)."""
+    with pytest.raises(SystemExit) as excinfo:
+        ps.main(["--tokenizer", "bpe", "--out_dir", str(tmp_path / "out")])
+    assert excinfo.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.splitlines() == ["error: argument --tokenizer: invalid choice: 'bpe' (choose from 'char', 'gpt2')"]
+    assert captured.out == "" and files_in(tmp_path / "out") == []
+
+
 @pytest.mark.skipif(not SHARED_INPUT.is_file(), reason="shared tiny Shakespeare copy not present")
 def test_real_tiny_shakespeare(tmp_path, capsys):
     out_dir = tmp_path / "out"

@@ -292,13 +292,14 @@ def test_flops_executed_match_a_count_of_the_matmuls(baseline_run, data_dir, tmp
     them; not the position table, a lookup), 4 L C T for attention scores, backward = 2x forward; 3 evaluations of eval_iters batches in both languages; the final evaluation scores
     the whole val split in both languages. The NITP head adds 6 per weight per training token."""
     import torch
-    import evaluate
+    import checkpoint
+    import scoring
     out, _ = baseline_run
-    model, _ = evaluate.load_model(os.path.join(out, "best.pt"))
+    model, _ = checkpoint.load_model(os.path.join(out, "best.pt"))
     linear = sum(p.numel() for name, p in model.named_parameters() if name != "wpe.weight")
     L, C, T, B = 1, 16, 16, 4
     forward = 2 * linear + 4 * L * C * T
-    x, _ = evaluate.val_blocks(data_dir, T)
+    x, _ = scoring.val_blocks(data_dir, T)
     with open(os.path.join(out, "metrics.json")) as f:
         flops = json.load(f)["flops"]
     assert flops["train"] == 20 * B * T * 3 * forward

@@ -370,12 +370,12 @@ def test_tools_refuse_bad_arguments_and_unusable_paths(tmp_path, data_dir, finis
 
 # 6. a long step is announced before it starts -----------------------------------------------------
 def test_the_notice_of_a_long_step():
-    import plan
-    assert plan.long_work_notice(1e12, 1e9, 1e11) is None  # 25 s at 40 %
-    notice = plan.long_work_notice(6e13, 1e9, 1e11)  # 1500 s
+    import speed
+    assert speed.long_work_notice(1e12, 1e9, 1e11) is None  # 25 s at 40 %
+    notice = speed.long_work_notice(6e13, 1e9, 1e11)  # 1500 s
     assert notice.startswith("note: one step will take about 25 min on this device (plan: 60.0 TFLOP per step")
     assert notice.endswith("at MFU 40% of 100 GFLOP/s); the first log line comes after it")
-    assert "one evaluation will take about 17 min" in plan.long_work_notice(1e9, 4e13, 1e11)
+    assert "one evaluation will take about 17 min" in speed.long_work_notice(1e9, 4e13, 1e11)
 
 
 @pytest.mark.slow

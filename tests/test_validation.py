@@ -1,4 +1,4 @@
-"""train.py's evaluation (evaluate.validation_losses) against a loop over windows and positions."""
+"""train.py's evaluation (scoring.validation_losses) against a loop over windows and positions."""
 import contextlib
 import math
 
@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from data import read_windows, sample_windows
-from evaluate import validation_losses
+from scoring import validation_losses
 from objective import Objective
 from model import GPT, GPTConfig
 

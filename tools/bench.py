@@ -3,39 +3,16 @@ What does each loss cost? Times real training steps (forward, backward, AdamW) w
 switched on, as ratios to the cross-entropy step measured in the same process:
 
     python -m tools.bench                 # every section
-    python -m tools.bench --section toy   # toy | 350m | cwt | memory | efficiency | gpu_memory | compile
-                                          # | plan_memory | plan_comm | prepare | moe
+    python -m tools.bench --section toy   # one section (--section repeats)
     python -m tools.bench --steps 5 --out results/bench.md   # every section, written to results/bench.md
 
-  toy     the low-resource toy model (4 x 128, T = 64, batch 12, V = 130)
-  350m    the SimReg paper's 350M width cut to fit here: d = 1024, 16 heads, T = 2048, batch 1,
-          V = 50304. The CE step is timed with 1 and 2 blocks and extrapolated to the full 24:
-          t(24) = t(1) + 23 * (t(2) - t(1)). Each loss term is timed alone (forward, backward and
-          AdamW on its own parameters) at the full depth -- dispersion on all 24 block outputs --
-          and its share is term / t(24). (Subtracting two whole steps would bury a 0.1 s term in
-          the steps' own jitter; the 2-block steps with each loss on are printed as a cross-check.)
-  cwt     CWT vs CE at V = 50304 on a small model (4 x 128, T = 64, batch 12)
-  memory  peak resident memory of SimReg forward + backward at T = 2048, C = 1024, full vs
-          chunk 1024, each in a fresh process (Linux /proc peak RSS)
-  efficiency  how close the grids' CE training step (lowres: the char model; bpe: the GPT-2 BPE
-          toy) comes to the machine's arithmetic limit: model FLOPs per second (train.py's 6N +
-          attention) / the 2048^2 fp32 matmul peak on all cores, for one process on all cores
-          and for one 1-thread process per core running side by side (how tools/compare.py runs a grid)
-  gpu_memory  tools/memory_table.py's table for the paper configs (c4_tiny and baseline_*) on 8 GPUs
-  compile the lowres CE step with every block compiled (train.py's compile key) vs eager, alternating
-  plan_memory  plan.py's memory per process (train.py's memory check) against the measured peak of
-          real short runs: c4_tiny, the 350M width at 2 blocks, FSDP on 2 gloo processes
-  plan_comm  plan.py's bytes sent per optimizer step and process against every collective's buffer
-          in a real step of DDP and FSDP on 2 gloo processes (the 350M width at 2 blocks)
-  prepare prepare_c4.py's throughput with 1 and 2 workers on C4-format shards made from tiny
-          Shakespeare, against tiktoken's own single-core speed on the same documents, and what
-          that predicts for 350 C4 shards on a 32-core node
-  moe     one mixture-of-experts layer (half the 8x1B width, 2048 tokens), forward + backward: the
-          per-expert loop it had before issue 31 against the static forward at capacity factors
-          1, 1.25, 2 and 0 (no drop), in turn, with the share of slots dropped
+  toy, 350m, cwt, memory, efficiency, compile: what each loss costs (tools/bench_losses.py)
+  gpu_memory, plan_memory, plan_comm, prepare, moe: what plan.py and the data and model code
+      predict against what a run measures (tools/bench_systems.py)
 
-Step times are medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the
-model runs in float32 (see utils.choose_dtype). Results print as a Markdown table.
+Each table's title says what it measures; notes and results: docs/performance.md. Step times are
+medians over `--steps` timed steps after `--warmup` untimed ones. On CPU the model runs in float32
+(see utils.choose_dtype). Results print as a Markdown table.
 """
 
 import argparse

@@ -1,9 +1,6 @@
 """
-tools/bench.py's sections on what a training step costs: each loss's share of the step (toy, 350m,
-cwt), SimReg's peak memory (memory), the CE step against the machine's matmul peak (efficiency)
-and compiled blocks against eager (compile); with the report every section writes into (emit,
-table, goal). `python -m tools.bench --section X` runs them; the module docstring there says what
-each measures.
+tools/bench.py's sections on what a training step costs (toy, 350m, cwt, memory, efficiency,
+compile), and the report every section writes into (emit, table, goal).
 """
 
 import json
@@ -19,22 +16,21 @@ from losses import cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from objective import Objective
 from optim import configure_optimizers
-from plan import EFFICIENCY_SETTINGS, step_time
+from speed import EFFICIENCY_SETTINGS, step_time
 from utils import autocast_context, keep_freed_memory, measure_matmul_flops, seconds
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
 
-
 LOSSES = {  # name -> Objective's settings (objective.ObjectiveConfig) on top of CE
     "CE": {},
     "CE + SimReg": {"simreg_weight": 1.0},
-    "CE + SimReg chunk": {"simreg_weight": 1.0, "simreg_chunk_size": None},  # chunk size set per section
+    "CE + SimReg chunk": {"simreg_weight": 1.0, "simreg_chunk_size": None},  # set per section
     "CE + dispersion (all layers)": {"dispersion_weight": 0.1},
     "CE + dispersion (all layers, 256 positions)": {"dispersion_weight": 0.1, "dispersion_positions": 256},
     "CE + NITP": {"nitp_weight": 1.0},
 }
-
+CWT = {"ce_weight": 0.0, "cwt_weight": 1.0}
 
 REPORT = []  # the Markdown of every section run, for --out
 
@@ -56,17 +52,28 @@ def table(title, header, rows, intro=None):
 
 
 def goal(what, value, limit, unit="", higher_is_better=False):
-    """One of the cost goals this repository sets for the losses, judged on the number just measured."""
     met = value >= limit if higher_is_better else value <= limit
     emit(f"- {what} {'≥' if higher_is_better else '≤'} {limit}{unit}: {value:.2f}{unit}, "
          f"{'met' if met else 'NOT met'}")
+
+
+def alternate(ways, steps, warmup, device):
+    """{name: seconds of each call} of `ways` called in turn (a load slows all alike), after
+    `warmup` untimed rounds."""
+    times = {name: [] for name in ways}
+    for i in range(warmup + steps):
+        for name, work in ways.items():
+            elapsed = seconds(work, device)
+            if i >= warmup:
+                times[name].append(elapsed)
+    return times
 
 
 def toy(args, device, dtype):
     config = GPTConfig(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128)
     losses = {k: dict(v) for k, v in LOSSES.items() if "256" not in k}
     losses["CE + SimReg chunk"]["simreg_chunk_size"] = 32
-    losses["CWT (headless)"] = {"ce_weight": 0.0, "cwt_weight": 1.0}
+    losses["CWT (headless)"] = CWT
     times = {name: step_time(config, kw, 12, args.steps * 4, args.warmup, device, dtype)
              for name, kw in losses.items()}
     base = times["CE"]
@@ -79,9 +86,8 @@ def toy(args, device, dtype):
 
 
 def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
-    """Median seconds of one loss term alone, forward + backward (+ AdamW on its own parameters,
-    e.g. NITP's head), on hidden states of the real shape: the extra work that term adds to a
-    training step. Timing the term by itself is far less noisy than subtracting two ~40 s steps."""
+    """Median seconds of one loss term alone, forward + backward (+ AdamW on its own parameters),
+    on hidden states of the real shape: far less noisy than subtracting two ~40 s steps."""
     torch.manual_seed(0)
     objective = Objective(n_layer, C, ce_weight=0.0, **objective_kwargs).to(device)
     objective.init_weights()
@@ -108,29 +114,25 @@ def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
 
 
 def paper_350m(args, device, dtype):
-    """The full-depth step is extrapolated from 1- and 2-block steps, t(24) = t(1) + 23 (t(2) - t(1));
-    each loss's extra is timed on its own at the full depth (dispersion: all 24 block outputs) and
-    set against t(24). A 2-block step with the loss on is timed too, as a cross-check."""
+    """t(24) = t(1) + 23 (t(2) - t(1)) from CE steps; each term timed alone at 24 blocks."""
     C, T, V, L = 1024, 2048, 50304, 24
     losses = {k: dict(v) for k, v in LOSSES.items() if k != "CE"}
     losses["CE + SimReg chunk"]["simreg_chunk_size"] = 1024
     steps = {}
-    for n_layer in (1, 2):
+    for n_layer, name, kw in [(1, "CE", {}), (2, "CE", {}), *((2, *loss) for loss in losses.items())]:
         config = GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=16, n_embd=C)
-        steps["CE", n_layer] = step_time(config, {}, 1, args.steps, args.warmup, device, dtype)
-        print(f"  CE step, {n_layer} block(s): {steps['CE', n_layer]:.2f} s", file=sys.stderr)
-    config = GPTConfig(vocab_size=V, block_size=T, n_layer=2, n_head=16, n_embd=C)
-    for name, kw in losses.items():
-        steps[name, 2] = step_time(config, kw, 1, args.steps, args.warmup, device, dtype)
-        print(f"  {name} step, 2 blocks: {steps[name, 2]:.2f} s", file=sys.stderr)
+        steps[name, n_layer] = step_time(config, kw, 1, args.steps, args.warmup, device, dtype)
+        print(f"  {name} step, {n_layer} block{'(s)' if name == 'CE' else 's'}: "
+              f"{steps[name, n_layer]:.2f} s", file=sys.stderr)
     per_block = steps["CE", 2] - steps["CE", 1]
     full = steps["CE", 1] + (L - 1) * per_block
     # CE step FLOPs at 2 blocks (6 N per token + attention), for NITP's FLOP prediction at the CE step's rate
     ce_flops = 6 * (2 * 12 * C * C + V * C) * T + 2 * 12 * C * T * T
     rate = ce_flops / steps["CE", 2]
-    rows, share = [("CE", f"{steps['CE', 2]:.2f}", "", f"{full:.1f}", "", "")], {}
+    rows = [("CE", f"{steps['CE', 2]:.2f}", "", f"{full:.1f}", "", "")]
+    share = {}
     for name, kw in losses.items():
-        extra = loss_time({k: v for k, v in kw.items()}, L, C, T, V, args.steps * 4, device, dtype)
+        extra = loss_time(kw, L, C, T, V, args.steps * 4, device, dtype)
         print(f"  {name}: the term alone {extra:.3f} s", file=sys.stderr)
         note = ""
         if name == "CE + NITP":
@@ -159,8 +161,7 @@ def paper_350m(args, device, dtype):
 
 def cwt_vs_ce(args, device, dtype):
     config = GPTConfig(vocab_size=50304, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    ce = step_time(config, {}, 12, args.steps * 2, args.warmup, device, dtype)
-    cwt = step_time(config, {"ce_weight": 0.0, "cwt_weight": 1.0}, 12, args.steps * 2, args.warmup, device, dtype)
+    ce, cwt = (step_time(config, kw, 12, args.steps * 2, args.warmup, device, dtype) for kw in ({}, CWT))
     table("CWT vs CE at V = 50304 (4 x 128, T 64, batch 12)", ["objective", "ms / step", "speed-up vs CE"],
           [("CE", f"{1000 * ce:.1f}", "1.00x"), ("CWT (headless)", f"{1000 * cwt:.1f}", f"{ce / cwt:.2f}x")])
     emit()
@@ -198,15 +199,14 @@ def simreg_memory(args, device, dtype):
 
 
 def efficiency_child(setting, steps, warmup):
-    """In a fresh process (its thread count set by OMP_NUM_THREADS): the median CE step of a grid
-    setting and its model FLOPs, as JSON."""
+    """In a fresh process: the median CE step of a grid setting and its model FLOPs, as JSON."""
     keep_freed_memory()
     config, batch_size = EFFICIENCY_SETTINGS[setting]
     config = GPTConfig(**config)
-    seconds = step_time(config, {}, batch_size, steps, warmup, "cpu", "float32")
+    step = step_time(config, {}, batch_size, steps, warmup, "cpu", "float32")
     with torch.device("meta"):
         flops = GPT(config).flops_per_token() * batch_size * config.block_size
-    print(json.dumps({"seconds": seconds, "flops": flops}))
+    print(json.dumps({"seconds": step, "flops": flops}))
 
 
 def efficiency(args, device, dtype):
@@ -234,34 +234,33 @@ def efficiency(args, device, dtype):
 
 
 def compile_step(args, device, dtype):
-    """train.py's compile key: torch.compile of every block (parallelism.compile_blocks) on the
-    lowres CE step. An eager and a compiled copy of the same model take training steps in turn,
-    so a background load slows both alike; the first steps (compilation) are not timed."""
+    """The lowres CE step of an eager and a compiled copy of one model (train.py's compile key), in
+    turn; the first steps (compilation) are not timed."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128, bias=False)
-    models = {"eager": build_model(config, device), "compiled (inductor)": build_model(config, device)}
-    models["compiled (inductor)"].load_state_dict(models["eager"].state_dict())
-    parallelism.compile_blocks(models["compiled (inductor)"])
-    optimizers = {name: configure_optimizers(m, 1e-3, 0.1, (0.9, 0.99)) for name, m in models.items()}
+    eager = build_model(config, device)
+    compiled = build_model(config, device)
+    compiled.load_state_dict(eager.state_dict())
+    parallelism.compile_blocks(compiled)
     x = torch.randint(0, 130, (12, 64), device=device)
-    autocast, times = autocast_context(device, dtype), {name: [] for name in models}
+    autocast = autocast_context(device, dtype)
 
-    def step(name):
-        with autocast:
-            loss = cross_entropy(models[name](x), x)
-        loss.backward()
-        for opt in optimizers[name]:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    for i in range(max(args.warmup, 3) + 10 * args.steps):
-        for name in models:
-            elapsed = seconds(lambda: step(name), device)
-            if i >= max(args.warmup, 3):
-                times[name].append(elapsed)
+    def training_step(model):
+        optimizers = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.99))
+
+        def step():
+            with autocast:
+                loss = cross_entropy(model(x), x)
+            loss.backward()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return step
+    times = alternate({"eager": training_step(eager), "compiled (inductor)": training_step(compiled)},
+                      10 * args.steps, max(args.warmup, 3), device)
     base = statistics.median(times["eager"])
     table(f"toy CE step (4 x 128, T 64, batch 12), eager vs compiled blocks, {torch.get_num_threads()} "
           "thread(s)",
           ["model", "median ms", "ratio to eager"],
           [(name, f"{1000 * statistics.median(t):.1f}", f"{statistics.median(t) / base:.2f}")
            for name, t in times.items()])
-

@@ -1,19 +1,23 @@
 """
 tools/bench.py's sections that set what plan.py and the data and model code predict against what a
-run measures: the GPU memory of the paper configs (gpu_memory), the plan's memory against real
-short runs (plan_memory), its bytes sent per step against every collective of a real step
-(plan_comm, CollectiveBytes), prepare_c4.py's throughput (prepare) and the MoE layer's forward
-(moe). `python -m tools.bench --section X` runs them; the module docstring there says what each
-measures.
+run measures: gpu_memory, plan_memory, plan_comm (CollectiveBytes), prepare (prepare_c4.py's
+throughput) and moe. What each measures, and the results: docs/performance.md.
 """
 
+import gzip
 import json
 import math
 import os
+import re
+import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from collections import Counter
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -25,17 +29,18 @@ import memory
 import plan
 from errors import UserError
 from model import GPTConfig, MixtureOfExperts, build_model
-from objective import Objective, objective_step
-from optim import configure_optimizers
-from tools.bench_losses import emit, table
-from utils import seconds
+from objective import Objective, Trained
+from optim import apply_gradients, configure_optimizers
+from tools.bench_losses import alternate, emit, table
+from tools.memory_table import read_config, table_lines
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def expert_loop(moe, x):
-    """MixtureOfExperts.forward before issue 31, for timing: a loop over the experts, each on the
-    tokens routed to it (torch.where: a data-dependent shape, a host sync on a GPU), nothing dropped."""
+    """MixtureOfExperts.forward before issue 31: a loop over the experts, each on the tokens
+    routed to it (torch.where: a host sync on a GPU), nothing dropped."""
     probs = F.softmax(moe.router(x), dim=-1)
     top_p, top_e = probs.topk(moe.top_k, dim=-1)
     top_p = top_p / top_p.sum(dim=-1, keepdim=True)
@@ -47,40 +52,32 @@ def expert_loop(moe, x):
     return out
 
 
-def routing(moe, dropless, capacity_factor):
-    """Switch one MixtureOfExperts between its paths (moe.py) without rebuilding it."""
-    moe.dropless, moe.capacity_factor = dropless, capacity_factor
-
-
 def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
-    """{way: (median seconds of one MoE layer's forward + backward, median share of slots dropped)}
-    for the per-expert loop, the static forward at each capacity factor and the dropless one, in turn
-    (a background load slows all alike). 8 experts, top-2, weights N(0, 0.01): a near-uniform router."""
+    """{way: (median seconds of forward + backward, median share of slots dropped)} of one MoE
+    layer (8 experts, top-2, weights N(0, 0.01): a near-uniform router) for each way in turn."""
     torch.manual_seed(0)
     moe = MixtureOfExperts(GPTConfig(arch="llama", n_embd=C, n_head=1, ffn_hidden=H, n_expert=8,
                                      top_k=2)).to(device)
     for p in moe.parameters():
         torch.nn.init.normal_(p, 0.0, 0.01)
     x = torch.randn(N, C, device=device)
-    ways = {"loop over experts (before)": lambda: expert_loop(moe, x)}
-    for factor in factors:
-        ways[f"static, capacity_factor {factor}"] = (
-            lambda f: lambda: routing(moe, False, f) or moe(x))(factor)
-    ways["dropless (sorted by expert)"] = lambda: routing(moe, True, 0.0) or moe(x)
-    times, dropped = {name: [] for name in ways}, {name: [] for name in ways}
-    for i in range(warmup + steps):
-        for name, forward in ways.items():
-            moe.zero_grad(set_to_none=True)
-            elapsed = seconds(lambda: forward().square().mean().backward(), device)
-            if i >= warmup:
-                times[name].append(elapsed)
-                dropped[name].append(moe.dropped_fraction.item() if name.startswith("static") else 0.0)
-    return {name: (statistics.median(times[name]), statistics.median(dropped[name])) for name in ways}
+    routings = {"loop over experts (before)": None}  # -> (dropless, capacity_factor)
+    routings.update({f"static, capacity_factor {factor}": (False, factor) for factor in factors})
+    routings["dropless (sorted by expert)"] = (True, 0.0)
+    dropped = {name: [] for name in routings}
+
+    def step(name):
+        moe.zero_grad(set_to_none=True)
+        if routings[name]:
+            moe.dropless, moe.capacity_factor = routings[name]  # switch paths without rebuilding
+        (moe(x) if routings[name] else expert_loop(moe, x)).square().mean().backward()
+        dropped[name].append(moe.dropped_fraction.item() if name.startswith("static") else 0.0)
+    times = alternate({name: partial(step, name) for name in routings}, steps, warmup, device)
+    return {name: (statistics.median(times[name]), statistics.median(dropped[name][warmup:]))
+            for name in routings}
 
 
 def moe(args, device, dtype):
-    """One MoE layer at half the 8x1B width (C 1024, H 2816, 8 experts, top-2) on one 2048-token
-    sequence, float32: the per-expert loop against the static and dropless forwards (moe.py)."""
     times = moe_times(1024, 2816, 2048, args.steps, args.warmup, device)
     base = times["loop over experts (before)"][0]
     table("one MoE layer, forward + backward (C 1024, H 2816, 8 experts, top-2, 2048 tokens, float32)",
@@ -94,12 +91,10 @@ PAPER_CONFIGS = ["config/c4_tiny.py", "config/baseline_350m.py", "config/baselin
 
 
 def gpu_memory(args, device, dtype):
-    """tools/memory_table.py's table for the paper configs on 8 GPUs, and what it means for the biggest."""
-    from tools import memory_table as gpu
     emit("\n### GPU memory of the paper configs (tools/memory_table.py, 8 GPUs)\n")
-    for line in gpu.table_lines([os.path.join(REPO, p) for p in PAPER_CONFIGS], gpus=8):
+    for line in table_lines([os.path.join(REPO, p) for p in PAPER_CONFIGS], gpus=8):
         emit(line)
-    config = gpu.read_config(os.path.join(REPO, "config/baseline_7b.py"))
+    config = read_config(os.path.join(REPO, "config/baseline_7b.py"))
     n = plan.make_plan(config, 8, measure=False)["params"]
     emit("\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter: on one GPU the 7B "
          f"model's states alone are {16 * n / memory.GiB:.0f} GiB. With several micro-steps per step FSDP2 "
@@ -109,7 +104,7 @@ def gpu_memory(args, device, dtype):
          "of a run (plan.py).")
 
 
-# (name, train.py arguments, processes): real runs whose peak memory is set against the plan's figure
+# (name, train.py arguments, processes) of the runs plan_memory measures
 PLAN_MEMORY_RUNS = [
     ("c4_tiny", ["config/c4_tiny.py"], 1),
     ("c4_tiny, activation checkpointing", ["config/c4_tiny.py", "--activation_checkpointing=True"], 1),
@@ -132,35 +127,25 @@ def peak_rss_gib(command):
 
 
 def plan_memory(args, device, dtype):
-    """The plan's memory for a process (memory.process_gib: what train.py's memory check uses)
-    against the peak resident memory of the same run, --steps training steps with an evaluation
-    every 2 and a checkpoint, on this machine, --repeats times: the peak moves from run to run
-    (glibc's heap, kept at its peak by utils.keep_freed_memory, fragments differently with the
-    address-space layout). The process's own footprint (Python, torch, the data's memmap
-    untouched) is measured apart, as the peak of a process that imports what train.py imports,
-    and taken off: the plan counts the run's tensors, and on the CPU the heap's allowance
-    (memory.CPU_HEAP_ALLOWANCE x the step's transient tensors), which this table calibrates: its
-    last column is that fraction as each row's median peak implies it."""
-    from configurator import parse_config, train_defaults
+    """The plan's memory for a process (train.py's memory check) against the peak resident
+    memory of the same run, --repeats times: the peak moves (docs/performance.md)."""
     data_dir = os.environ.get("PLAN_MEMORY_DATA", "data/c4_tiny")
     if not os.path.exists(os.path.join(REPO, data_dir, "meta.json")):
         raise UserError(f"plan_memory needs C4-format data in {data_dir}: python prepare_c4.py --from_text "
                         f"input.txt --out_dir {data_dir} (or set PLAN_MEMORY_DATA)")
-    imports = ("import numpy, torch, tqdm, checkpoint, evaluate, metrics, parallelism, plan, "
+    imports = ("import numpy, torch, tqdm, checkpoint, scoring, metrics, parallelism, plan, "
                "prepare_shakespeare, tracking")
     base = peak_rss_gib([sys.executable, "-c", imports])
     short = [f"--max_iters={args.steps}", "--eval_interval=2", "--eval_iters=1", "--log_interval=1",
              "--final_eval=False", f"--data_dir={data_dir}", "--overwrite=True"]
+    out_dir = os.path.join(REPO, "out", "bench_plan_memory")
     rows = []
     for name, train_args, processes in PLAN_MEMORY_RUNS:
-        launcher = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}"] \
-            if processes > 1 else [sys.executable]
-        out_dir = os.path.join(REPO, "out", "bench_plan_memory")
-        peaks = sorted(peak_rss_gib([*launcher, "train.py", *train_args, *short,
-                                     f"--out_dir={out_dir}"]) - base
-                       for _ in range(args.repeats))
+        launcher = [*TORCHRUN, f"--nproc_per_node={processes}"] if processes > 1 else [sys.executable]
+        command = [*launcher, "train.py", *train_args, *short, f"--out_dir={out_dir}"]
+        peaks = sorted(peak_rss_gib(command) - base for _ in range(args.repeats))
         median = statistics.median(peaks)
-        config = {**parse_config([*train_args, *short], train_defaults()), "dtype": "float32"}
+        config = {**read_config(*train_args, *short), "dtype": "float32"}
         vocab = plan.run_vocab(config)
         tensors, states = memory.process_gib(config, processes, vocab)
         heap = memory.cpu_heap_allowance(processes)
@@ -178,9 +163,8 @@ def plan_memory(args, device, dtype):
                 f"= {memory.CPU_HEAP_ALLOWANCE}, as fractions of the step's transient tensors.")
 
 
-# plan_comm: the runs whose collectives are counted, on 2 gloo processes in one process group: the 350M
-# width (d = 1024, 16 heads, SwiGLU 2371) cut to 2 blocks with a 4096-token vocabulary, so that the blocks
-# and the roots (embedding and head; NITP's head, the objective's own unit) weigh alike, 64-token sequences
+# plan_comm's model: a 4096-token vocabulary, so that the blocks and the roots (embeddings, head,
+# NITP's head) weigh alike
 COMM_MODEL = ["config/baseline_350m.py", "--n_layer=2", "--vocab_size=4096", "--block_size=64",
               "--batch_size=1", "--nitp_weight=1.0", "--grad_clip_mode=norm"]
 # (the FSDP runs differ in micro-steps and in the all-gathers' dtype, and neither product is the other's)
@@ -196,11 +180,9 @@ COMM_RUNS = {
 
 
 class CollectiveBytes(TorchDispatchMode):
-    """Sums, by kind, the buffer of every collective the operations run under it call (c10d's ops,
-    which DDP's reducer and FSDP2 call, and the functional ones): the whole tensor gathered
-    (all-gather), scattered (reduce-scatter's input) or reduced (all-reduce). Calls of other
-    collectives are counted by name. Not seen: what a DTensor runs inside the dispatch of an
-    operation on it (under FSDP, clipping's all-reduce of the gradient norm, one scalar)."""
+    """Sums, by kind, the whole buffer of every collective called under it (c10d's ops, as DDP
+    and FSDP2 call them, and the functional ones); other collectives' calls by name. Not seen:
+    what a DTensor runs inside an op's dispatch (FSDP clipping's all-reduce of one scalar)."""
 
     KINDS = {"gather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
              "all_reduce": "all_reduce"}
@@ -208,7 +190,8 @@ class CollectiveBytes(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.buffers = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0)
-        self.calls, self.other = {}, {}
+        self.calls = Counter()
+        self.other = Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -216,27 +199,23 @@ class CollectiveBytes(TorchDispatchMode):
             kind = next((k for name, k in self.KINDS.items() if name in func._opname), None)
             functional = func.namespace == "_c10d_functional"
             if kind is None:
-                self.other[str(func)] = self.other.get(str(func), 0) + 1
+                self.other[str(func)] += 1
                 return out
             # c10d's in-place ops name the gathered tensor first and the tensor to scatter second
             buffer = {"all_gather": out if functional else args[0],
                       "reduce_scatter": args[0] if functional else args[1], "all_reduce": args[0]}[kind]
             self.buffers[kind] += sum(t.numel() * t.element_size() for t in tree_flatten(buffer)[0]
                                       if isinstance(t, torch.Tensor))
-            self.calls[str(func)] = self.calls.get(str(func), 0) + 1
+            self.calls[str(func)] += 1
         return out
 
 
 def comm_child():
-    """Under torchrun: one optimizer step of each of COMM_RUNS, counted (CollectiveBytes), as train.py
-    steps: gradient sync in the last micro-step only, then its global-norm clipping and AdamW. Rank 0
-    prints a JSON line per run: the bytes each process sent by plan.py's ring convention, the calls
-    counted, and the calls of other collectives."""
-    from configurator import parse_config, train_defaults
-    from optim import apply_gradients
+    """Under torchrun: one optimizer step of each of COMM_RUNS as train.py steps, counted by
+    CollectiveBytes; rank 0 prints a JSON line per run (bytes sent by plan.py's convention)."""
     rank, _, world = parallelism.init_distributed("cpu")
     for name, keys in COMM_RUNS.items():
-        config = parse_config([*COMM_MODEL, *keys], train_defaults())
+        config = read_config(*COMM_MODEL, *keys)
         if config["parallel"] == "fsdp" and parallelism.fsdp_unavailable("cpu"):
             if rank == 0:
                 print(json.dumps({"run": name, "skipped": parallelism.fsdp_unavailable("cpu")}), flush=True)
@@ -249,16 +228,15 @@ def comm_child():
             parallelism.apply_activation_checkpointing(model)
         param_dtype = None if config["dtype"] == "float32" else getattr(torch, config["dtype"])
         keep = config["fsdp_keep_gathered"]
-        train_model, train_objective = parallelism.parallelize(model, objective, config["parallel"], "cpu",
-                                                               param_dtype, keep_gathered=keep)
+        wrapper = parallelism.parallelize(Trained(model, objective), config["parallel"], "cpu",
+                                          param_dtype, keep_gathered=keep)
         optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
         micro_steps = memory.micro_steps_of(config, world)
         x = torch.randint(0, model.config.vocab_size, (config["batch_size"], config["block_size"]))
         with CollectiveBytes() as counter:
             for micro_step in range(micro_steps):
-                with parallelism.gradient_sync((train_model, train_objective), micro_step == micro_steps - 1,
-                                               keep):
-                    loss, *_ = objective_step(model, objective, x, x, train_model, train_objective)
+                with parallelism.gradient_sync(wrapper, micro_step == micro_steps - 1, keep):
+                    loss, *_ = wrapper(x, x)
                     (loss / micro_steps).backward()
             apply_gradients(optimizers, torch.amp.GradScaler("cpu", enabled=False),
                             lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), config["grad_clip"]))
@@ -272,11 +250,7 @@ def comm_child():
 
 
 def plan_comm(args, device, dtype):
-    """plan.py's bytes per optimizer step and process (comms.communication_bytes) against the bytes every
-    collective of a real step moved (comm_child, 2 gloo processes)."""
-    from configurator import parse_config, train_defaults
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-               "tools.bench", "--comm_child"]
+    command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tools.bench", "--comm_child"]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                             env=dict(os.environ, OMP_NUM_THREADS="1"))
     if result.returncode != 0:
@@ -286,7 +260,7 @@ def plan_comm(args, device, dtype):
         if "skipped" in record:
             rows.append((record["run"], "skipped: " + record["skipped"], "", "", "", ""))
             continue
-        config = parse_config([*COMM_MODEL, *COMM_RUNS[record["run"]]], train_defaults())
+        config = read_config(*COMM_MODEL, *COMM_RUNS[record["run"]])
         planned = plan.make_plan(config, record["processes"], measure=False)["communication"]
         counted = sum(record["sent"].values())
         rows.append((record["run"], ", ".join(f"{n} {op.split('.')[1]}" for op, n in record["calls"].items()),
@@ -307,25 +281,27 @@ C4_SHARD_TOKENS = 150e6      # GPT-2 tokens in one C4 "en" train shard, roughly 
 C4_SHARD_GZ_BYTES = 320e6    # the compressed shard a worker waits for: ~305 GB / 1024 shards (allenai/c4 en)
 
 
-def _child_cpu_seconds():
-    import resource
+def children_cpu_seconds():
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # finished children and what they waited for
     return usage.ru_utime + usage.ru_stime
 
 
-def prepare_throughput(args, device, dtype):
-    """prepare_c4.py end to end (the real script in a subprocess: worker start-up, gzip, JSON,
-    tokenising, writing, the index) with 1 and 2 workers, alternating with tiktoken on 1 thread
-    over the same documents in this process, so a background load slows both alike. Wall time
-    and CPU time (the script's processes, getrusage) are both given: the wall-clock share of
-    tiktoken x workers needs idle cores; the CPU-time share (the work per token, whatever the
-    load) is what a 32-core node with a core per worker gets, and the prediction uses it, with
-    the tokens per CPU-second measured here (Shakespeare's text; C4's web text has longer tokens)."""
-    import gzip
-    import re
-    import shutil
-    import tempfile
+def wall_and_cpu(work, cpu_seconds=time.process_time):
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    work()
+    return time.perf_counter() - wall, cpu_seconds() - cpu
 
+
+def shard_lines(out_dir):
+    for name in sorted(os.listdir(out_dir)):
+        if name.endswith(".json.gz"):
+            with gzip.open(os.path.join(out_dir, name), "rb") as f:
+                yield from f
+
+
+def prepare_throughput(args, device, dtype):
+    """prepare_c4.py (a subprocess) with 1 and 2 workers, in turn with tiktoken on 1 thread over
+    the same documents; the C4 prediction uses CPU time, the work per token whatever the load."""
     import tiktoken
     from data import BPE_ENCODING
 
@@ -345,21 +321,27 @@ def prepare_throughput(args, device, dtype):
         # PREPARE_SCRIPT: another version of the script to time the same way (e.g. an older commit's)
         script = os.environ.get("PREPARE_SCRIPT", os.path.join(REPO, "prepare_c4.py"))
         command = [sys.executable, script, "--from_text", big, "--shards", "4", "--out_dir", out_dir]
-        env = {**os.environ, "PYTHONPATH": REPO}
-        # makes the shards
-        subprocess.run(command + ["--workers", "1"], check=True, capture_output=True, env=env)
-        docs, json_bytes = [], 0
-        for name in sorted(os.listdir(out_dir)):
-            if name.endswith(".json.gz"):
-                with gzip.open(os.path.join(out_dir, name), "rb") as f:
-                    for line in f:
-                        docs.append(json.loads(line)["text"])
-                        json_bytes += len(line)
+
+        def prepare(workers):
+            subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True,
+                           env={**os.environ, "PYTHONPATH": REPO})
+        prepare(1)  # makes the shards
+        lines = list(shard_lines(out_dir))
+        docs = [json.loads(line)["text"] for line in lines]
+        json_bytes = sum(len(line) for line in lines)
         enc = tiktoken.get_encoding(BPE_ENCODING)
         n_tokens = sum(len(ids) + 1 for ids in enc.encode_ordinary_batch(docs, num_threads=1))  # + EOT each
+
+        def encode_loop():
+            for doc in docs:
+                enc.encode_ordinary(doc)
+
+        def parse_shards():  # what the main process did twice per shard before
+            for line in shard_lines(out_dir):
+                json.loads(line)
         runs = {1: [], 2: []}
         tiktoken_runs, loop_runs, parse_runs = [], [], []
-        for _ in range(max(args.steps, 1)):
+        for _ in range(args.steps):
             for workers in runs:
                 for old in ("train", "val", "meta.json", "train.bin", "val.bin"):
                     path = os.path.join(out_dir, old)
@@ -367,55 +349,37 @@ def prepare_throughput(args, device, dtype):
                         shutil.rmtree(path)
                     elif os.path.exists(path):
                         os.remove(path)
-                t0, c0 = time.perf_counter(), _child_cpu_seconds()
-                subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True,
-                               env=env)
-                runs[workers].append((time.perf_counter() - t0, _child_cpu_seconds() - c0))
-                t0, c0 = time.perf_counter(), time.process_time()
-                enc.encode_ordinary_batch(docs, num_threads=1)
-                tiktoken_runs.append((time.perf_counter() - t0, time.process_time() - c0))
-            t0, c0 = time.perf_counter(), time.process_time()
-            for doc in docs:
-                enc.encode_ordinary(doc)
-            loop_runs.append((time.perf_counter() - t0, time.process_time() - c0))
-            # what the main process did twice per shard before
-            t0, c0 = time.perf_counter(), time.process_time()
-            for name in sorted(os.listdir(out_dir)):
-                if name.endswith(".json.gz"):
-                    with gzip.open(os.path.join(out_dir, name), "rb") as f:
-                        for line in f:
-                            json.loads(line)
-            parse_runs.append((time.perf_counter() - t0, time.process_time() - c0))
+                runs[workers].append(wall_and_cpu(partial(prepare, workers), children_cpu_seconds))
+                tiktoken_runs.append(wall_and_cpu(lambda: enc.encode_ordinary_batch(docs, num_threads=1)))
+            loop_runs.append(wall_and_cpu(encode_loop))
+            parse_runs.append(wall_and_cpu(parse_shards))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    wall, cpu = (statistics.median(r[i] for r in tiktoken_runs) for i in (0, 1))
-    rows = [("tiktoken encode_ordinary_batch, 1 thread", "-", f"{wall:.1f}", f"{json_bytes / 1e6 / wall:.1f}",
-             f"{n_tokens / wall / 1e6:.2f}", "1.00", f"{cpu:.1f}", "1.00")]
-    for what, measured in (("tiktoken encode_ordinary, a loop", loop_runs),
-                           ("gzip + JSON of the shards alone (no tokenising)", parse_runs)):
-        w, c = (statistics.median(r[i] for r in measured) for i in (0, 1))
-        rows.append((what, "-", f"{w:.1f}", f"{json_bytes / 1e6 / w:.1f}", "", f"{wall / w:.2f}", f"{c:.1f}",
-                     f"{cpu / c:.2f}"))
-    parse_cpu = statistics.median(r[1] for r in parse_runs)
-    cpu_share = {}
-    for workers, measured in runs.items():
-        w, c = (statistics.median(r[i] for r in measured) for i in (0, 1))
-        cpu_share[workers] = cpu / c
-        rows.append((f"{os.path.basename(script)} --workers {workers}", workers, f"{w:.1f}",
-                     f"{json_bytes / 1e6 / w:.1f}",
-                     f"{n_tokens / w / 1e6:.2f}", f"{wall / w / workers:.2f}", f"{c:.1f}", f"{cpu / c:.2f}"))
+    wall, cpu = map(statistics.median, zip(*tiktoken_runs))
+
+    def row(what, measured, workers=None, tokens=True):
+        w, c = map(statistics.median, zip(*measured))
+        return (what, workers or "-", f"{w:.1f}", f"{json_bytes / 1e6 / w:.1f}",
+                f"{n_tokens / w / 1e6:.2f}" if tokens else "", f"{wall / w / (workers or 1):.2f}",
+                f"{c:.1f}", f"{cpu / c:.2f}")
+    rows = [row("tiktoken encode_ordinary_batch, 1 thread", tiktoken_runs),
+            row("tiktoken encode_ordinary, a loop", loop_runs, tokens=False),
+            row("gzip + JSON of the shards alone (no tokenising)", parse_runs, tokens=False),
+            *(row(f"{os.path.basename(script)} --workers {w}", runs[w], w) for w in runs)]
     table(f"prepare_c4.py against tiktoken, {json_bytes / 1e6:.0f} MB of JSON ({n_tokens / 1e6:.1f}M tokens, "
           f"{len(docs):,} documents, 5 shards), {os.cpu_count()} cores",
           ["", "workers", "wall s", "MB/s of JSON", "M tokens/s", "/ (tiktoken x workers)", "CPU s",
            "tiktoken CPU s / CPU s"], rows,
-          intro=f"Whole script runs, medians of {max(args.steps, 1)} alternating runs. Wall: the throughput "
+          intro=f"Whole script runs, medians of {args.steps} alternating runs. Wall: the throughput "
                 "over tiktoken's single-core speed times the workers (needs that many idle cores). CPU: all "
                 "the script's processes (main, workers, their start-up) against tiktoken's CPU time for the "
                 "same tokens.")
-    per_core = n_tokens / cpu * cpu_share[1]  # tokens per CPU-second of the script's one process
-    startup = (statistics.median(r[1] for r in runs[2]) - statistics.median(r[1] for r in runs[1]))
+    cpu_of = {w: statistics.median(c for _, c in runs[w]) for w in runs}
+    per_core = n_tokens / cpu_of[1]  # tokens per CPU-second of the script's one process
+    startup = cpu_of[2] - cpu_of[1]
     shard_s = C4_SHARD_TOKENS / per_core
     rounds = math.ceil(350 / 32)
+    parse_cpu = statistics.median(c for _, c in parse_runs)
     emit("- before issue 31 the main process decompressed and parsed every shard twice (a checking pass, "
          "then the batches it sent to the pool): it keeps at most tiktoken CPU s / (2 x gzip + JSON CPU s) "
          f"= {cpu / (2 * parse_cpu):.1f} workers busy on this text, whatever the cores (less the pickling of "
@@ -428,4 +392,3 @@ def prepare_throughput(args, device, dtype):
          f"{32 * C4_SHARD_GZ_BYTES / shard_s / 1e6:.0f} MB/s of gzipped shards; below that the download (one "
          f"stream, in the main process) sets the pace: 350 x {C4_SHARD_GZ_BYTES / 1e6:.0f} MB at the link's "
          "speed.")
-

@@ -1,19 +1,14 @@
 """
-The papers' claims, each tested on our grids by one stated rule (stats.verdict).
-
-A claim names a method, the baseline it is compared with on the same seeds, one measured
-quantity, the direction the paper reports, and the paper's number. For each seed shared by the
-method and its baseline we take the paired difference d_s (method - baseline; a relative change
-in % for the marginalization ratios; for a speed-up, the method's own fraction of steps saved),
-then stats.paired gives the mean, the 95 % t interval and the p of a paired t-test, and the
-p-values of all claims of a grid are Holm-adjusted together before stats.verdict reads them.
-
-Where the paper measured something else (a downstream benchmark, a bigger model), the toy's
-nearest quantity stands in for it, and the table says the paper's number is not on our scale.
-tools/report.py calls claims_table() for each grid and paired_cell() for its difference tables.
+The papers' claims, each tested on our grids by one stated rule (RULE, stats.verdict). A claim
+names a method, its baseline on the same seeds, one measured quantity, the direction the paper
+reports and the paper's number; where the paper measured something else (a downstream
+benchmark, a bigger model), the toy's nearest quantity stands in for it.
 """
 
+import collections
+import functools
 import json
+import operator
 import os
 
 import numpy as np
@@ -26,22 +21,16 @@ from utils import read_log
 
 def _metric(*path):
     """A quantity read from a run's metrics.json, e.g. _metric("low", "accuracy")."""
-    def value(run):
-        node = run["metrics"]
-        for key in path:
-            node = node[key]
-        return node
-    return value
+    return lambda run: functools.reduce(operator.getitem, path, run["metrics"])
 
 
 def isotropy_authors_of(lang, of=metrics.isotropy_authors):
-    """The paper's way of computing I(W) (metrics.isotropy_authors, its eigenvectors signed by a
-    stated rule; `of` another function of the rows, e.g. metrics.isotropy_sign_range) on the
-    archived embedding of a tied-weight char run (embedding.npz: wte = the output embedding), rows
-    of one language."""
+    """The paper's I(W) (metrics.isotropy_authors, or `of`, e.g. metrics.isotropy_sign_range)
+    of one language's rows of a tied-weight char run's archived embedding (embedding.npz)."""
     def value(run):
         with np.load(os.path.join(run["dir"], "embedding.npz")) as data:
-            W, shift = torch.from_numpy(data["wte"]), len(data["itos"])
+            W = torch.from_numpy(data["wte"])
+            shift = len(data["itos"])
         return of(W[:shift] if lang == "high" else W[shift:2 * shift])
     return value
 
@@ -55,7 +44,8 @@ def _marginalization(key):
 
 def val_curve(run_dir):
     """[(step, val loss)] of a run's evaluations (the mixed HR/LR loss on the char grids)."""
-    return [(r["iter"], r["val"]) for r in read_log(os.path.join(run_dir, "log.jsonl")) if "val" in r]
+    log = read_log(os.path.join(run_dir, "log.jsonl"))
+    return [(r["iter"], r["val"]) for r in log if "val" in r]
 
 
 def steps_to_reach(curve, target):
@@ -68,10 +58,9 @@ def steps_to_reach(curve, target):
 
 
 def speed_up(method_dir, baseline_dir):
-    """SimReg's convergence claim on one seed (the definition of this repo's docs): 1 - (steps
-    the method needs to first reach the baseline run's final val loss) / (the baseline's total
-    steps). A method that never reaches it counts as 0 (no speed-up), the conservative choice
-    for a claim of faster convergence."""
+    """SimReg's convergence claim on one seed: 1 - (steps the method needs to first reach the
+    baseline run's final val loss) / (the baseline's total steps). A method that never reaches
+    it counts as 0 (no speed-up), the conservative choice for a claim of faster convergence."""
     return speed_up_of_curves(val_curve(method_dir), val_curve(baseline_dir))
 
 
@@ -81,16 +70,15 @@ def speed_up_of_curves(curve, baseline_curve):
     return 0.0 if steps is None else 1.0 - steps / baseline_curve[-1][0]
 
 
-# kinds of paired quantity: "difference" (method - baseline), "relative" (method / baseline - 1,
-# in %), "speed-up" (the method's speed_up against the baseline on that seed)
-# roles: "claim" (what the paper claims), "check" (the method lowered the quantity its loss
-# penalises: tested like a claim, but it reproduces nothing) and "description" (measured beside a
-# claim, not claimed by the paper: no test, no verdict, outside the Holm adjustment)
-def claim(paper, method, quantity, value, direction, paper_says, paper_effect=None, baseline=None,
-          kind="difference", digits=3, role="claim"):
-    return {"paper": paper, "method": method, "quantity": quantity, "value": value, "direction": direction,
-            "paper_says": paper_says, "paper_effect": paper_effect, "baseline": baseline, "kind": kind,
-            "digits": digits, "role": role}
+def claim(paper, method, quantity, value, direction, paper_says, paper_effect=None,
+          baseline=None, kind="difference", digits=3, role="claim"):
+    """A claim: these arguments as a dict. value(run): the quantity; direction: +1 or -1, as
+    the paper reports it; paper_effect: the paper's own difference, where it ran this same toy;
+    baseline: None for the grid's. kind: "difference" (method - baseline), "relative" (method /
+    baseline - 1, in %) or "speed-up" (speed_up against the baseline). role: "claim"; "check"
+    (the loss lowered what it penalises: judged like a claim, but it reproduces nothing); or
+    "description" (measured beside a claim: not judged, outside the Holm adjustment)."""
+    return dict(locals())
 
 
 DESCRIPTION = "description, not a claim"
@@ -99,9 +87,10 @@ CHECK_WORDS = {stats.REPRODUCES: "check passed", stats.NOT_SHOWN: "check not sho
                stats.CONTRADICTED: "check failed"}
 
 
-SJ, SR, DI, NI, CW = "Stop Jostling", "SimReg", "Dispersion", "NITP", "CWT"
-# The Stop Jostling numbers: the authors' baseline and runs (a toy identical to ours, so the
-# paper's effect is on our scale; grids.PAPER says where each comes from).
+SJ = "Stop Jostling"
+SR = "SimReg"
+DI = "Dispersion"
+# Stop Jostling's baseline and runs: a toy identical to ours, so its effect is on our scale
 _SJ_RUNS = {"margin 2": (9.62, .358, .642), "margin 1": (9.54, .371, .765),
             "margin 0.6 + SE": (6.17, .487, .762)}
 _SJ_BASE = (10.63, .315, .417)
@@ -112,22 +101,24 @@ def _jostling_claims():
     for method, (ppl_best, acc, iw) in _SJ_RUNS.items():
         out += [claim(SJ, method, "LR PPL_best", _metric("low", "ppl_best"), -1,
                       f"{_SJ_BASE[0]} → {ppl_best}", ppl_best - _SJ_BASE[0], digits=2),
-                claim(SJ, method, "LR accuracy", _metric("low", "accuracy"), +1, f"{_SJ_BASE[1]} → {acc}",
-                      acc - _SJ_BASE[1]),
+                claim(SJ, method, "LR accuracy", _metric("low", "accuracy"), +1,
+                      f"{_SJ_BASE[1]} → {acc}", acc - _SJ_BASE[1]),
                 claim(SJ, method, "LR I(W), authors' way", isotropy_authors_of("low"), +1,
                       f"{_SJ_BASE[2]} → {iw}", iw - _SJ_BASE[2])]
-    out += [claim(SJ, "margin 2", "LR Ratio of Average (%)", _marginalization("mean_ratio_of_average"), +1,
-                  "+12 % (margin not stated)", 12.0, kind="relative", digits=1),
-            claim(SJ, "margin 2", "LR Average of Ratio (%)", _marginalization("mean_average_of_ratio"), +1,
-                  "+45 % (margin not stated)", 45.0, kind="relative", digits=1),
-            claim(SJ, "margin 0.6 + SE", "12 cases (A/a, HR/LR) in top-3",
-                  _metric("translations", "cases_12"), +1, "0 → 10 of 12", 10.0, digits=1),
-            claim(SJ, "margin 0.6 + SE", "LR accuracy, SE's own effect", _metric("low", "accuracy"), +1,
-                  "SE is needed for .487", None, baseline="margin 0.6"),
-            claim(SJ, "margin 0.6 + SE, rows not decayed", "LR accuracy, rows not decayed",
-                  _metric("low", "accuracy"), +1, "none: the released SE decays its rows", None,
-                  baseline="margin 0.6 + SE")]
-    return out
+    return out + [
+        claim(SJ, "margin 2", "LR Ratio of Average (%)",
+              _marginalization("mean_ratio_of_average"), +1, "+12 % (margin not stated)", 12.0,
+              kind="relative", digits=1),
+        claim(SJ, "margin 2", "LR Average of Ratio (%)",
+              _marginalization("mean_average_of_ratio"), +1, "+45 % (margin not stated)", 45.0,
+              kind="relative", digits=1),
+        claim(SJ, "margin 0.6 + SE", "12 cases (A/a, HR/LR) in top-3",
+              _metric("translations", "cases_12"), +1, "0 → 10 of 12", 10.0, digits=1),
+        claim(SJ, "margin 0.6 + SE", "LR accuracy, SE's own effect", _metric("low", "accuracy"),
+              +1, "SE is needed for .487", None, baseline="margin 0.6"),
+        claim(SJ, "margin 0.6 + SE, rows not decayed", "LR accuracy, rows not decayed",
+              _metric("low", "accuracy"), +1, "none: the released SE decays its rows", None,
+              baseline="margin 0.6 + SE")]
 
 
 # the dispersion paper's GPT-2 results (its Table 3), per variant
@@ -137,124 +128,118 @@ _DISPERSION_SAYS = {"dispersion": "10-task avg 34.95 → 35.61 (GPT-2)",
                     "dispersion orthogonalization": "10-task avg +1.07 (GPT-2)"}
 
 
-def _lm_claims(lang, chained_ok=True):
+def _lm_claims(lang):
     """The claims of SimReg, dispersion, NITP and CWT on a grid whose main language is `lang`
-    ("high" on the char grid, "val" on the BPE grid). Their papers measured bigger models and
-    downstream benchmarks: the toy's PPL on the whole val split stands in for "a better LM"."""
-    # char grid: PPL ~5, paired differences in PPL; BPE grid: PPL ~300 and heavy-tailed across seeds,
-    # so relative changes per seed (%)
-    ppl, name = _metric(lang, "ppl"), ("HR PPL" if lang == "high" else "PPL (%)")
-    kind, digits = ("difference", 2) if lang == "high" else ("relative", 1)
-    out = [claim(SR, "SimReg", name, ppl, -1, "350M: PPL 15.06 → 14.25", kind=kind, digits=digits),
-           claim(SR, "SimReg", "steps saved to reach CE's final val loss (%)", None, +1,
-                 "≈ 33 % (1.3B), > 37 % (3B, 7B)", kind="speed-up", digits=1),
-           claim(SR, "SimReg chunk 32", name, ppl, -1, "chunk-wise keeps SimReg's gain", kind=kind,
-                 digits=digits),
-           claim(DI, "dispersion", name, ppl, -1, _DISPERSION_SAYS["dispersion"], kind=kind, digits=digits),
-           claim(DI, "dispersion", ("HR " if lang == "high" else "") + "μ(last block), condensation",
-                 lambda run: run["metrics"]["geometry"][lang]["mu"][-1], -1,
-                 "less condensed (Fig. 2); the loss penalises this", role="check")]
-    for variant in ("decorrelation", "l2_repel", "orthogonalization"):
-        method = f"dispersion {variant}"
-        out.append(claim(DI, method, name, ppl, -1, _DISPERSION_SAYS[method], kind=kind, digits=digits))
-    out += [claim(NI, "NITP", name, ppl, -1, "MMLU-Pro +5.7 % (9B MoE)", kind=kind, digits=digits),
-            claim(CW, "CWT + FT", ("HR " if lang == "high" else "") + "accuracy", _metric(lang, "accuracy"),
-                  +1, "after fine-tuning, LAMBADA acc 19.52 → 22.2 (Table 3)"),
-            claim(CW, "CWT + FT", name, ppl, -1, "validation PPL 3.143 → 3.283, higher (Table 3); LAMBADA "
-                  "PPL 170.23 → 153.5", kind=kind, digits=digits, role="description")]
-    return out
+    ("high" or "val"): the toy's PPL stands in for their papers' "a better LM"."""
+    hr = "HR " if lang == "high" else ""
+    # char grid: PPL ~5, paired differences in PPL; BPE grid: PPL ~300 and heavy-tailed across
+    # seeds, so relative changes per seed (%)
+    scale = dict(kind="difference", digits=2) if hr else dict(kind="relative", digits=1)
+
+    def ppl(paper, method, says, **role):
+        name = "HR PPL" if hr else "PPL (%)"
+        return claim(paper, method, name, _metric(lang, "ppl"), -1, says, **scale, **role)
+    return [
+        ppl(SR, "SimReg", "350M: PPL 15.06 → 14.25"),
+        claim(SR, "SimReg", "steps saved to reach CE's final val loss (%)", None, +1,
+              "≈ 33 % (1.3B), > 37 % (3B, 7B)", kind="speed-up", digits=1),
+        ppl(SR, "SimReg chunk 32", "chunk-wise keeps SimReg's gain"),
+        ppl(DI, "dispersion", _DISPERSION_SAYS["dispersion"]),
+        claim(DI, "dispersion", hr + "μ(last block), condensation",
+              _metric("geometry", lang, "mu", -1), -1,
+              "less condensed (Fig. 2); the loss penalises this", role="check"),
+        *(ppl(DI, f"dispersion {variant}", _DISPERSION_SAYS[f"dispersion {variant}"])
+          for variant in ("decorrelation", "l2_repel", "orthogonalization")),
+        ppl("NITP", "NITP", "MMLU-Pro +5.7 % (9B MoE)"),
+        claim("CWT", "CWT + FT", hr + "accuracy", _metric(lang, "accuracy"), +1,
+              "after fine-tuning, LAMBADA acc 19.52 → 22.2 (Table 3)"),
+        ppl("CWT", "CWT + FT", "validation PPL 3.143 → 3.283, higher (Table 3); LAMBADA PPL "
+            "170.23 → 153.5", role="description")]
 
 
-# margin 0.6 + SE's rare targets at T = 1, described beside the PPL_best claim (bpe and bpe_rare)
-_RARE_AT_T1 = claim(SJ, "margin 0.6 + SE", "rare-target PPL at T = 1 (%)", _metric("rare", "ppl"), -1,
-                    "the claim is at T_best: at T = 1 calibration dominates", kind="relative", digits=1,
-                    role="description")
+# margin 0.6 + SE's rare targets at T = 1, described beside the PPL_best claim (bpe, bpe_rare)
+_RARE_AT_T1 = claim(SJ, "margin 0.6 + SE", "rare-target PPL at T = 1 (%)",
+                    _metric("rare", "ppl"), -1,
+                    "the claim is at T_best: at T = 1 calibration dominates", kind="relative",
+                    digits=1, role="description")
 
 
 CLAIMS = {
     "jostling": _jostling_claims(),
-    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", _metric("low", "accuracy"), +1, ".315 → .487",
-                     .487 - .315),
-               claim(SJ, "margin 0.6 + SE", "LR PPL_best", _metric("low", "ppl_best"), -1, "10.63 → 6.17",
-                     6.17 - 10.63, digits=2)] + _lm_claims("high"),
+    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", _metric("low", "accuracy"), +1,
+                     ".315 → .487", .487 - .315),
+               claim(SJ, "margin 0.6 + SE", "LR PPL_best", _metric("low", "ppl_best"), -1,
+                     "10.63 → 6.17", 6.17 - 10.63, digits=2)] + _lm_claims("high"),
     "bpe": [claim(SJ, "margin 0.6 + SE", "rare-target MRR", _metric("rare", "mrr"), +1,
                   "char toy: LR MRR .480 → .628"),
             claim(SJ, "margin 0.6 + SE", "PPL_best (%)", _metric("val", "ppl_best"), -1,
-                  "char toy: LR PPL_best 10.63 → 6.17 (rare-target PPL_best: the bpe_rare grid)", kind="relative",
-                  digits=1),
+                  "char toy: LR PPL_best 10.63 → 6.17 (rare-target PPL_best: the bpe_rare grid)",
+                  kind="relative", digits=1),
             _RARE_AT_T1] + _lm_claims("val"),
     # the rare targets at the claim's own temperature rule (PPL_best): reruns of two bpe methods
-    "bpe_rare": [claim(SJ, "margin 0.6 + SE", "rare-target PPL_best (%)", _metric("rare", "ppl_at_t_best"), -1,
-                       "char toy: LR PPL_best 10.63 → 6.17", kind="relative", digits=1),
+    "bpe_rare": [claim(SJ, "margin 0.6 + SE", "rare-target PPL_best (%)",
+                       _metric("rare", "ppl_at_t_best"), -1, "char toy: LR PPL_best 10.63 → 6.17",
+                       kind="relative", digits=1),
                  _RARE_AT_T1],
     # the SimReg claims again at 1600 steps (results/preregistration.md, T7): a family of their own
     "bpe_1600": [c for c in _lm_claims("val") if c["paper"] == SR],
 }
 
 
-# Not the papers' claims: dispersion in the form of its authors' released code (losses.dispersion,
-# form="authors"; docs/fidelity.md), whose three variants that differ from the paper's text have
-# their own rows. Each is judged against CE (the paper's claim, as for the paper's form) and against
-# the paper's form on the same seeds; the paper does not say which form gave its numbers, so the
-# second asks whether the released form does better (lower HR PPL). Their own table, with its own
-# Holm adjustment: asking these questions leaves the verdicts of the papers' claims as they were.
+# Not the papers' claims: dispersion as its authors' released code computes it
+# (docs/fidelity.md), against CE and against the paper's form, Holm-adjusted on their own.
 FORM_CLAIMS = {"lowres": [
     c for method in ("dispersion", "dispersion l2_repel", "dispersion orthogonalization")
     for c in (claim(DI, f"{method}, authors' form", "HR PPL", _metric("high", "ppl"), -1,
                     _DISPERSION_SAYS[method], digits=2),
               claim(DI, f"{method}, authors' form", "HR PPL, against the paper's form",
-                    _metric("high", "ppl"), -1, "form not stated (↓: the released form does better)",
-                    baseline=method, digits=2))]}
+                    _metric("high", "ppl"), -1,
+                    "form not stated (↓: the released form does better)", baseline=method,
+                    digits=2))]}
 
 
 def paired_values(c, runs, baseline):
-    """The per-seed paired quantities of claim c. runs: method -> {seed: run}, run = {"dir": ...,
-    "metrics": ...}; baseline: the grid's baseline method (used unless the claim names its own)."""
-    method_runs, base_runs = runs.get(c["method"], {}), runs.get(c["baseline"] or baseline, {})
-    values = []
-    for seed in sorted(set(method_runs) & set(base_runs)):
-        m, b = method_runs[seed], base_runs[seed]
-        if c["kind"] == "speed-up":
-            values.append(100 * speed_up(m["dir"], b["dir"]))
-        elif c["kind"] == "relative":
-            values.append(100 * (c["value"](m) / c["value"](b) - 1))
-        else:
-            values.append(c["value"](m) - c["value"](b))
-    return values
-
-
-def signed(x, digits):
-    return f"{x:+.{digits}f}"
+    """The per-seed paired quantities of claim c. runs: {method: {seed: {"dir", "metrics"}}};
+    baseline: the grid's baseline method (unless the claim names one)."""
+    method_runs = runs.get(c["method"], {})
+    base_runs = runs.get(c["baseline"] or baseline, {})
+    pairs = [(method_runs[s], base_runs[s]) for s in sorted(set(method_runs) & set(base_runs))]
+    if c["kind"] == "speed-up":
+        return [100 * speed_up(m["dir"], b["dir"]) for m, b in pairs]
+    if c["kind"] == "relative":
+        return [100 * (c["value"](m) / c["value"](b) - 1) for m, b in pairs]
+    return [c["value"](m) - c["value"](b) for m, b in pairs]
 
 
 def paired_cell(result, digits, direction=None):
-    """'+0.012 [-0.003, +0.027], 4/5 up' for a stats.paired result: k/n counts the seeds that go
-    the paper's way when a direction is given, else the way of the mean."""
+    """'+0.012 [-0.003, +0.027], 4/5 up' for a stats.paired result: k/n counts the seeds that
+    go the paper's way when a direction is given, else the way of the mean."""
+    mean = f"{result['mean']:+.{digits}f}"
     if result["low"] is None:
-        return f"{signed(result['mean'], digits)} (1 seed)"
+        return f"{mean} (1 seed)"
     going = direction if direction is not None else (1 if result["mean"] >= 0 else -1)
     k = result["up"] if going > 0 else result["down"]
-    return (f"{signed(result['mean'], digits)} [{signed(result['low'], digits)}, "
-            f"{signed(result['high'], digits)}], {k}/{result['n']} {'up' if going > 0 else 'down'}")
+    return (f"{mean} [{result['low']:+.{digits}f}, {result['high']:+.{digits}f}], "
+            f"{k}/{result['n']} {'up' if going > 0 else 'down'}")
 
 
-RULE = ("Verdict rule, the same for every row: for each claim the seeds shared by the method and its "
-        "baseline give paired differences (method − baseline on the same seed; for the speed-up, the "
-        "method's own per-seed value). A two-sided paired t-test gives each claim a p-value, and the "
-        "p-values of all claims and checks in this table are Holm-adjusted together, so the chance of any "
-        "false verdict in the table stays below 5 %. **reproduces**: adjusted p < 0.05 and the mean goes "
-        "the paper's way; **contradicted**: adjusted p < 0.05 and it goes the other way; **not shown**: "
-        "otherwise. A *check* (the loss lowered what it penalises) is judged the same way and says check "
-        "passed / failed / not shown; a *description* is not judged. The interval is the unadjusted 95 % t "
-        "interval (n − 1 degrees of freedom); k/n counts the seeds that go the paper's way. \"Paper's "
-        "effect in CI\" compares the paper's own difference with our interval, only where the paper ran "
-        "this same toy experiment.")
+RULE = ("Verdict rule, the same for every row: for each claim the seeds shared by the method and "
+        "its baseline give paired differences (method − baseline on the same seed; for the "
+        "speed-up, the method's own per-seed value). A two-sided paired t-test gives each claim a "
+        "p-value, and the p-values of all claims and checks in this table are Holm-adjusted "
+        "together, so the chance of any false verdict in the table stays below 5 %. "
+        "**reproduces**: adjusted p < 0.05 and the mean goes the paper's way; **contradicted**: "
+        "adjusted p < 0.05 and it goes the other way; **not shown**: otherwise. A *check* (the "
+        "loss lowered what it penalises) is judged the same way and says check passed / failed / "
+        "not shown; a *description* is not judged. The interval is the unadjusted 95 % t "
+        "interval (n − 1 degrees of freedom); k/n counts the seeds that go the paper's way. "
+        "\"Paper's effect in CI\" compares the paper's own difference with our interval, only "
+        "where the paper ran this same toy experiment.")
 
 
 def evaluate_claims(grid, runs, baseline, family=None):
-    """[(claim, stats.paired result or None, Holm-adjusted p, verdict)] for the grid's claims in
-    family (CLAIMS unless given; FORM_CLAIMS is the other), Holm-adjusted together; a claim whose
-    method or baseline has no runs yet gets None and NO_RUNS, whatever its role."""
+    """[(claim, stats.paired result, Holm-adjusted p, verdict)] for the grid's claims in
+    family (CLAIMS unless given); None and NO_RUNS where the method or baseline has no runs."""
     rows = []
     for c in (CLAIMS if family is None else family).get(grid, []):
         values = paired_values(c, runs, baseline)
@@ -262,12 +247,10 @@ def evaluate_claims(grid, runs, baseline, family=None):
     adjusted = stats.holm([r["p"] if r and c["role"] != "description" else None for c, r in rows])
     out = []
     for (c, r), p in zip(rows, adjusted):
-        if r is None:
-            out.append((c, r, p, NO_RUNS))
-            continue
-        v = stats.verdict(r["mean"], p, c["direction"])
-        out.append((c, r, p, DESCRIPTION if c["role"] == "description" else
-                    CHECK_WORDS[v] if c["role"] == "check" else v))
+        verdict = NO_RUNS if r is None else stats.verdict(r["mean"], p, c["direction"])
+        if r is not None and c["role"] != "claim":
+            verdict = DESCRIPTION if c["role"] == "description" else CHECK_WORDS[verdict]
+        out.append((c, r, p, verdict))
     return out
 
 
@@ -277,40 +260,38 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
     if not evaluated:
         return []
     lines = ([RULE, ""] if with_rule else []) + [
-        "| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p | verdict | "
-        "paper's effect in CI |", "|---|---|---|---|---|---|---|---|---|"]
+        "| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p "
+        "| verdict | paper's effect in CI |", "|---" * 9 + "|"]
     for c, r, p, v in evaluated:
         arrow = "↑" if c["direction"] > 0 else "↓"
         ours = paired_cell(r, c["digits"], c["direction"]) if r else NO_RUNS
         holm_p = "—" if p is None else (f"{p:.3f}" if p >= 0.001 else f"{p:.0e}")
         within = "—"
         if c["paper_effect"] is not None and r and r["low"] is not None:
-            within = "yes" if r["low"] <= c["paper_effect"] <= r["high"] else \
-                ("ours smaller" if abs(r["mean"]) < abs(c["paper_effect"]) else "ours larger")
-        lines.append(f"| {c['paper']} | {c['method']} | {c['baseline'] or baseline} | {c['quantity']} "
-                     f"{arrow} | {c['paper_says']} | {ours} | {holm_p} | {v} | {within} |")
-    counts = {k: sum(v == k for *_, v in evaluated)
-              for k in (stats.REPRODUCES, stats.NOT_SHOWN, stats.CONTRADICTED)}
-    judged = [c for c, *_, v in evaluated if c["role"] == "claim" and v != NO_RUNS]
+            within = ("yes" if r["low"] <= c["paper_effect"] <= r["high"] else
+                      "ours smaller" if abs(r["mean"]) < abs(c["paper_effect"]) else "ours larger")
+        lines.append(f"| {c['paper']} | {c['method']} | {c['baseline'] or baseline} | "
+                     f"{c['quantity']} {arrow} | {c['paper_says']} | {ours} | {holm_p} | {v} | "
+                     f"{within} |")
+    counts = collections.Counter(v for *_, v in evaluated)
+    judged = sum(c["role"] == "claim" and v != NO_RUNS for c, *_, v in evaluated)
     lines += ["", f"{counts[stats.REPRODUCES]} reproduce, {counts[stats.NOT_SHOWN]} not shown, "
-              f"{counts[stats.CONTRADICTED]} contradicted, of {len(judged)} claims."]
-    others = [f"{w.split(',')[0]}: {sum(v == w for *_, v in evaluated)}"
-              for w in (*CHECK_WORDS.values(), DESCRIPTION)
-              if any(v == w for *_, v in evaluated)]
+              f"{counts[stats.CONTRADICTED]} contradicted, of {judged} claims."]
+    others = [f"{w.split(',')[0]}: {counts[w]}" for w in (*CHECK_WORDS.values(), DESCRIPTION)
+              if counts[w]]
     if others:
-        lines[-1] += (f" Beside them: {', '.join(others)}. A check tests only that a loss lowered the "
-                      "quantity it penalises; a description is measured beside a claim the paper makes "
-                      "about something else, and is not tested (it stays out of the Holm adjustment).")
-    untested = sum(v == NO_RUNS for *_, v in evaluated)
-    if untested:
-        lines[-1] += (f" {untested} of the table's {len(evaluated)} rows have no runs in this archive: "
-                      "they are neither counted nor judged.")
+        lines[-1] += (f" Beside them: {', '.join(others)}. A check tests only that a loss "
+                      "lowered the quantity it penalises; a description is measured beside a "
+                      "claim the paper makes about something else, and is not tested (it stays "
+                      "out of the Holm adjustment).")
+    if counts[NO_RUNS]:
+        lines[-1] += (f" {counts[NO_RUNS]} of the table's {len(evaluated)} rows have no runs in "
+                      "this archive: they are neither counted nor judged.")
     return lines
 
 
-
-# Issue 40's ablation (results/preregistration.md, T6): the released l2_repel's norm term alone, against CE
-# and against the released l2_repel on the same seeds, Holm-adjusted as a family of its own.
+# Issue 40's ablation (results/preregistration.md, T6): the released l2_repel's norm term
+# alone, against CE and against the released l2_repel, Holm-adjusted on their own.
 NORM_METHOD = "dispersion l2_repel norm term alone, authors' form"
 NORM_CLAIMS = {"lowres": [
     claim(DI, NORM_METHOD, "HR PPL", _metric("high", "ppl"), -1,

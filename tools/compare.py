@@ -4,21 +4,15 @@ Run a named grid of methods x seeds (tools/grids.py) and write its results table
     python -m tools.compare jostling               # the Stop Jostling reproduction (its Sec. 4)
     python -m tools.compare lowres                 # every loss on the char experiment
     python -m tools.compare bpe                    # every loss on the GPT-2 BPE toy
-    python -m tools.compare jostling --table_only  # only rebuild results/jostling.md from finished runs
-    python -m tools.compare lowres --methods CE SimReg --seeds 1337 1338 --archive out/short --max_iters=400
+    python -m tools.compare jostling --table_only  # only rebuild results/jostling.md
+    python -m tools.compare lowres --methods CE SimReg --seeds 1337 --archive out/short \\
+        --max_iters=400
 
-A call pairs only like runs: a finished run trained with other keys than the grid's configs with
-this call's overrides give (the last example's max_iters against the archived 8000-step runs) is
-refused in one line naming the key (tools/identity.py), so a comparison with other keys goes to its
-own --archive (its table goes there too unless --results says otherwise); --methods and --seeds
-make it smaller, the baseline always included.
-
-Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/seed<S>`. When it
-finishes, its small files (metrics.json, marginalization.json, run.json and a thinned log.jsonl)
-are copied to results/runs/<grid>/<method>/seed<S>, which is committed: the tables are built from
-there, and a run found there (or finished in <root>) is skipped, so an interrupted grid resumes
-where it stopped, in this checkout or a fresh one. Ctrl-C (or `kill`) stops a call cleanly.
-tools/runner.py runs the grid, tools/report.py writes results/<grid>.md and tools/figures.py its figures.
+Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/seed<S>`; its
+small files are archived in results/runs/<grid>/<method>/seed<S> (committed), which the tables
+are built from. An archived or finished run is skipped: an interrupted grid resumes. Runs
+trained with other keys than the grid's configs with this call's overrides are refused
+(tools/identity.py): such a comparison goes to its own --archive. Ctrl-C stops a call cleanly.
 """
 
 import argparse
@@ -35,55 +29,68 @@ from tools.report import build_table
 from tools.runner import check_like, check_pooled_call, run_grid, sync_archive
 from utils import check_arguments, check_writable, save_text
 
+FIGURES = "\n## Figures\n"
+NOT_REDRAWN = ("Not redrawn by the last call (matplotlib, an optional extra, is not "
+               "installed): the figures of the call before.")
+
 
 def check_overrides(grid, overrides):
-    """Every run's train.py arguments (its config files, its own and the grid's overrides) as train.py
-    would read them, before any run starts: a misspelt key is a ConfigError (one line, exit 2), not
-    the first run's failure an hour in."""
-    defaults, rules = train_defaults(), train_rules()
+    """Read every run's train.py arguments as train.py would, before any run starts: a
+    misspelt key is a ConfigError (one line, exit 2), not a failure an hour in."""
+    defaults = train_defaults()
+    rules = train_rules()
     for _, seed, config, args, _ in runs_of(grid, "."):
         for config_file in stages(config):
-            check_values(parse_config([config_file, f"--seed={seed}", *args, *overrides], defaults), rules)
+            argv = [config_file, f"--seed={seed}", *args, *overrides]
+            check_values(parse_config(argv, defaults), rules)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("grid", choices=sorted(GRIDS))
-    parser.add_argument("--root", default="out/compare", help="where the runs go (checkpoints included)")
+    parser.add_argument("--root", default="out/compare",
+                        help="where the runs go (checkpoints included)")
     parser.add_argument("--archive", default="results/runs",
                         help="where the finished runs' small files are kept")
     parser.add_argument("--results",
-                        help="where <grid>.md is written (default: results, or the --archive given)")
+                        help="where <grid>.md is written (default: results, or the --archive "
+                        "given)")
     parser.add_argument("--methods", nargs="+", help="train only these methods (and the baseline)")
     parser.add_argument("--seeds", nargs="+", type=int, help="train only these seeds")
     parser.add_argument("--workers", type=int, default=2, help="runs at a time")
     parser.add_argument("--table_only", action="store_true", help="only rebuild the table")
-    parser.add_argument("overrides", nargs="*", help="--key=value passed to every run (e.g. --max_iters=50)")
+    parser.add_argument("overrides", nargs="*",
+                        help="--key=value passed to every run (e.g. --max_iters=50)")
     args, unknown = parser.parse_known_args(argv)
     overrides = args.overrides + unknown
-    check_arguments((args.workers < 1, f"--workers must be >= 1 (runs at a time), got {args.workers}"))
+    check_arguments((args.workers < 1,
+                     f"--workers must be >= 1 (runs at a time), got {args.workers}"))
     only = selection(args.grid, args.methods, args.seeds)
     if args.results is None:
-        args.results = "results" if args.archive == parser.get_default("archive") else args.archive
+        default = args.archive == parser.get_default("archive")
+        args.results = "results" if default else args.archive
+    names = ("results", "archive") + (() if args.table_only else ("root",))
     if not args.table_only:
         check_overrides(args.grid, overrides)
-    for name in ("results", "archive") if args.table_only else ("results", "archive", "root"):
-        check_writable(getattr(args, name), f"--{name}", directory=True)  # before hours of runs
-    # unlike runs (runner.UnlikeRuns) are refused before hours of runs, and again on what the table reads
-    for folder in (args.archive,) if args.table_only else (args.archive, args.root):
-        check_like(args.grid, folder, overrides, only)
+    # before hours of runs: writable folders, no unlike runs (runner.UnlikeRuns) in the
+    # archive and the root
+    for name in names:
+        check_writable(getattr(args, name), f"--{name}", directory=True)
+    for name in names[1:]:
+        check_like(args.grid, getattr(args, name), overrides, only)
     if not args.table_only:
-        check_pooled_call(args.grid, args.archive, only)  # what the table would pair, before hours of runs
-        signal.signal(signal.SIGTERM, signal.default_int_handler)  # `kill` stops the grid as Ctrl-C does
+        check_pooled_call(args.grid, args.archive, only)  # what the table would pair
+        # `kill` stops the grid as Ctrl-C does
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         run_grid(args.grid, args.root, args.workers, overrides, args.archive, only)
     sync_archive(args.grid, args.root, args.archive)
-    check_like(args.grid, args.archive, overrides)
+    check_like(args.grid, args.archive, overrides)  # again, on what the table reads
     table, _ = build_table(args.grid, args.archive)
     path = os.path.join(args.results, f"{args.grid}.md")
     drawn = make_figures(args.grid, args.archive, args.results)
     if drawn:
-        table += "\n## Figures\n\n" + "\n\n".join(f"{title}:\n\n![{title}]({path})"
-                                                  for title, path in drawn) + "\n"
+        links = [f"{title}:\n\n![{title}]({link})" for title, link in drawn]
+        table += FIGURES + "\n" + "\n\n".join(links) + "\n"
     elif figures._pyplot() is None:
         table += kept_figures(path)
     os.makedirs(args.results, exist_ok=True)
@@ -92,34 +99,31 @@ def main(argv=None):
     print(f"wrote {path}")
 
 
-FIGURES = "\n## Figures\n"
-NOT_REDRAWN = ("Not redrawn by the last call (matplotlib, an optional extra, is not installed): the figures "
-               "of the call before.")
-
-
 def kept_figures(path):
-    """The Figures section of the table at path, saying the figures were not redrawn: a call without
-    matplotlib keeps the links of the last call that drew them, or says why there are none."""
+    """The Figures section of the table at path, saying the figures were not redrawn: a call
+    without matplotlib keeps the links of the last call that drew them, or says why there
+    are none."""
     old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     if FIGURES not in old:
-        return FIGURES + "\nNone: matplotlib (an optional extra, requirements-extras.txt) is not installed.\n"
+        return (FIGURES + "\nNone: matplotlib (an optional extra, requirements-extras.txt) is "
+                "not installed.\n")
     kept = old[old.index(FIGURES) + len(FIGURES):].replace(NOT_REDRAWN + "\n\n", "")
     return FIGURES + "\n" + NOT_REDRAWN + "\n" + kept
 
 
 def selection(grid, methods, seeds):
-    """The (method, seed) pairs --methods and --seeds name (None: all), the baseline always among
-    the methods; an unknown method, or a seed no method named uses, is a UsageError (one line)."""
+    """The (method, seed) pairs --methods and --seeds name (None: all), the baseline always
+    among the methods; an unknown method, or a seed no chosen method uses, is a UsageError."""
     if methods is None and seeds is None:
         return None
     runs = {(method, seed) for method, seed, *_ in runs_of(grid, "")}
     known = sorted({method for method, _ in runs})
     unknown = [m for m in methods or () if m not in known]
-    check_arguments((unknown, f"--methods: {', '.join(map(repr, unknown))} not in grid '{grid}' "
-                                    f"({', '.join(map(repr, known))})"))
+    check_arguments((unknown, f"--methods: {', '.join(map(repr, unknown))} not in grid "
+                              f"'{grid}' ({', '.join(map(repr, known))})"))
     chosen = {next(iter(GRIDS[grid])), *methods} if methods else set(known)
     only = {(m, s) for m, s in runs if m in chosen and (seeds is None or s in seeds)}
-    unused = [s for s in seeds or () if all(s != seed for _, seed in only)]
+    unused = [s for s in seeds or () if s not in {seed for _, seed in only}]
     check_arguments((unused,
                      f"--seeds: {', '.join(map(str, unused))} not among the chosen methods' seeds"))
     return only

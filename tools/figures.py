@@ -1,27 +1,9 @@
 """
 Figures of a grid's runs, so the geometry the papers talk about can be looked at, not only read
 as numbers. matplotlib is an optional extra (`pip install matplotlib`): without it every
-function here returns None and nothing else in the repo changes.
-
-    forest_plot            paired differences to the baseline with their 95 % intervals, one
-                           panel per metric, one row per method (the main result of a grid)
-    strip_plot             every seed's value per method, with the mean and a reference line
-                           (e.g. the paper's number): shows a transition some seeds make
-    val_loss_differences   val loss minus the baseline's on the same seed, mean and interval
-                           over seeds, against step (the raw curves lie on top of each other)
-    seed_curves            one line per seed, one panel per method: when a seed departs from
-                           the others (a transition), and when in training
-    condensation_heatmaps  per method, depth x pairwise-cosine histogram of the hidden states
-                           (the dispersion paper's picture of condensation: mass moving to the
-                           right with depth means the states of a sequence crowd together)
-    embedding_similarity   cosine similarity of every pair of embedding rows, HR block then LR
-                           block, each sorted by letter (Stop Jostling Fig. 5): twins show up as
-                           the off-diagonal stripes
-    embedding_pca          the rows projected on their first two principal components, every HR
-                           letter joined to its LR twin (Stop Jostling Fig. 6)
-
-Each of these takes plain data (lists, numpy arrays) and a path, and writes one PNG atomically;
-tools/grid_figures.py reads a grid's archived runs and draws its figures with them.
+function here returns None and nothing else in the repo changes. Each function takes plain data
+(lists, numpy arrays) and a path, and writes one PNG atomically; tools/grid_figures.py reads a
+grid's archived runs and draws its figures with them.
 """
 
 import numpy as np
@@ -53,7 +35,12 @@ def method_colours(methods):
     return {m: palette[i % len(palette)] for i, m in enumerate(methods)}
 
 
-def _grid_of_axes(plt, n_panels, width, height, ncols=3):
+def _panels(n_panels, width, height, ncols=3):
+    """(plt, figure, its first n_panels axes) on a grid of ncols columns; None without
+    matplotlib or panels."""
+    plt = _pyplot()
+    if plt is None or not n_panels:
+        return None
     ncols = min(ncols, n_panels)
     nrows = (n_panels + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False,
@@ -61,18 +48,24 @@ def _grid_of_axes(plt, n_panels, width, height, ncols=3):
     flat = list(axes.flat)
     for ax in flat[n_panels:]:
         ax.set_visible(False)
-    return fig, flat[:n_panels]
+    return plt, fig, flat[:n_panels]
+
+
+def _titled(ax, title):
+    ax.set_title(title, fontsize=8)
+    ax.tick_params(labelsize=7)
+    ax.grid(alpha=0.3)
 
 
 def forest_plot(panels, path, baseline="baseline", colours=None):
-    """panels: {metric: [(method, mean, low, high, n), ...]} -> one panel per metric, a horizontal
-    interval per method, and the zero line (no difference to the baseline)."""
-    plt = _pyplot()
-    if plt is None or not panels:  # nothing to draw
-        return None
+    """panels: {metric: [(method, mean, low, high, n), ...]} -> one panel per metric, a
+    horizontal interval per method, and the zero line (no difference to the baseline)."""
     methods = list(dict.fromkeys(m for rows in panels.values() for m, *_ in rows))
+    drawn = _panels(len(panels), 3.6, 0.32 * len(methods) + 1.2)
+    if drawn is None:
+        return None
+    plt, fig, axes = drawn
     colours = colours or method_colours(methods)
-    fig, axes = _grid_of_axes(plt, len(panels), 3.6, 0.32 * len(methods) + 1.2)
     for k, (ax, (metric, rows)) in enumerate(zip(axes, panels.items())):
         for y, method in enumerate(methods):
             row = next((r for r in rows if r[0] == method), None)
@@ -83,8 +76,7 @@ def forest_plot(panels, path, baseline="baseline", colours=None):
                 ax.plot([low, high], [y, y], color=colours[method], lw=2)
             ax.plot([mean], [y], "o", color=colours[method], ms=4)
         ax.axvline(0, color="k", lw=0.8)
-        ax.set_yticks(range(len(methods)), [f"{m}" for m in methods] if k % 3 == 0 else [""] * len(methods),
-                      fontsize=7)
+        ax.set_yticks(range(len(methods)), methods if k % 3 == 0 else [""] * len(methods), fontsize=7)
         ax.invert_yaxis()
         ax.set_title(f"{metric}, method − {baseline}", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
@@ -93,14 +85,14 @@ def forest_plot(panels, path, baseline="baseline", colours=None):
 
 
 def strip_plot(panels, path, references=None, colours=None):
-    """panels: {metric: {method: [value per seed]}}; references: {metric: (label, value)} drawn as
-    a dashed line (e.g. the paper's single run). A short bar marks each method's mean."""
-    plt = _pyplot()
-    if plt is None or not panels:  # nothing to draw
-        return None
+    """panels: {metric: {method: [value per seed]}}; references: {metric: (label, value)} drawn
+    as a dashed line (e.g. the paper's single run). A short bar marks each method's mean."""
     methods = list(dict.fromkeys(m for per_method in panels.values() for m in per_method))
+    drawn = _panels(len(panels), max(4.0, 0.55 * len(methods) + 1.0), 3.4, ncols=2)
+    if drawn is None:
+        return None
+    plt, fig, axes = drawn
     colours = colours or method_colours(methods)
-    fig, axes = _grid_of_axes(plt, len(panels), max(4.0, 0.55 * len(methods) + 1.0), 3.4, ncols=2)
     jitter = np.random.default_rng(0)
     for ax, (metric, per_method) in zip(axes, panels.items()):
         for x, method in enumerate(methods):
@@ -123,11 +115,11 @@ def strip_plot(panels, path, references=None, colours=None):
 def val_loss_differences(differences, path, baseline="baseline", ylabel="val loss", colours=None):
     """differences: {method: (steps, [per-seed differences to the baseline at those steps])} ->
     small multiples, one per method: the mean difference and the band of -+ 2 standard errors."""
-    plt = _pyplot()
-    if plt is None or not differences:  # nothing to draw
+    drawn = _panels(len(differences), 3.2, 2.4, ncols=4)
+    if drawn is None:
         return None
+    plt, fig, axes = drawn
     colours = colours or method_colours(list(differences))
-    fig, axes = _grid_of_axes(plt, len(differences), 3.2, 2.4, ncols=4)
     for ax, (method, (steps, per_seed)) in zip(axes, differences.items()):
         d = np.asarray(per_seed, dtype=float)
         mean = d.mean(axis=0)
@@ -135,62 +127,55 @@ def val_loss_differences(differences, path, baseline="baseline", ylabel="val los
         ax.fill_between(steps, mean - 2 * se, mean + 2 * se, color=colours[method], alpha=0.25, lw=0)
         ax.plot(steps, mean, color=colours[method], lw=1.2)
         ax.axhline(0, color="k", lw=0.7)
-        ax.set_title(f"{method} ({len(d)} seeds)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
+        _titled(ax, f"{method} ({len(d)} seeds)")
     axes[0].set_ylabel(f"{ylabel}, method − {baseline}", fontsize=7)
     return _save(fig, plt, path)
 
 
 def seed_curves(curves, path, ylabel, colours=None):
-    """curves: {method: {seed: (steps, values)}} -> one panel per method, one line per seed, on a
-    shared y axis."""
-    plt = _pyplot()
-    if plt is None or not curves:  # nothing to draw
+    """curves: {method: {seed: (steps, values)}} -> one panel per method, one line per seed, on
+    a shared y axis (its top skips the first tenth of each curve)."""
+    drawn = _panels(len(curves), 3.6, 2.6)
+    if drawn is None:
         return None
+    plt, fig, axes = drawn
     colours = colours or method_colours(list(curves))
-    fig, axes = _grid_of_axes(plt, len(curves), 3.6, 2.6, ncols=3)
     low = min(min(v) for per_seed in curves.values() for _, v in per_seed.values())
-    # skip the start
     high = max(max(v[len(v) // 10:]) for per_seed in curves.values() for _, v in per_seed.values())
     for ax, (method, per_seed) in zip(axes, curves.items()):
-        for seed, (steps, values) in per_seed.items():
+        for steps, values in per_seed.values():
             ax.plot(steps, values, color=colours[method], lw=0.8, alpha=0.8)
         ax.set_ylim(low - 0.02 * (high - low), high)
-        ax.set_title(f"{method} ({len(per_seed)} seeds)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
+        _titled(ax, f"{method} ({len(per_seed)} seeds)")
     axes[0].set_ylabel(ylabel, fontsize=7)
     return _save(fig, plt, path)
 
 
 def marked_curves(panels, path, ylabel):
-    """panels: {title: {label: (steps, values, marked)}} -> one panel each, one line per run, the
-    marked runs in red and labelled, the rest grey."""
-    plt = _pyplot()
-    if plt is None or not panels:  # nothing to draw
+    """panels: {title: {label: (steps, values, marked)}} -> one panel each, one line per run,
+    the marked runs in red (on top) and labelled, the rest grey."""
+    drawn = _panels(len(panels), 4.0, 2.8)
+    if drawn is None:
         return None
-    fig, axes = _grid_of_axes(plt, len(panels), 4.0, 2.8, ncols=3)
+    plt, fig, axes = drawn
     for ax, (title, runs) in zip(axes, panels.items()):
-        # marked on top
         for label, (steps, values, marked) in sorted(runs.items(), key=lambda item: item[1][2]):
             ax.plot(steps, values, color="tab:red" if marked else "0.6", lw=1.0 if marked else 0.7,
                     label=label if marked else None, zorder=3 if marked else 2)
         if any(marked for *_, marked in runs.values()):
             ax.legend(fontsize=6)
-        ax.set_title(f"{title} ({len(runs)} runs)", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
+        _titled(ax, f"{title} ({len(runs)} runs)")
     axes[0].set_ylabel(ylabel, fontsize=7)
     return _save(fig, plt, path)
 
 
 def condensation_heatmaps(histograms, path):
-    """histograms: {method: (depths, bins) fractions of pairwise cosines in equal bins over [-1, 1]}."""
-    plt = _pyplot()
-    if plt is None or not histograms:  # nothing to draw
+    """histograms: {method: (depths, bins) fractions of pairwise cosines in equal bins over
+    [-1, 1]} -> per method, depth x cosine (the dispersion paper's picture of condensation)."""
+    drawn = _panels(len(histograms), 4.0, 3.0, ncols=4)
+    if drawn is None:
         return None
-    fig, axes = _grid_of_axes(plt, len(histograms), 4.0, 3.0, ncols=4)
+    plt, fig, axes = drawn
     for k, (ax, (method, hist)) in enumerate(zip(axes, histograms.items())):
         hist = np.asarray(hist)
         image = ax.imshow(hist, aspect="auto", origin="lower", extent=(-1, 1, -0.5, hist.shape[0] - 0.5),
@@ -210,20 +195,32 @@ def letter_order(itos, shift):
     return ids + [i + shift for i in ids], letters
 
 
-def embedding_similarity(embeddings, itos, path):
-    """embeddings: {method: (V, C) array with V = 2 * len(itos) (HR rows, then LR rows)}."""
+def _embedding_panels(embeddings):
+    """(plt, figure, [(axis, method, (V, C) float64 rows)]) one panel per method, or None."""
     plt = _pyplot()
     if plt is None:
         return None
-    order, letters = letter_order(itos, len(itos))
     fig, axes = plt.subplots(1, len(embeddings), figsize=(5 * len(embeddings), 4.6), squeeze=False,
                              layout="constrained")
-    for ax, (method, E) in zip(axes[0], embeddings.items()):
-        W = np.asarray(E, dtype=np.float64)[order]
+    return plt, fig, [(ax, method, np.asarray(E, dtype=np.float64))
+                      for ax, (method, E) in zip(axes[0], embeddings.items())]
+
+
+def embedding_similarity(embeddings, itos, path):
+    """embeddings: {method: (V, C) array with V = 2 * len(itos) (HR rows, then LR rows)} ->
+    the cosine of every pair of rows, letters sorted, HR block then LR (Stop Jostling Fig. 5):
+    twins show up as the off-diagonal stripes."""
+    drawn = _embedding_panels(embeddings)
+    if drawn is None:
+        return None
+    plt, fig, panels = drawn
+    order, letters = letter_order(itos, len(itos))
+    n = len(letters)
+    for ax, method, W in panels:
+        W = W[order]
         W = W / np.linalg.norm(W, axis=1, keepdims=True)
         image = ax.imshow(W @ W.T, cmap="RdBu_r", vmin=-1, vmax=1)
         ax.set_title(method, fontsize=9)
-        n = len(letters)
         ax.set_xticks([n / 2, 3 * n / 2], ["HR letters", "LR letters"])
         ax.set_yticks([n / 2, 3 * n / 2], ["HR", "LR"])
         ax.axhline(n - 0.5, color="k", lw=0.5)
@@ -233,16 +230,15 @@ def embedding_similarity(embeddings, itos, path):
 
 
 def embedding_pca(embeddings, itos, path):
-    """Every letter's HR and LR row on the first two principal components of all rows, joined."""
-    plt = _pyplot()
-    if plt is None:
+    """Every letter's HR and LR row on the first two principal components of all rows, joined
+    (Stop Jostling Fig. 6)."""
+    drawn = _embedding_panels(embeddings)
+    if drawn is None:
         return None
+    plt, fig, panels = drawn
     order, letters = letter_order(itos, len(itos))
     n = len(letters)
-    fig, axes = plt.subplots(1, len(embeddings), figsize=(5 * len(embeddings), 4.6), squeeze=False,
-                             layout="constrained")
-    for ax, (method, E) in zip(axes[0], embeddings.items()):
-        W = np.asarray(E, dtype=np.float64)
+    for ax, method, W in panels:
         centred = W - W.mean(axis=0)
         _, _, vt = np.linalg.svd(centred, full_matrices=False)
         xy = centred[order] @ vt[:2].T
@@ -255,5 +251,3 @@ def embedding_pca(embeddings, itos, path):
         ax.set_title(method, fontsize=9)
         ax.legend(fontsize=7)
     return _save(fig, plt, path)
-
-

@@ -10,26 +10,17 @@ Sections, in order (each one time-boxed; one that fails or runs out of time writ
 so far and its one-line error, and the next one runs):
 
     1 machine       bf16 matmul TFLOP/s (8192^3) against the datasheet dense peak
-    2 correctness   every loss of losses.py under bf16 autocast on the device against float64 on
-                    the CPU; the model's forward and backward likewise; each kind of block compiled
-                    with fullgraph=True (graphs compiled, recompiles counted); fused AdamW against
-                    the unfused one on the same gradients; the float16 path skipping an overflowing
-                    step; which attention kernel scaled_dot_product_attention runs
-    3 350M          config/baseline_350m.py on one device, batch_size='auto', compiled: ms per step,
-                    tokens/s, MFU (goal >= 0.45 of 989 TFLOP/s), peak memory against the plan's; the
-                    step with each of its speed-ups switched back in turn (gpu_measurements.STEP_CHANGES)
+    2 correctness   each loss and the model under bf16 autocast against float64 on the CPU; each
+                    kind of block compiled with fullgraph=True; fused AdamW; float16 skipping an
+                    overflowing step; the attention kernel SDPA runs
+    3 350M          config/baseline_350m.py, batch_size='auto', compiled: ms per step, MFU (goal
+                    >= 0.45 of 989 TFLOP/s), peak memory; each speed-up switched back in turn
     4 loss cost     each loss's step at 350M against the CE step of section 3's model
-    5 7B width      config/simreg_7b.py cut to 2 and 4 blocks (batch 8, T 2048, FSDP on one process,
-                    weights kept gathered, activation checkpointing, 4 micro-steps): peak memory and
-                    ms per micro-step against the plan, extrapolated to 32 blocks; the CUDA
-                    cross-entropy's transient against the plan's (which measures the CPU path)
-    6 MoE 8x1B      config/baseline_moe_8x1b.py cut to 2 blocks: ms per step, the router's loss, the
-                    share of slots dropped
-    7 checkpoint    DCP save and load at the 1.3B width (4 blocks): GB/s; the states read back equal
-                    to those written, bit for bit; three steps with a save and load after the first
-                    against three uninterrupted steps, beside two uninterrupted runs' difference
-    8 end to end    train.py config/c4_tiny.py for 200 steps, compiled, on data prepared beforehand,
-                    then sample.py from its best.pt
+    5 7B width      config/simreg_7b.py at 2 and 4 blocks (FSDP on one process): peak memory and
+                    time against the plan, extrapolated to 32 blocks; the CE's transient
+    6 MoE 8x1B      config/baseline_moe_8x1b.py at 2 blocks: step time, router loss, slots dropped
+    7 checkpoint    DCP save and load at the 1.3B width: GB/s, the states read back bit for bit
+    8 end to end    train.py config/c4_tiny.py for 200 steps on prepared data, then sample.py
 
 On a lent GPU machine (which reaches nothing outside): prepare the data and tiktoken's cache here
 first, in a folder .git/info/exclude ignores so that it travels only when carried,
@@ -65,32 +56,31 @@ from tools.gpu_steps import PLAN_MFU, REPO, Check, GiB, SectionSkipped
 # Sizes: the GPU's (the issue's) and --smoke's (the same code in seconds on 2 CPU cores).
 # `shrink` overrides every config's width so that the smoke run's models are tiny.
 SIZES = {
-    "gpu": {"matmul": 8192, "loss_shape": (4, 256, 256, 2048),
-            "small": {"n_embd": 256, "n_head": 4, "block_size": 256, "ffn_hidden": 512, "vocab_size": 2048},
-            "shrink": {}, "warmup": 3, "steps": 10, "loss_steps": 6, "wide_batch": 8, "wide_seq": 2048,
-            "wide_micro": 4, "moe_batch": 8, "ckpt_layers": 4, "e2e_iters": 200, "e2e_compile": True,
-            "e2e_args": [], "compile_backend": "inductor",
-            "budget": {1: 20, 2: 75, 3: 200, 4: 40, 5: 75, 6: 60, 7: 45, 8: 90}},
-    "smoke": {"matmul": 256, "loss_shape": (2, 16, 8, 32),
-              "small": {"n_embd": 32, "n_head": 2, "block_size": 16, "ffn_hidden": 64, "vocab_size": 64},
-              "shrink": {"n_embd": 32, "n_head": 2, "ffn_hidden": 64, "block_size": 32, "vocab_size": 128},
-              "warmup": 1, "steps": 2, "loss_steps": 1, "wide_batch": 2, "wide_seq": 32, "wide_micro": 2,
-              "moe_batch": 2, "ckpt_layers": 2, "e2e_iters": 4, "e2e_compile": False,
-              "e2e_args": ["--eval_iters=1", "--final_eval=False", "--batch_size=2", "--n_layer=1",
-                           "--n_embd=32", "--n_head=2", "--block_size=32", "--log_interval=1"],
-              "compile_backend": "aot_eager",
-              "budget": {n: 600 for n in range(1, 9)}},  # correctness, not speed, here
+    "gpu": dict(matmul=8192, loss_shape=(4, 256, 256, 2048),
+                small=dict(n_embd=256, n_head=4, block_size=256, ffn_hidden=512, vocab_size=2048),
+                shrink={}, warmup=3, steps=10, loss_steps=6, wide_batch=8, wide_seq=2048,
+                wide_micro=4, moe_batch=8, ckpt_layers=4, e2e_iters=200, e2e_compile=True,
+                e2e_args=[], compile_backend="inductor",
+                budget={1: 20, 2: 75, 3: 200, 4: 40, 5: 75, 6: 60, 7: 45, 8: 90}),
+    "smoke": dict(matmul=256, loss_shape=(2, 16, 8, 32),
+                  small=dict(n_embd=32, n_head=2, block_size=16, ffn_hidden=64, vocab_size=64),
+                  shrink=dict(n_embd=32, n_head=2, ffn_hidden=64, block_size=32, vocab_size=128),
+                  warmup=1, steps=2, loss_steps=1, wide_batch=2, wide_seq=32, wide_micro=2,
+                  moe_batch=2, ckpt_layers=2, e2e_iters=4, e2e_compile=False,
+                  e2e_args=["--eval_iters=1", "--final_eval=False", "--batch_size=2", "--n_layer=1",
+                            "--n_embd=32", "--n_head=2", "--block_size=32", "--log_interval=1"],
+                  compile_backend="aot_eager",
+                  budget={n: 600 for n in range(1, 9)}),  # correctness, not speed, here
 }
-
-
-class SectionTimeout(Exception):
-    pass
-
 
 SECTIONS = {1: ("Machine", machine), 2: ("Correctness on the device", correctness),
             3: ("Throughput at 350M", throughput_350m), 4: ("Each loss's cost at 350M", loss_costs),
             5: ("The 7B recipe's width at 2 and 4 blocks", wide_7b), 6: ("MoE 8x1B at 2 blocks", moe_8x1b),
             7: ("Checkpoint (DCP)", checkpoint_dcp), 8: ("End to end", end_to_end)}
+
+
+class SectionTimeout(Exception):
+    pass
 
 
 def run_section(check, number):
@@ -123,9 +113,9 @@ def run_section(check, number):
         check.line(f"\nskipped: {e}")
     except Exception as e:  # noqa: BLE001 -- the next section must run whatever this one hit
         ok = False
+        message = str(e).strip()
         where = traceback.extract_tb(e.__traceback__)[-1]
-        check.line(f"\n**FAILED**: {type(e).__name__}: "
-                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''} "
+        check.line(f"\n**FAILED**: {type(e).__name__}: {message.splitlines()[0] if message else ''} "
                    f"({os.path.basename(where.filename)}:{where.lineno})")
         if not isinstance(e, SectionTimeout):
             traceback.print_exc()
@@ -148,7 +138,7 @@ def header(check, argv):
     check.line(f"- device: {gpu}")
     check.line(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
     check.line(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    check.line(f"- command: `python -m tools.gpu_check {' '.join(argv)}`".rstrip() + "")
+    check.line(f"- command: `python -m tools.gpu_check {' '.join(argv)}`")
     check.line(f"- MFU is against {check.peak / 1e12:.0f} TFLOP/s (the H100/H200 bf16 dense datasheet peak); "
                f"the plan's times assume MFU {PLAN_MFU}"
                if check.cuda else "- MFU is against this CPU's measured bf16 matmul")
@@ -167,7 +157,6 @@ def main(argv=None):
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for the whole check, each section also time-boxed "
                              "(default 330; --smoke: 3600)")
-    parser.add_argument("--device", default="cuda", help="the device (--smoke: cpu)")
     args = parser.parse_args(argv)
     try:
         sections = [int(s) for s in args.sections.split(",")]
@@ -175,15 +164,16 @@ def main(argv=None):
     except (ValueError, AssertionError):
         parser.error(f"--sections must be numbers from 1 to {len(SECTIONS)} separated by commas, got "
                      f"{args.sections!r}")
-    device = "cpu" if args.smoke else args.device
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("no CUDA device here: use --smoke to run the check at tiny sizes on the CPU")
-    default_out = None if args.smoke else os.path.join(REPO, "results", "gpu.md")
-    out = args.out if args.out is not None else default_out
-    if device.startswith("cuda"):
+    device = "cpu" if args.smoke else "cuda"
+    if not args.smoke:
+        if not torch.cuda.is_available():
+            parser.error("no CUDA device here: use --smoke to run the check at tiny sizes on the CPU")
+        if args.out is None:
+            args.out = os.path.join(REPO, "results", "gpu.md")
         torch.set_float32_matmul_precision("high")  # as train.py does on CUDA
-    budget = args.budget if args.budget is not None else 3600 if args.smoke else 330
-    check = Check(device, SIZES["smoke" if args.smoke else "gpu"], out, args.data_dir, budget)
+    if args.budget is None:
+        args.budget = 3600 if args.smoke else 330
+    check = Check(device, SIZES["smoke" if args.smoke else "gpu"], args.out, args.data_dir, args.budget)
     header(check, argv)
     t0 = time.monotonic()
     failed = [n for n in sections if not run_section(check, n)]

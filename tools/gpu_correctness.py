@@ -1,8 +1,6 @@
 """
-The GPU check's section 2 (tools/gpu_check.py): every loss of losses.py and the model under bf16
-autocast on the device against float64 on the CPU, each kind of block compiled whole, fused AdamW
-against the unfused one, the float16 path skipping an overflowing step, and the attention kernel
-scaled_dot_product_attention runs.
+The GPU check's section 2 (tools/gpu_check.py): each loss, the model and each kind of compiled block
+on the device, fused AdamW, the float16 path and the attention kernel.
 """
 
 import math
@@ -14,21 +12,22 @@ import torch.nn.functional as F
 import losses
 from model import GPTConfig, build_model
 from optim import apply_gradients, configure_optimizers
-from tools.gpu_steps import build, dynamo_graphs, random_batches, timed, train_step
-
-
-# 2 -------------------------------------------------------------------------------------------
+from tools.gpu_steps import build, random_batches, timed, train_step
 
 LOSS_TOLERANCE = 2e-2  # relative, value and gradient, bf16 autocast on the device vs float64 on the CPU
 
-
-# the models checked forward and backward, then compiled: each kind of block, the MoE's static and
-# dropless routings (on a GPU the dropless one runs torch._grouped_mm, moe.py)
-MODELS = (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4}), ("llama", {"n_expert": 4, "moe_routing": "dropless"}))
+# each kind of block, the MoE's static and dropless routings (on a GPU the dropless one runs
+# torch._grouped_mm, moe.py)
+MODELS = (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4}),
+          ("llama", {"n_expert": 4, "moe_routing": "dropless"}))
 
 
 def model_name(arch, extra):
     return f"{arch}{' MoE' if extra else ''}{' dropless' if 'moe_routing' in extra else ''}"
+
+
+def verdict(ok):
+    return "ok" if ok else "**FAILED**"
 
 
 def relative_error(a, b):
@@ -80,9 +79,8 @@ def correctness(check):
         value.backward()
         errors = [relative_error(value, value64)] + [relative_error(device_inputs[k].grad, reference[k].grad)
                                                      for k in reference if reference[k].grad is not None]
-        worst = max(errors)
         rows.append((name, f"{value64.item():.6f}", f"{value.item():.6f}", f"{errors[0]:.1e}",
-                     f"{max(errors[1:]):.1e}", "ok" if worst <= LOSS_TOLERANCE else "**FAILED**"))
+                     f"{max(errors[1:]):.1e}", verdict(max(errors) <= LOSS_TOLERANCE)))
     check.line(f"Each loss on (B, T, C, V) = {(B, T, C, V)}: float32 inputs on {check.device} under bf16 "
                "autocast against the same inputs in float64 on the CPU; relative error (L2) of the value "
                f"and of the worst input gradient, tolerance {LOSS_TOLERANCE:g}. (T <= "
@@ -91,61 +89,25 @@ def correctness(check):
     check.table(["loss", "float64 (CPU)", f"bf16 autocast ({check.device})", "value error", "gradient error",
                  ""], rows)
 
-    # the model's forward and backward (LLaMA and GPT-2 blocks, and the MoE, static and dropless: on a GPU
-    # torch._grouped_mm, moe.py) against float64 on the CPU
+    # each of MODELS forward and backward against float64 on the CPU, then compiled whole
     rows = []
+    compiled = []
     for arch, extra in MODELS:
         config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2,
                   **extra, "tie_weights": arch == "gpt2", "compile": False}
-        cfg = GPTConfig.from_config(config, config["vocab_size"])
-        torch.manual_seed(0)
-        reference = build_model(cfg, "cpu").double()
-        model = build_model(cfg, "cpu").to(check.device)
-        model.load_state_dict({k: v.float() for k, v in reference.state_dict().items()})
-        x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
-        loss64 = losses.cross_entropy(reference(x), x)
-        loss64.backward()
-        with check.autocast:
-            loss = losses.cross_entropy(model(x.to(check.device)), x.to(check.device))
-        loss.backward()
-        grads = dict(model.named_parameters())
-        errors = {n: relative_error(grads[n].grad, p.grad) for n, p in reference.named_parameters()}
-        worst = max(errors, key=errors.get)
-        whole = relative_error(torch.cat([grads[n].grad.flatten().cpu() for n in errors]),
-                               torch.cat([p.grad.flatten() for p in reference.parameters()]))
-        rows.append((model_name(arch, extra), f"{loss64.item():.5f}", f"{loss.item():.5f}",
-                     f"{relative_error(loss, loss64):.1e}", f"{whole:.1e}",
-                     f"{errors[worst]:.1e} (`{worst}`)",
-                     "ok" if max(whole, relative_error(loss, loss64)) <= 5e-2 else "**FAILED**"))
+        rows.append((model_name(arch, extra), *against_float64(check, config)))
+        compiled.append((model_name(arch, extra), *compiled_steps(check, {**config, "compile": True})))
     check.line(f"\nThe model (2 blocks, width {check.sizes['small']['n_embd']}): CE forward and backward "
                "under bf16 autocast against float64 on the CPU, same weights; tolerance 5e-2 on the loss and "
                "on all the gradients together (a router's gradient alone can move more: bf16 may flip a "
                "near-tie top-2 choice).\n")
     check.table(["model", "loss float64", "loss bf16", "loss error", "gradient error",
                  "worst single parameter", ""], rows)
-
-    # each kind of block compiled whole: graphs compiled on the first steps, none on later ones
-    rows = []
-    for arch, extra in MODELS:
-        config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2,
-                  **extra, "tie_weights": arch == "gpt2", "compile": True}
-        torch._dynamo.reset()  # as a fresh train.py process: no earlier block's graphs to reuse
-        graphs0, breaks0 = dynamo_graphs()
-        model, objective, optimizers, scaler = build(check, config)
-        batches = random_batches(config, 2, 1, check.device)
-        step = lambda: train_step(model, objective, optimizers, scaler, batches, check.autocast)  # noqa: E731
-        first, _ = timed(check, step)
-        graphs1, breaks1 = dynamo_graphs()
-        later = statistics.median(timed(check, step)[0] for _ in range(3))
-        graphs2, breaks2 = dynamo_graphs()
-        ok = breaks2 == breaks0 and graphs2 == graphs1 and graphs1 > graphs0
-        rows.append((model_name(arch, extra), graphs1 - graphs0, breaks2 - breaks0,
-                     graphs2 - graphs1, f"{first:.1f}", f"{1000 * later:.1f}", "ok" if ok else "**FAILED**"))
-        model = objective = optimizers = None
     check.line(f"\nEach kind of block compiled with fullgraph=True ({check.sizes['compile_backend']}; "
                "parallelism.compile_blocks): graphs compiled in the first step, graph breaks, graphs "
                "compiled in 3 later steps (a recompile).\n")
-    check.table(["block", "graphs", "graph breaks", "recompiles", "first step s", "later step ms", ""], rows)
+    check.table(["block", "graphs", "graph breaks", "recompiles", "first step s", "later step ms", ""],
+                compiled)
 
     # fused AdamW (configure_optimizers') against the unfused one on the same gradients
     torch.manual_seed(0)
@@ -163,7 +125,7 @@ def correctness(check):
     moved = (results[False] - torch.cat([p.flatten() for p in params])).abs().max().item()
     check.line("\n- fused AdamW against unfused, 3 steps on the same gradients: max |difference| "
                f"{difference:.1e} (the steps moved the weights by up to {moved:.1e}): "
-               f"{'ok' if difference <= 1e-6 else '**FAILED**'}")
+               f"{verdict(difference <= 1e-6)}")
 
     # float16 with loss scaling: an overflowing step is skipped and the scale halves (optim.apply_gradients)
     config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "n_layer": 1, "compile": False}
@@ -179,24 +141,69 @@ def correctness(check):
     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     check.line(f"- float16 + loss scaling, an overflowing step: stepped {stepped}, weights unchanged "
                f"{unchanged}, scale {2.0 ** 16:g} -> {scaler.get_scale():g}: "
-               f"{'ok' if not stepped and unchanged and scaler.get_scale() < 2.0 ** 16 else '**FAILED**'}")
+               f"{verdict(not stepped and unchanged and scaler.get_scale() < 2.0 ** 16)}")
 
-    # which kernel scaled_dot_product_attention runs at the 350M shape (LLaMA blocks, causal, bf16)
     check.line(f"- scaled_dot_product_attention, causal, bf16: {attention_kernels(check)}")
 
 
 def attention_kernels(check):
     """The kernels that one causal attention forward + backward runs (profiler), at the 350M shape."""
-    from torch.profiler import ProfilerActivity, profile
     heads, T = (16, 2048) if check.cuda else (2, 32)
     q, k, v = (torch.randn(1, heads, T, 64, device=check.device, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    activities = [ProfilerActivity.CUDA] if check.cuda else [ProfilerActivity.CPU]
     F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-    with profile(activities=activities) as prof:
+    with check.profile() as prof:
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
         check.synchronize()
     words = ("flash", "fmha", "attention", "cudnn", "efficient", "attn")
     names = [e.key for e in prof.key_averages() if any(w in e.key.lower() for w in words)]
     return ", ".join(f"`{n[:90]}`" for n in names[:4]) or "no attention kernel found in the profile"
 
+
+
+def against_float64(check, config):
+    """The model's CE under bf16 autocast on the device against float64 on the CPU: a report row."""
+    cfg = GPTConfig.from_config(config, config["vocab_size"])
+    torch.manual_seed(0)
+    reference = build_model(cfg, "cpu").double()
+    model = build_model(cfg, "cpu").to(check.device)
+    model.load_state_dict({k: v.float() for k, v in reference.state_dict().items()})
+    x = torch.randint(0, cfg.vocab_size, (2, cfg.block_size))
+    loss64 = losses.cross_entropy(reference(x), x)
+    loss64.backward()
+    with check.autocast:
+        loss = losses.cross_entropy(model(x.to(check.device)), x.to(check.device))
+    loss.backward()
+    grads = dict(model.named_parameters())
+    errors = {n: relative_error(grads[n].grad, p.grad) for n, p in reference.named_parameters()}
+    worst = max(errors, key=errors.get)
+    whole = relative_error(torch.cat([grads[n].grad.flatten().cpu() for n in errors]),
+                           torch.cat([p.grad.flatten() for p in reference.parameters()]))
+    loss_error = relative_error(loss, loss64)
+    return (f"{loss64.item():.5f}", f"{loss.item():.5f}", f"{loss_error:.1e}", f"{whole:.1e}",
+            f"{errors[worst]:.1e} (`{worst}`)", verdict(max(whole, loss_error) <= 5e-2))
+
+
+def dynamo_graphs():
+    """(graphs compiled, graph breaks) so far in this process (torch._dynamo's counters)."""
+    from torch._dynamo.utils import counters
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
+def compiled_steps(check, config):
+    """The model compiled as a fresh train.py process would (no earlier graphs to reuse): a report
+    row of its first step's graphs and graph breaks, 3 later steps' recompiles, their times."""
+    torch._dynamo.reset()
+    graphs0, breaks0 = dynamo_graphs()
+    model, objective, optimizers, scaler = build(check, config)
+    batches = random_batches(config, 2, 1, check.device)
+
+    def step():
+        return train_step(model, objective, optimizers, scaler, batches, check.autocast)
+    first = timed(check, step)[0]
+    graphs1, _ = dynamo_graphs()
+    later = statistics.median(timed(check, step)[0] for _ in range(3))
+    graphs2, breaks2 = dynamo_graphs()
+    ok = breaks2 == breaks0 and graphs2 == graphs1 and graphs1 > graphs0
+    return (graphs1 - graphs0, breaks2 - breaks0, graphs2 - graphs1, f"{first:.1f}", f"{1000 * later:.1f}",
+            verdict(ok))

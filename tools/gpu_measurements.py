@@ -1,16 +1,16 @@
 """
-The GPU check's measurements (tools/gpu_check.py): section 1, the machine's bf16 matmul; 3, the
-350M step's throughput and where its device time goes; 4, each loss's cost on it; 5, the 7B
-width at 2 and 4 blocks; 6, the MoE 8x1B at 2 blocks; 7, DCP checkpoints; 8, train.py and
-sample.py end to end. Each figure is printed beside what plan.py predicts for it.
+The GPU check's (tools/gpu_check.py) sections 1 and 3-8, its measurements: each figure printed
+beside what plan.py predicts for it.
 """
 
+import json
 import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+from types import SimpleNamespace
 
 import torch
 
@@ -21,12 +21,10 @@ import plan
 from model import GPT
 from objective import Objective
 from optim import configure_optimizers
-from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, plan_gib, random_batches, step_times,
-                             timed, train_step)
+from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, random_batches, step_times, timed,
+                             train_step)
 from utils import measure_matmul_flops
 
-
-# 1 -------------------------------------------------------------------------------------------
 
 def machine(check):
     n = check.sizes["matmul"]
@@ -35,16 +33,30 @@ def machine(check):
                 [(f"{n}^3", f"{flops / 1e12:.0f}", f"{check.peak / 1e12:.0f}", f"{flops / check.peak:.2f}")])
 
 
-# 3, 4 ----------------------------------------------------------------------------------------
+def plan_gib(config):
+    """The plan's memory for one process on a GPU (train.py's memory check), GiB."""
+    return memory.process_gib({**config, "device": "cuda"}, 1, config["vocab_size"])[0]
 
-def model_350m(check):
-    """Section 3's config: baseline_350m.py on this one device, batch_size='auto' as train.py resolves it."""
-    config = check.config("config/baseline_350m.py", parallel="none", compile=True, dtype=check.dtype)
-    if check.cuda:
-        config["batch_size"] = memory.device_batch_size(config, 1, config["vocab_size"], check.device)
-    else:
-        config["global_batch_size"], config["batch_size"] = 2, 2
-    return config
+
+def time_step(check, config, batch, micro_steps, warmup, steps, fsdp=False):
+    """config's step built afresh (FSDP: weights kept gathered), timed on random micro-batches of
+    `batch` sequences: model, scaler, batches, step, first and s (step_times), each step's terms,
+    peak GiB allocated and reserved, and a micro-step's flops as train.py counts them."""
+    check.reset_memory()
+    model, objective, optimizers, scaler = build(check, config, fsdp)
+    batches = random_batches(config, batch, micro_steps, check.device)
+    terms = []
+
+    def step():
+        _, last = train_step(model, objective, optimizers, scaler, batches, check.autocast,
+                             keep_gathered=fsdp)
+        terms.append({k: v.detach() for k, v in last.items()})
+    first, s = step_times(check, step, warmup, steps)
+    allocated, reserved = check.peak_gib()
+    tokens = batch * config["block_size"]
+    flops = plan.training_flops_per_token(model, objective, tokens) * tokens
+    return SimpleNamespace(model=model, scaler=scaler, batches=batches, step=step, first=first, s=s,
+                           terms=terms, allocated=allocated, reserved=reserved, flops=flops)
 
 
 # Issue 62's changes to the 350M step, each switched back in turn to measure its gain on the same
@@ -58,71 +70,61 @@ STEP_CHANGES = (
     ("+ LM head and cross-entropy in chunks (ce_chunk_size)", {}, False, 1),
     ("+ residual stream in bf16: the config as it is", {}, True, 1))
 
-
-def measure_step(check, config, residual_in_compute_dtype):
-    """(ms per step, first step's s, first step's CE, max allocated GiB, model, objective, optimizers,
-    scaler, batches) of one optimizer step of config, built and compiled afresh."""
-    torch._dynamo.reset()
-    check.reset_memory()
-    GPT.residual_in_compute_dtype = residual_in_compute_dtype
-    ce = []
-    try:
-        model, objective, optimizers, scaler = build(check, config)
-        batches = random_batches(config, config["batch_size"], 1, check.device)
-
-        def step():
-            stepped, terms = train_step(model, objective, optimizers, scaler, batches, check.autocast)
-            ce.append(terms["ce"].detach())
-            return stepped, terms
-        first, ms = step_times(check, step, check.sizes["warmup"], check.sizes["steps"])
-    finally:
-        GPT.residual_in_compute_dtype = True
-    return ms, first, ce[0].item(), check.peak_gib()[0], (model, objective, optimizers, scaler, batches, step)
+LOSS_TOLERANCE = 2e-2  # bf16 autocast: the layouts and precisions round differently, the function is one
 
 
 def throughput_350m(check):
-    config = model_350m(check)
+    """baseline_350m.py on this one device, batch_size='auto' as train.py resolves it; each row of
+    STEP_CHANGES built and compiled afresh."""
+    config = check.config("config/baseline_350m.py", parallel="none", compile=True, dtype=check.dtype)
+    if check.cuda:
+        config["batch_size"] = memory.device_batch_size(config, 1, config["vocab_size"], check.device)
+    else:
+        config["global_batch_size"], config["batch_size"] = 2, 2
     B, T = config["batch_size"], config["block_size"]
-    rows, losses_seen, built = [], [], None
+    rows = []
+    losses_seen = []
     for name, keys, residual, divisor in STEP_CHANGES:
-        run = {**config, **keys, "batch_size": max(1, B // divisor)}
-        b = run["batch_size"]
-        built = None  # the previous row's model and states go before the next is built
-        ms, first, loss, allocated, built = measure_step(check, run, residual)
-        flops = plan.training_flops_per_token(built[0], built[1], b * T) * b * T
+        b = max(1, B // divisor)
+        run = None  # the previous row's model and states go before the next is built
+        torch._dynamo.reset()
+        GPT.residual_in_compute_dtype = residual
+        try:
+            run = time_step(check, {**config, **keys, "batch_size": b}, b, 1, check.sizes["warmup"],
+                            check.sizes["steps"])
+        finally:
+            GPT.residual_in_compute_dtype = True
+        loss = run.terms[0]["ce"].item()  # the first step's: the same weights on the same batch
         if divisor == 1:
             losses_seen.append(loss)
-        rows.append((name, f"{b} x {T}", f"{1000 * ms:.1f}", f"{b * T / ms:,.0f}",
-                     f"{flops / ms / check.peak:.3f}", f"{loss:.4f}", f"{allocated:.1f}"))
-    model, objective, optimizers, scaler, batches, step = built
-    mfu = flops / ms / check.peak
+        rows.append((name, f"{b} x {T}", f"{1000 * run.s:.1f}", f"{b * T / run.s:,.0f}",
+                     f"{run.flops / run.s / check.peak:.3f}", f"{loss:.4f}", f"{run.allocated:.1f}"))
+    ms = run.s  # the config as it is: the last row
+    mfu = run.flops / ms / check.peak
     planned = plan_gib(config)
-    kernels = top_kernels(check, step)
-    check.shared["350m"] = (config, model, objective, optimizers, scaler, batches, ms)
+    kernels = top_kernels(check, run.step)
+    check.shared["350m"] = (config, run.model, run.scaler, run.batches, ms)
     check.line(f"baseline_350m.py, one {check.device}, batch_size='auto' -> {B} x {T} tokens per step, bf16 "
                f"autocast, blocks compiled; {check.sizes['steps']} timed steps after "
                f"{check.sizes['warmup']}.\n")
     check.table(["figure", "measured", "plan"], [
         ("ms per step", f"{1000 * ms:.1f}",
-         f"{1000 * flops / (PLAN_MFU * check.peak):.1f} (at MFU {PLAN_MFU})"),
+         f"{1000 * run.flops / (PLAN_MFU * check.peak):.1f} (at MFU {PLAN_MFU})"),
         ("tokens/s", f"{B * T / ms:,.0f}", ""),
         (f"MFU of {check.peak / 1e12:.0f} TFLOP/s (goal >= {MFU_GOAL})", f"**{mfu:.3f}**"
          + ("" if mfu >= MFU_GOAL else " (below the goal)"), f"{PLAN_MFU}"),
-        ("first step (compilation included), s", f"{first:.1f}", ""),
-        ("max_memory_allocated, GiB", f"{allocated:.1f}", f"{planned:.1f} (activations in bf16)"),
+        ("first step (compilation included), s", f"{run.first:.1f}", ""),
+        ("max_memory_allocated, GiB", f"{run.allocated:.1f}", f"{planned:.1f} (activations in bf16)"),
         ("max_memory_reserved, GiB", f"{check.peak_gib()[1]:.1f}", "")])
     spread = max(losses_seen) - min(losses_seen)
     check.line(f"\nEach change's gain: the step built and compiled afresh with the changes above it, on the "
                f"same batch of random tokens; the first step's CE is the same weights on the same batch "
                f"(rows at {B} x {T}: spread {spread:.2e}, tolerance {LOSS_TOLERANCE}"
                + ("" if spread <= LOSS_TOLERANCE else ", **FAILED**") + ").\n")
-    check.table(["step", "batch", "ms per step", "tokens/s", "MFU", "first step's CE", "max allocated GiB"],
-                rows)
+    check.table(["step", "batch", "ms per step", "tokens/s", "MFU", "first step's CE",
+                 "max allocated GiB"], rows)
     check.line(f"\nWhere the step's device time goes (torch.profiler over 2 steps of {B} x {T}):\n")
     check.table(["kernel", "share of device time", "calls"], kernels)
-
-
-LOSS_TOLERANCE = 2e-2  # bf16 autocast: the layouts and precisions round differently, the function is one
 
 
 # each kernel counts in the first kind whose words its name holds (cuDNN's attention is "wgmma")
@@ -136,9 +138,9 @@ KERNEL_KINDS = (
 
 
 def top_kernels(check, step, top=8):
-    """[(kernel, share of the device time, calls)] of two steps: the top kernels, then each kind's total."""
-    from torch.profiler import ProfilerActivity, profile
-    with profile(activities=[ProfilerActivity.CUDA] if check.cuda else [ProfilerActivity.CPU]) as prof:
+    """[(kernel, share of the device time, calls)] of two steps: the top kernels, then each kind's
+    total."""
+    with check.profile() as prof:
         for _ in range(2):
             step()
         check.synchronize()
@@ -152,11 +154,12 @@ def top_kernels(check, step, top=8):
     total = sum(own_time(e) for e in events) or 1
     events.sort(key=own_time, reverse=True)
     rows = [(f"`{e.key[:80]}`", f"{own_time(e) / total:.3f}", e.count) for e in events[:top]]
-    kind_of = {e.key: next((kind for kind, words in KERNEL_KINDS if any(w in e.key.lower() for w in words)),
-                           "other")
-               for e in events}
+
+    def kind_of(e):
+        return next((kind for kind, words in KERNEL_KINDS if any(w in e.key.lower() for w in words)),
+                    "other")
     for kind in [k for k, _ in KERNEL_KINDS] + ["other"]:
-        share = sum(own_time(e) for e in events if kind_of[e.key] == kind) / total
+        share = sum(own_time(e) for e in events if kind_of(e) == kind) / total
         rows.append((f"all {kind}", f"{share:.3f}", ""))
     return rows
 
@@ -175,9 +178,9 @@ LOSS_COSTS = {  # name -> config keys on top of the CE baseline (the papers' wei
 def loss_costs(check):
     if "350m" not in check.shared:
         raise RuntimeError("needs section 3's model (run sections 3 and 4 together)")
-    config, model, _, optimizers, scaler, batches, base = check.shared.pop("350m")
-    del optimizers
+    config, model, scaler, batches, base = check.shared.pop("350m")
     B, T = config["batch_size"], config["block_size"]
+    base_flops = plan.training_flops_per_token(model, Objective.from_config(config), B * T)
     rows = [("CE", f"{1000 * base:.1f}", "1.000", "1.000", "")]
     for name, keys in LOSS_COSTS.items():
         keys = {k: (min(v, T // 2) if k in ("simreg_chunk_size", "dispersion_positions") else v)
@@ -185,17 +188,16 @@ def loss_costs(check):
         objective = Objective.from_config({**config, **keys}).to(check.device)
         objective.init_weights()
         optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
-        flops = plan.training_flops_per_token(model, objective, B * T)
-        base_flops = plan.training_flops_per_token(model, Objective.from_config(config), B * T)
+        ratio = f"{plan.training_flops_per_token(model, objective, B * T) / base_flops:.3f}"
         check.reset_memory()
+
+        def step():
+            return train_step(model, objective, optimizers, scaler, batches, check.autocast)
         try:
-            def step():
-                return train_step(model, objective, optimizers, scaler, batches, check.autocast)
             _, ms = step_times(check, step, 2, check.sizes["loss_steps"])
-            rows.append((name, f"{1000 * ms:.1f}", f"{ms / base:.3f}", f"{flops / base_flops:.3f}",
-                         f"{check.peak_gib()[0]:.1f}"))
+            rows.append((name, f"{1000 * ms:.1f}", f"{ms / base:.3f}", ratio, f"{check.peak_gib()[0]:.1f}"))
         except torch.OutOfMemoryError:
-            rows.append((name, "out of memory", "", f"{flops / base_flops:.3f}", ""))
+            rows.append((name, "out of memory", "", ratio, ""))
         objective = optimizers = None
     check.line(f"Each loss's training step on section 3's model and batch ({B} x {T}), against the CE step; "
                "the plan's FLOP ratio counts the matmul FLOPs train.py counts for MFU (not the losses' "
@@ -204,30 +206,23 @@ def loss_costs(check):
     check.table(["objective", "ms per step", "ratio to CE", "plan's FLOP ratio", "max allocated GiB"], rows)
 
 
-# 5 -------------------------------------------------------------------------------------------
-
 def wide_7b(check):
-    B, T, micro = check.sizes["wide_batch"], check.sizes["wide_seq"], check.sizes["wide_micro"]
+    B = check.sizes["wide_batch"]
+    T = check.sizes["wide_seq"]
+    micro = check.sizes["wide_micro"]
     measured = {}
     for layers in (2, 4):
         config = check.config("config/simreg_7b.py", n_layer=layers, batch_size=B, block_size=T,
                               global_batch_size=B * micro, compile=True, dtype=check.dtype)
-        check.reset_memory()
-        model, objective, optimizers, scaler = build(check, config, fsdp=True)
-        batches = random_batches(config, B, micro, check.device)
-        step = lambda: train_step(model, objective, optimizers, scaler, batches, check.autocast,  # noqa: E731
-                                  keep_gathered=True)
-        first, s = step_times(check, step, 1, 2)
-        allocated, reserved = check.peak_gib()
-        flops = plan.training_flops_per_token(model, objective, B * T) * B * T
-        measured[layers] = {"allocated": allocated, "reserved": reserved, "micro_s": s / micro,
-                            "first": first, "plan": plan_gib(config), "flops": flops}
-        model = objective = optimizers = step = None  # freed before the next depth is built
+        run = time_step(check, config, B, micro, 1, 2, fsdp=True)
+        measured[layers] = {"allocated": run.allocated, "reserved": run.reserved,
+                            "micro_s": run.s / micro, "first": run.first, "plan": plan_gib(config),
+                            "flops": run.flops}
+        run = None  # freed before the next depth is built
     two, four = measured[2], measured[4]
     per_block = {k: (four[k] - two[k]) / 2 for k in ("allocated", "plan", "micro_s", "flops")}
     at_32 = {k: two[k] + 30 * per_block[k] for k in per_block}
     p7b = plan.make_plan(check.config("config/simreg_7b.py"), processes=64, gpu="H100")
-    mode = "checkpointed"
     check.line(f"simreg_7b.py's width (4096, 32 heads, SwiGLU 11008, V 50304) at 2 and 4 blocks: batch {B} x "
                f"{T}, {micro} micro-steps, bf16, blocks compiled, activation checkpointing, SimReg, FSDP on "
                "one process with the weights kept gathered. Plan: train.py's memory check for the same "
@@ -246,11 +241,12 @@ def wide_7b(check):
                  "first step s"], rows)
     # the measured time per sequence, for the sequences one GPU takes per step in the plan
     step_s = at_32["micro_s"] / B * p7b["micro_steps"] * p7b["micro_batch"]
-    check.line(f"\nThe plan's 7B on 64 H100s: {p7b['memory']['fsdp'][mode]:.1f} GiB per GPU (states sharded "
-               f"64 ways; the extrapolation above holds them whole), compute {p7b['compute_seconds']:.2f} s "
-               f"per step at MFU {PLAN_MFU}; at the measured time per sequence its {p7b['micro_steps']} "
-               f"micro-step(s) of {p7b['micro_batch']} sequences take {step_s:.2f} s (MFU "
-               f"{p7b['flops_per_step'] / 64 / step_s / check.peak:.3f} without communication).")
+    check.line(f"\nThe plan's 7B on 64 H100s: {p7b['memory']['fsdp']['checkpointed']:.1f} GiB per GPU "
+               f"(states sharded 64 ways; the extrapolation above holds them whole), compute "
+               f"{p7b['compute_seconds']:.2f} s per step at MFU {PLAN_MFU}; at the measured time per "
+               f"sequence its {p7b['micro_steps']} micro-step(s) of {p7b['micro_batch']} sequences take "
+               f"{step_s:.2f} s (MFU {p7b['flops_per_step'] / 64 / step_s / check.peak:.3f} without "
+               "communication).")
     cross_entropy_transient(check)
 
 
@@ -285,29 +281,19 @@ def cross_entropy_transient(check):
                    f"{planned:.2f} GiB (on meta): {device_gib - planned:+.2f} GiB unplanned")
 
 
-# 6 -------------------------------------------------------------------------------------------
-
 def moe_figures(check, B, routing):
     """One routing of baseline_moe_8x1b.py at 2 blocks: its step time, MFU, router loss and memory."""
     torch._dynamo.reset()
     config = check.config("config/baseline_moe_8x1b.py", n_layer=2, batch_size=B, global_batch_size=B,
-                          parallel="none", compile=True, dtype=check.dtype, moe_routing=routing, capacity_factor=0.0)
-    check.reset_memory()
-    model, objective, optimizers, scaler = build(check, config)
-    batches = random_batches(config, B, 1, check.device)
-    terms = {}
-
-    def step():
-        terms.update(train_step(model, objective, optimizers, scaler, batches, check.autocast)[1])
-    first, s = step_times(check, step, 2, check.sizes["steps"] // 2 or 1)
-    tokens = B * config["block_size"]
-    flops = plan.training_flops_per_token(model, objective, tokens) * tokens
-    aux = float(terms["moe_aux"].detach())
+                          parallel="none", compile=True, dtype=check.dtype, moe_routing=routing,
+                          capacity_factor=0.0)
+    run = time_step(check, config, B, 1, 2, check.sizes["steps"] // 2 or 1)
+    aux = float(run.terms[-1]["moe_aux"])
     if not math.isfinite(aux):
         raise RuntimeError(f"the router's loss is not finite ({routing})")
-    return dict(ms=1000 * s, plan_ms=1000 * flops / (PLAN_MFU * check.peak), mfu=flops / s / check.peak, aux=aux,
-                dropped=float(model.dropped_fraction), gib=check.peak_gib()[0], plan_gib=plan_gib(config),
-                first=first, T=config["block_size"])
+    return dict(ms=1000 * run.s, plan_ms=1000 * run.flops / (PLAN_MFU * check.peak),
+                mfu=run.flops / run.s / check.peak, aux=aux, dropped=float(run.model.dropped_fraction),
+                gib=run.allocated, plan_gib=plan_gib(config), first=run.first, T=config["block_size"])
 
 
 def moe_8x1b(check):
@@ -325,19 +311,19 @@ def moe_8x1b(check):
         ("ms per step", f"{d['ms']:.1f}", f"{d['plan_ms']:.1f} (MFU {PLAN_MFU})", f"{c['ms']:.1f}",
          f"{c['plan_ms']:.1f} (MFU {PLAN_MFU})"),
         ("MFU (the work each path does)", f"{d['mfu']:.3f}", "", f"{c['mfu']:.3f}", ""),
-        ("router load-balancing loss (1 = balanced, 8 = one expert)", f"{d['aux']:.4f}", "", f"{c['aux']:.4f}", ""),
+        ("router load-balancing loss (1 = balanced, 8 = one expert)", f"{d['aux']:.4f}", "",
+         f"{c['aux']:.4f}", ""),
         ("share of routed slots dropped", f"{d['dropped']:.4f}", "0", f"{c['dropped']:.4f}", "0"),
-        ("max allocated GiB", f"{d['gib']:.1f}", f"{d['plan_gib']:.1f}", f"{c['gib']:.1f}", f"{c['plan_gib']:.1f}"),
+        ("max allocated GiB", f"{d['gib']:.1f}", f"{d['plan_gib']:.1f}", f"{c['gib']:.1f}",
+         f"{c['plan_gib']:.1f}"),
         ("first step (compilation included), s", f"{d['first']:.1f}", "", f"{c['first']:.1f}", "")])
     check.line(f"\ndropless / capacity N, ms per step: {d['ms'] / c['ms']:.2f} "
                f"(the plan: {d['plan_ms'] / c['plan_ms']:.2f})")
 
 
-# 7 -------------------------------------------------------------------------------------------
-
 def full_state(modules, optimizers):
-    """Every tensor and number of the model's and optimizers' states, by DCP's own keys, gathered whole
-    and copied (so that it survives the run that produced it)."""
+    """Every tensor and number of the model's and optimizers' states, by DCP's own keys, gathered
+    whole and copied (so that it survives the run that produced it)."""
     from torch.distributed.checkpoint.state_dict import get_state_dict
     from torch.distributed.tensor import DTensor
     flat = {}
@@ -360,20 +346,19 @@ def full_state(modules, optimizers):
 
 
 def largest_difference(a, b):
-    """max |a - b| over the tensors of two flat states ({key: tensor or number}, as full_state gives);
-    inf where their keys or their numbers differ."""
+    """max |a - b| over the tensors of two flat states ({key: tensor or number}, as full_state
+    gives); inf where their keys or their numbers differ."""
     if a.keys() != b.keys() or any(a[k] != b[k] for k in a if not isinstance(a[k], torch.Tensor)):
         return math.inf
-    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a if isinstance(a[k], torch.Tensor)),
-               default=0.0)
+    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a
+                if isinstance(a[k], torch.Tensor)), default=0.0)
 
 
 def checkpoint_dcp(check):
-    """Save and load through DCP. The checkpoint's own property is exact and is the section's test: the
-    states read back equal the states written, bit for bit. Three steps with a save and load after the
-    first are then compared with three uninterrupted ones, beside how far two uninterrupted runs differ:
-    on a device whose kernels are not deterministic even two identical runs can differ (one H200 gave
-    1.3e-4 or 0 from call to call, for either pair), so that comparison is reported, not judged."""
+    """Save and load through DCP. The section's test is the checkpoint's own exact property: the
+    states read back equal the states written, bit for bit. Three steps with a save and load after
+    the first against three uninterrupted ones is reported beside two uninterrupted runs'
+    difference, not judged: on a device whose kernels are not deterministic even those differ."""
     layers = check.sizes["ckpt_layers"]
     config = check.config("config/baseline_1b3.py", n_layer=layers, batch_size=2, global_batch_size=2,
                           compile=False)
@@ -382,30 +367,32 @@ def checkpoint_dcp(check):
 
     def fresh():
         model, objective, optimizers, scaler = build(check, config, fsdp=True)
-        return model, torch.nn.ModuleDict({"model": model, "objective": objective}), optimizers, scaler
+        return torch.nn.ModuleDict({"model": model, "objective": objective}), optimizers, scaler
 
-    def uninterrupted_run():
-        model, modules, optimizers, scaler = fresh()
-        for b in batches:
-            train_step(model, modules["objective"], optimizers, scaler, b, check.autocast)
-        return {k: v.full_tensor().detach().clone() for k, v in model.state_dict().items()}
-    uninterrupted, again = uninterrupted_run(), uninterrupted_run()
+    def train(modules, optimizers, scaler, steps):
+        for b in steps:
+            train_step(modules["model"], modules["objective"], optimizers, scaler, b, check.autocast)
+        return modules
 
-    model, modules, optimizers, scaler = fresh()
-    train_step(model, modules["objective"], optimizers, scaler, batches[0], check.autocast)
+    def weights(modules):
+        return {k: v.full_tensor().detach().clone() for k, v in modules["model"].state_dict().items()}
+    uninterrupted = weights(train(*fresh(), batches))
+    again = weights(train(*fresh(), batches))
+
+    modules, optimizers, scaler = fresh()
+    train(modules, optimizers, scaler, batches[:1])
     written = full_state(modules, optimizers)
     with tempfile.TemporaryDirectory() as directory:
-        save_s, _ = timed(check, lambda: checkpoint.save_sharded(directory, modules, optimizers))
+        save_s = timed(check, lambda: checkpoint.save_sharded(directory, modules, optimizers))[0]
         size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-        del model, modules, optimizers
-        model, modules, optimizers, scaler = fresh()
-        load_s, _ = timed(check, lambda: checkpoint.load_sharded(directory, modules, optimizers))
+        del modules, optimizers
+        modules, optimizers, scaler = fresh()
+        load_s = timed(check, lambda: checkpoint.load_sharded(directory, modules, optimizers))[0]
     read_back = largest_difference(written, full_state(modules, optimizers))
     del written
-    for b in batches[1:]:
-        train_step(model, modules["objective"], optimizers, scaler, b, check.autocast)
-    resumed = {k: v.full_tensor().detach() for k, v in model.state_dict().items()}
-    noise, difference = largest_difference(again, uninterrupted), largest_difference(resumed, uninterrupted)
+    resumed = weights(train(modules, optimizers, scaler, batches[1:]))
+    noise = largest_difference(again, uninterrupted)
+    difference = largest_difference(resumed, uninterrupted)
 
     def exactly(d):
         return f"{d:.1e}" + (" (bit-identical)" if d == 0 else "")
@@ -417,15 +404,21 @@ def checkpoint_dcp(check):
         ("load, GB/s", f"{size / 1e9 / load_s:.2f}"),
         ("states read back vs written (weights, AdamW moments, step counts): max |difference|",
          exactly(read_back)),
-        ("3 steps with a save and load after the first vs 3 uninterrupted: max |difference| of the weights",
-         exactly(difference)),
-        ("two uninterrupted runs of 3 steps: max |difference| of the weights (the device's run-to-run noise)",
-         exactly(noise))])
+        ("3 steps with a save and load after the first vs 3 uninterrupted: max |difference| of the "
+         "weights", exactly(difference)),
+        ("two uninterrupted runs of 3 steps: max |difference| of the weights (the device's run-to-run "
+         "noise)", exactly(noise))])
     if read_back != 0:
         raise RuntimeError(f"the states read back differ from those written by {read_back:.1e}")
 
 
-# 8 -------------------------------------------------------------------------------------------
+def script(name, *args):
+    """The stdout of a repository script run in a fresh process; one line if it fails."""
+    result = subprocess.run([sys.executable, name, *args], cwd=REPO, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{name} exited {result.returncode}: {result.stderr.strip().splitlines()[-1:]}")
+    return result.stdout
+
 
 def end_to_end(check):
     if not check.data_dir:
@@ -433,27 +426,17 @@ def end_to_end(check):
                            "says how)")
     iters = check.sizes["e2e_iters"]
     with tempfile.TemporaryDirectory() as out_dir:
-        command = [sys.executable, "train.py", "config/c4_tiny.py", f"--data_dir={check.data_dir}",
-                   f"--out_dir={out_dir}", f"--max_iters={iters}", f"--lr_decay_iters={iters}",
-                   f"--eval_interval={max(iters // 2, 1)}", f"--warmup_iters={min(100, iters // 2)}",
-                   f"--compile={check.sizes['e2e_compile']}", f"--device={check.device}",
-                   *check.sizes["e2e_args"]]
-        seconds, result = timed(check, lambda: subprocess.run(command, cwd=REPO, capture_output=True,
-                                                              text=True))
-        if result.returncode != 0:
-            raise RuntimeError(f"train.py exited {result.returncode}: "
-                               f"{result.stderr.strip().splitlines()[-1:]}")
-        import json
+        seconds = timed(check, lambda: script(
+            "train.py", "config/c4_tiny.py", f"--data_dir={check.data_dir}", f"--out_dir={out_dir}",
+            f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--eval_interval={max(iters // 2, 1)}",
+            f"--warmup_iters={min(100, iters // 2)}", f"--compile={check.sizes['e2e_compile']}",
+            f"--device={check.device}", *check.sizes["e2e_args"]))[0]
         log = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
         evals = [r for r in log if "val" in r]
         steps = [r for r in log if "ms_per_iter" in r]
-        sample = subprocess.run([sys.executable, "sample.py", os.path.join(out_dir, "best.pt"),
-                                 "--max_new_tokens=40", "--num_samples=1", f"--device={check.device}"],
-                                cwd=REPO, capture_output=True, text=True)
-        if sample.returncode != 0:
-            raise RuntimeError(f"sample.py exited {sample.returncode}: "
-                               f"{sample.stderr.strip().splitlines()[-1:]}")
-    text = sample.stdout.strip().split("\n---")[0].replace("\n", " ")[:160]
+        sample = script("sample.py", os.path.join(out_dir, "best.pt"), "--max_new_tokens=40",
+                        "--num_samples=1", f"--device={check.device}")
+    text = sample.strip().split("\n---")[0].replace("\n", " ")[:160]
     check.line(f"`python train.py config/c4_tiny.py --max_iters={iters} "
                f"--compile={check.sizes['e2e_compile']}` on {check.device} with data prepared by "
                "prepare_c4.py --from_text (tiny Shakespeare as C4-format shards), then `sample.py "
@@ -465,4 +448,3 @@ def end_to_end(check):
         ("sample.py", f"`{text}`")])
     if not evals[-1]["val"] < evals[0]["val"]:
         raise RuntimeError("the validation loss did not fall")
-

@@ -11,11 +11,10 @@ import time
 
 import torch
 
-import memory
 import parallelism
 from configurator import parse_config, train_defaults
 from model import GPT, GPTConfig
-from objective import Objective, objective_step
+from objective import Objective, Trained
 from optim import apply_gradients, configure_optimizers
 from utils import GPU_PEAK_BF16_FLOPS, autocast_context, measure_matmul_flops, save_text
 
@@ -33,11 +32,17 @@ class Check:
     """What every section shares: the device, the sizes, the report so far and the file it goes to."""
 
     def __init__(self, device, sizes, out, data_dir, budget):
-        self.device, self.sizes, self.out, self.data_dir = device, sizes, out, data_dir
+        self.device = device
+        self.sizes = sizes
+        self.out = out
+        self.data_dir = data_dir
         self.cuda = device.startswith("cuda")
         self.dtype = "bfloat16"  # the GPU runs' autocast (train.py's dtype=auto on a GPU with bf16)
         self.autocast = autocast_context(device, self.dtype)
-        self.peak = GPU_PEAK_BF16_FLOPS["H100"] if self.cuda else measure_matmul_flops(device, torch.bfloat16)
+        if self.cuda:
+            self.peak = GPU_PEAK_BF16_FLOPS["H100"]
+        else:
+            self.peak = measure_matmul_flops(device, torch.bfloat16)
         self.deadline = time.monotonic() + budget
         self.text = []
         self.shared = {}  # what a later section reuses (section 3's model for section 4)
@@ -72,6 +77,11 @@ class Check:
             return float("nan"), float("nan")
         return torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB
 
+    def profile(self):
+        """torch.profiler over the device's kernels (the CPU's operators off CUDA)."""
+        from torch.profiler import ProfilerActivity, profile
+        return profile(activities=[ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU])
+
     def config(self, path, **overrides):
         """A config file as train.py reads it, at --smoke's tiny width, with overrides."""
         config = parse_config([os.path.join(REPO, path)], train_defaults())
@@ -87,12 +97,19 @@ def timed(check, work):
     return time.perf_counter() - t0, result
 
 
+def step_times(check, step, warmup, steps):
+    """(first step's seconds: compilation included, median of the `steps` after `warmup`)."""
+    seconds = [timed(check, step)[0] for _ in range(warmup + steps)]
+    return seconds[0], statistics.median(seconds[warmup:])
+
+
 def train_step(model, objective, optimizers, scaler, batches, autocast, keep_gathered=False):
     """One optimizer step over the micro-batches [(x, y), ...] as train.py takes it; -> (stepped, terms)."""
+    trained = Trained(model, objective)  # FSDP2 (or none): its own wrapper
     for i, (x, y) in enumerate(batches):
-        with parallelism.gradient_sync((model, objective), i == len(batches) - 1, keep_gathered):
+        with parallelism.gradient_sync(trained, i == len(batches) - 1, keep_gathered):
             with autocast:
-                loss, terms, logits, hidden = objective_step(model, objective, x, y)
+                loss, terms, logits, hidden = trained(x, y)
             scaler.scale(loss / len(batches)).backward()
             del logits, hidden, loss
     return apply_gradients(optimizers, scaler), terms
@@ -105,16 +122,6 @@ def random_batches(config, batch, micro_steps, device, seed=0):
             for _ in range(micro_steps)]
 
 
-def dynamo_graphs():
-    """(graphs compiled, graph breaks) so far in this process (torch._dynamo's counters)."""
-    from torch._dynamo.utils import counters
-    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
-
-
-def compile_blocks(check, model):
-    parallelism.compile_blocks(model, backend=check.sizes["compile_backend"], fullgraph=True)
-
-
 def build(check, config, fsdp=False):
     """(model, objective, optimizers, scaler) of a config on the device as train.py builds them
     (activation checkpointing, compile, FSDP on this one process if asked)."""
@@ -123,35 +130,17 @@ def build(check, config, fsdp=False):
         model = GPT(GPTConfig.from_config(config, config["vocab_size"]))
         objective = Objective.from_config(config)
     if config["compile"] is True:  # in train.py's order: compile, checkpointing, FSDP
-        compile_blocks(check, model)
+        parallelism.compile_blocks(model, backend=check.sizes["compile_backend"], fullgraph=True)
     if config["activation_checkpointing"]:
         parallelism.apply_activation_checkpointing(model)
     if fsdp:
         if reason := parallelism.fsdp_unavailable(check.device):
             raise SectionSkipped(reason)
-        ensure_process_group(check)
-    model, objective = parallelism.parallelize(model, objective, "fsdp" if fsdp else "none", check.device,
-                                               param_dtype=torch.bfloat16 if fsdp else None,
-                                               keep_gathered=config["fsdp_keep_gathered"])
+        if not torch.distributed.is_initialized():
+            parallelism.init_distributed("cuda" if check.cuda else "cpu")
+    parallelism.parallelize(Trained(model, objective), "fsdp" if fsdp else "none", check.device,
+                            param_dtype=torch.bfloat16 if fsdp else None,
+                            keep_gathered=config["fsdp_keep_gathered"])
     optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
     scaler = torch.amp.GradScaler(torch.device(check.device).type, enabled=False)
     return model, objective, optimizers, scaler
-
-
-def ensure_process_group(check):
-    if not torch.distributed.is_initialized():
-        parallelism.init_distributed("cuda" if check.cuda else "cpu")
-
-
-def step_times(check, step, warmup, steps):
-    """(first step's seconds: compilation included, median of the timed ones)."""
-    first = timed(check, step)[0]
-    for _ in range(warmup - 1):
-        timed(check, step)
-    return first, statistics.median(timed(check, step)[0] for _ in range(steps))
-
-
-def plan_gib(config, processes=1, device="cuda"):
-    """The plan's memory for this process on the device (train.py's memory check), GiB."""
-    return memory.process_gib({**config, "device": device}, processes, config["vocab_size"])[0]
-

@@ -1,34 +1,22 @@
 """
-A grid's archived runs as every part of its report reads them (tools/report.py's tables,
-tools/grid_figures.py's figures, tools/preregistered.py's tests): Grid, and the metrics its paired
-comparisons use (paired_columns).
+A grid's archived runs as every part of its report reads them
+(tools/report.py's tables, tools/grid_figures.py's figures,
+tools/preregistered.py's tests).
 """
 
-import json
 import os
 
 from tools.grids import GRIDS, runs_of
-
-
-def load_runs(grid, root):
-    """The archived runs of a grid: ({method: {seed: metrics}}, {method: {seed: {"dir", "metrics"}}})."""
-    results, runs = {}, {}
-    for method, seed, *_, out in runs_of(grid, root):
-        path = os.path.join(out, "metrics.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                results.setdefault(method, {})[seed] = json.load(f)
-            runs.setdefault(method, {})[seed] = {"dir": out, "metrics": results[method][seed]}
-    return results, runs
+from tools.identity import read_json
 
 
 def paired_columns(results):
     """(title, language, metric) of the paired-difference table and the forest plot."""
     runs = [r for per_seed in results.values() for r in per_seed.values()]
     if any("low" in r for r in runs):
-        return [("LR acc", "low", "accuracy"), ("LR MRR", "low", "mrr"), ("LR PPL_best", "low", "ppl_best"),
-                ("HR acc", "high", "accuracy"), ("HR PPL_best", "high", "ppl_best"),
-                ("LR I(W)", "low", "isotropy")]
+        return [("LR acc", "low", "accuracy"), ("LR MRR", "low", "mrr"),
+                ("LR PPL_best", "low", "ppl_best"), ("HR acc", "high", "accuracy"),
+                ("HR PPL_best", "high", "ppl_best"), ("LR I(W)", "low", "isotropy")]
     columns = [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
                ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
     if runs and all("rare" in r for r in runs):
@@ -39,14 +27,25 @@ def paired_columns(results):
 
 
 class Grid:
-    """What every section of a grid's report reads: its methods, baseline, archived runs (load_runs)
-    and whether it is a char grid (HR and LR val splits) or the BPE grid (one val split)."""
+    """A grid's methods, baseline and archived runs (results: {method:
+    {seed: metrics}}; runs: {method: {seed: {"dir", "metrics"}}}); a char
+    grid has HR and LR val splits, a BPE grid one."""
 
     def __init__(self, grid, root):
-        self.name, self.root, self.methods = grid, root, GRIDS[grid]
-        self.results, self.runs = load_runs(grid, root)
+        self.name = grid
+        self.root = root
+        self.methods = GRIDS[grid]
         self.baseline = next(iter(self.methods))
-        self.low_resource = any("low" in r for per_seed in self.results.values() for r in per_seed.values())
+        self.results = {}
+        self.runs = {}
+        for method, seed, *_, out in runs_of(grid, root):
+            path = os.path.join(out, "metrics.json")
+            if os.path.exists(path):
+                metrics = read_json(path)
+                self.results.setdefault(method, {})[seed] = metrics
+                self.runs.setdefault(method, {})[seed] = {"dir": out, "metrics": metrics}
+        self.low_resource = any("low" in r for per_seed in self.results.values()
+                                for r in per_seed.values())
         self.langs = ("high", "low") if self.low_resource else ("val",)
 
     def every_method(self):

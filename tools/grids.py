@@ -1,25 +1,22 @@
 """
-The comparison grids: which methods, which config files, how many seeds, and the papers' numbers
-to print beside ours. Every method is one config file (a tuple of them is a chain: stage k starts
-from stage k-1's best.pt), so its settings live in config/ only; tools/compare.py runs a grid and
-tools/report.py turns its archived runs into results/<grid>.md.
+The comparison grids: which methods, which config files, how many seeds,
+and the papers' numbers to print beside ours. A method is one config file
+(a tuple of them is a chain: stage k starts from stage k-1's best.pt).
+tools/compare.py runs a grid; results/README.md says why each has its
+seeds.
 """
 
 import os
 
 SEEDS = list(range(1337, 1367))  # 30 seeds; a method uses the first n
-# issue 40's fresh seeds (results/preregistration.md), never run before that file was committed
+# issue 40's fresh seeds, never run before results/preregistration.md was committed
 FRESH_SEEDS = list(range(1367, 1391))
-# issue 40's embedding swap: the blocks' seed -> the seed whose token and position embeddings the
-# run starts from (train.py's init_embeddings_from_seed); a crossing and a non-crossing seed each way
+# issue 40's embedding swap: the blocks' seed -> the seed whose embeddings the run starts from
+# (init_embeddings_from_seed); a crossing and a non-crossing seed each way
 EMBEDDING_SWAPS = {1342: 1337, 1337: 1342, 1346: 1338, 1338: 1346}
 
-# method -> (config file(s), number of seeds: the first n of SEEDS, or a list of seeds). The first
-# method is the baseline.
-# The Stop Jostling trio (CE, margin 0.6, margin 0.6 + SE) has 10 seeds: its LR accuracy varies a
-# lot from seed to seed; CE and margin 0.6 have 30 in the jostling grid, enough to compare how often
-# each makes the LR transition (tools/transition.py). The jostling grid's runs with the same command
-# as a lowres run are copied from it (runner.reuse_identical), not trained twice.
+# method -> (config file(s), the first n of SEEDS or a list of seeds); the first is the
+# baseline. A run with the same command as another grid's is copied, not trained twice.
 GRIDS = {
     "jostling": {
         "baseline": ("config/lowres_ce.py", 30),
@@ -28,8 +25,7 @@ GRIDS = {
         "margin 0.6": ("config/lowres_margin_0.6.py", 30),
         "margin 0.6 + SE": ("config/lowres_margin_0.6_se.py", 10),
         "monolingual": ("config/lowres_monolingual.py", 5),
-        # built as an explanation of the authors' SE run (rows undecayed); their code decays the rows,
-        # so it measures weight decay on the rows under SE as the paper's text means it (docs/fidelity.md)
+        # measures weight decay on the rows under SE as the paper's text means it (docs/fidelity.md)
         "margin 0.6 + SE, rows not decayed": ("config/lowres_margin_0.6_se_rows_no_decay.py", 5),
     },
     "lowres": {
@@ -42,8 +38,8 @@ GRIDS = {
         "dispersion decorrelation": ("config/lowres_dispersion_decorrelation.py", 5),
         "dispersion l2_repel": ("config/lowres_dispersion_l2_repel.py", 5),
         "dispersion orthogonalization": ("config/lowres_dispersion_orthogonalization.py", 5),
-        # the same three in the form of the authors' released code (docs/fidelity.md); decorrelation
-        # is the same in both forms (tests/test_losses.py), so it has no second row
+        # the same three as the authors' released code has them (docs/fidelity.md); decorrelation
+        # is the same in both forms, so it has no second row
         "dispersion, authors' form": ("config/lowres_dispersion_authors.py", 5),
         "dispersion l2_repel, authors' form": ("config/lowres_dispersion_l2_repel_authors.py", 5),
         "dispersion orthogonalization, authors' form":
@@ -51,7 +47,7 @@ GRIDS = {
         "NITP": ("config/lowres_nitp.py", 5),
         "CWT + FT": (("config/lowres_cwt.py", "config/lowres_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/lowres_simreg_dispersion.py", 5),
-        # issue 40: the released l2_repel with its norm term alone (results/preregistration.md, T6)
+        # issue 40, T6: the released l2_repel with its norm term alone
         "dispersion l2_repel norm term alone, authors' form":
             ("config/lowres_dispersion_l2_norm_authors.py", 5),
     },
@@ -68,39 +64,38 @@ GRIDS = {
         "CWT + FT": (("config/bpe_cwt.py", "config/bpe_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/bpe_simreg_dispersion.py", 5),
     },
-    # issue 40: the BPE toy's SimReg rows at 4x the steps, the schedule scaled (results/preregistration.md,
-    # T7)
+    # issue 40, T7: the BPE toy's SimReg rows at 4x the steps, the schedule scaled
     "bpe_1600": {
         "CE": ("config/bpe_baseline_1600.py", 5),
         "SimReg": ("config/bpe_simreg_1600.py", 5),
         "SimReg chunk 32": ("config/bpe_simreg_chunk_1600.py", 5),
     },
-    # issue 44: the bpe grid's CE and margin 0.6 + SE again (same configs and seeds, a later code
-    # version), evaluated since evaluate.py measures the rare targets' PPL at the run's best
-    # temperature, the rule of Stop Jostling's PPL_best claim, which the bpe archive's runs predate
+    # issue 44: the bpe grid's CE and margin 0.6 + SE again with later code, which measures the
+    # rare targets' PPL at the best temperature (Stop Jostling's PPL_best rule)
     "bpe_rare": {
         "CE": ("config/bpe_baseline.py", 5),
         "margin 0.6 + SE": ("config/bpe_margin_0.6_se.py", 5),
     },
-    # issue 40, pre-registered (results/preregistration.md): margin 0.6 and CE on 24 fresh seeds,
-    # margin 0.6 each with its own data order and (EXTRA_RUNS) with the next seed's
+    # issue 40, pre-registered: margin 0.6 and CE on 24 fresh seeds, margin 0.6 also with the
+    # next seed's data order (EXTRA_RUNS)
     "jostling_prereg": {
         "baseline": ("config/lowres_ce.py", FRESH_SEEDS),
         "margin 0.6": ("config/lowres_margin_0.6.py", FRESH_SEEDS),
     },
-    # issue 40: the blocks of one initialisation with the embeddings of another (EXTRA_RUNS); the
-    # baseline is the unswapped margin 0.6 on the blocks' seeds (the archived runs, copied)
+    # issue 40: the blocks of one initialisation with the embeddings of another (EXTRA_RUNS),
+    # against the unswapped margin 0.6 on the blocks' seeds
     "jostling_swap": {
         "margin 0.6": ("config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS)),
     },
 }
 
-# Runs of a grid that are not methods of its tables: name -> (config file(s), seeds, extra train.py
-# arguments, or a function of the seed that gives them). The jostling grid's factorial of margin 0.6:
-# `seed` sets the initialisation and `data_seed` the order of the training windows, and each run takes
-# one from a seed that makes the LR transition and the other from one that does not (or from the other
-# crossing seed), so that tools/transition.py can tell which of the two decides it.
-CROSSING_SEEDS, NON_CROSSING_SEEDS = (1342, 1346), (1337, 1338, 1339)
+# Runs of a grid that are not methods of its tables: name -> (config file(s), seeds, extra
+# train.py arguments or a function of the seed giving them). jostling's factorial of margin 0.6
+# takes the initialisation (`seed`) and the data order (`data_seed`) from two seeds, one that
+# makes the LR transition and one that does not (or the other crossing seed), so that
+# tools/transition.py can tell which of the two decides it.
+CROSSING_SEEDS = (1342, 1346)
+NON_CROSSING_SEEDS = (1337, 1338, 1339)
 EXTRA_RUNS = {
     "jostling": {
         f"margin 0.6, data order of {data}": (
@@ -125,56 +120,54 @@ EXTRA_RUNS = {
     },
 }
 
-# Finished runs archived without a run.json, so without the record of what trained them (its write
-# was lost): grid -> {(method, seed)}. A comparison refuses any other run without one; these are
-# named in their grid's table.
+# Finished runs archived without a run.json (its write was lost): grid -> {(method, seed)}.
+# A comparison refuses any other run without one; these are named in their grid's table.
 UNRECORDED_RUNS = {
     "jostling": {("baseline", 1339), ("baseline", 1340)},
     "jostling_prereg": {("margin 0.6, data order of the next seed", 1368)},
 }
 
-# a grid that trains another grid's configs and seeds again: its report says how far the numbers moved
-# A comparison pairs a method's run with its baseline's on one seed only when both ran the same code
-# (commit, and uncommitted changes) on the same CPU model, unless its grid is declared here, with why
-# its runs pool: the report then names every commit and CPU its rows came from.
+# A comparison pairs two runs on one seed only when both ran the same code on the same CPU
+# model, unless their grid is declared here, with why its runs pool (the report prints it).
+_NO_COMMIT = "archived before run.json recorded the commit"
+_TWO_CPUS = f"{_NO_COMMIT}; trained on an Intel Xeon and an AMD EPYC machine"
 POOLABLE = {
-    "jostling": "archived before run.json recorded the commit; trained on an Intel Xeon and an AMD EPYC "
-                "machine",
-    "lowres": "archived before run.json recorded the commit; trained on an Intel Xeon and an AMD EPYC machine",
-    "bpe": "archived before run.json recorded the commit",
-    "jostling_prereg": "the archive's seeds were trained before run.json recorded the commit, the fresh "
-                       "seeds on an uncommitted tree whose changes were not hashed",
-    "jostling_swap": "archived before run.json recorded the commit",
+    "jostling": _TWO_CPUS,
+    "lowres": _TWO_CPUS,
+    "bpe": _NO_COMMIT,
+    "jostling_prereg": "the archive's seeds were trained before run.json recorded the commit, "
+                       "the fresh seeds on an uncommitted tree whose changes were not hashed",
+    "jostling_swap": _NO_COMMIT,
 }
+# a grid that trains another's configs and seeds again: its report says how far the numbers moved
 RERUN_OF = {"bpe_rare": "bpe"}
 
-# train.py arguments every run of a grid gets. bpe_1600 ran on one GPU in float32, its pairs all in
-# one call, with TF32 off (NVIDIA_TF32_OVERRIDE=0 in the environment): a departure from its
-# registration's one CPU thread per run that results/README.md names. On a machine without CUDA,
-# --device=cpu to a separate --archive runs it there.
+# train.py arguments every run of a grid gets. bpe_1600 ran on one GPU, TF32 off
+# (NVIDIA_TF32_OVERRIDE=0), a deviation results/README.md names; without CUDA, --device=cpu to a
+# separate --archive runs it on the CPU.
 GRID_ARGS = {
     "bpe_1600": ("--device=cuda", "--dtype=float32", "--compile=False"),
 }
 
 # The authors' numbers, HR / LR: margins 2 and 1 from Stop Jostling's Table 7; the baseline and
-# margin 0.6 + SE from the authors' published code, one seed each (the paper's text gives LR PPL_best
-# 10.63 -> 6.11 for its best run: close to, not the same as, that row).
+# margin 0.6 + SE from the authors' published code, one seed each (the paper's text gives LR
+# PPL_best 10.63 -> 6.11 for its best run: close to, not the same as, that row).
 # (ppl, ppl_best, t_best, acc, r@5, mrr, I(W))
 PAPER = {
     "jostling": {
-        "baseline": [(5.04, 10.65), (5.01, 10.63), (1.08, 0.95), (.519, .315), (.830, .688), (.654, .480),
-                     (.842, .417)],
-        "margin 2": [(5.82, 11.56), (5.07, 9.62), (0.71, 0.67), (.529, .358), (.834, .717), (.661, .516),
-                     (.850, .642)],
-        "margin 1": [(9.33, 17.30), (5.13, 9.54), (0.48, 0.46), (.530, .371), (.834, .720), (.663, .526),
-                     (.888, .765)],
-        "margin 0.6 + SE": [(14.94, 19.94), (5.15, 6.17), (0.34, 0.32), (.527, .487), (.836, .809),
-                            (.661, .628), (.893, .762)],
+        "baseline": [(5.04, 10.65), (5.01, 10.63), (1.08, 0.95),
+                     (.519, .315), (.830, .688), (.654, .480), (.842, .417)],
+        "margin 2": [(5.82, 11.56), (5.07, 9.62), (0.71, 0.67),
+                     (.529, .358), (.834, .717), (.661, .516), (.850, .642)],
+        "margin 1": [(9.33, 17.30), (5.13, 9.54), (0.48, 0.46),
+                     (.530, .371), (.834, .720), (.663, .526), (.888, .765)],
+        "margin 0.6 + SE": [(14.94, 19.94), (5.15, 6.17), (0.34, 0.32),
+                            (.527, .487), (.836, .809), (.661, .628), (.893, .762)],
     },
 }
 METRICS = ["ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy"]
 
-# the Stop Jostling run the strip plots mark (the authors' single notebook run), and the LR accuracy
+# the LR accuracy of the authors' single notebook run (the strip plots mark it), and the one
 # from which we say a seed made the jump towards it
 PAPER_SE_LR_ACCURACY = 0.487
 TRANSITION_LR_ACCURACY = 0.43
@@ -190,10 +183,10 @@ def run_dir(root, grid, method, seed):
 
 
 def runs_of(grid, root):
-    """(method, seed, config, extra train.py arguments (GRID_ARGS, then the run's own), directory) of
-    every run of the grid, its tables' methods (GRIDS) and its extra runs (EXTRA_RUNS), in seed-major
-    order: every method's first seed, then every method's second seed, ... so a grid cut short still
-    holds paired runs."""
+    """(method, seed, config, train.py arguments (GRID_ARGS, then the run's
+    own), directory) of every run of the grid (GRIDS and EXTRA_RUNS),
+    seed-major: every method's first seed, then every method's second...,
+    so that a grid cut short still holds paired runs."""
     runs = {method: (config, SEEDS[:seeds] if isinstance(seeds, int) else list(seeds), ())
             for method, (config, seeds) in GRIDS[grid].items()}
     runs.update(EXTRA_RUNS.get(grid, {}))
@@ -201,4 +194,5 @@ def runs_of(grid, root):
         for method, (config, seeds, args) in runs.items():
             if seed in seeds:
                 own = args(seed) if callable(args) else args
-                yield method, seed, config, (*GRID_ARGS.get(grid, ()), *own), run_dir(root, grid, method, seed)
+                yield (method, seed, config, (*GRID_ARGS.get(grid, ()), *own),
+                       run_dir(root, grid, method, seed))

@@ -1,20 +1,18 @@
 """
 What a grid's run is, so that a comparison pairs only like runs.
 
-A run's identity is recorded in its run.json when it finishes (`identity`): the training keys of
-each stage (train.py's config after its config files and overrides, less the keys that only say
-where and how it runs: NOT_TRAINING), the code's version (the git commit, "+dirty" with
-uncommitted changes) and the CPU model. tools/compare.py refuses, in one line naming the first
-differing key, a call whose archived or finished runs were trained with other keys than the grid's
-configs with this call's overrides give: `--max_iters=40` cannot pair new 40-step runs with the
-archived 8000-step ones. The report counts the pairs whose two runs ran on different CPUs.
+A run's identity is recorded in its run.json when it finishes (its
+`identity`): the training keys of each stage (train.py's config after
+its config files and overrides, less NOT_TRAINING: where and how it
+runs), the code's version (the git commit, "+dirty" with uncommitted
+changes) and the CPU model. tools/compare.py refuses to pair runs whose
+identities differ (tools/runner.check_like, check_pooled_call).
 
-Runs archived before the record existed are read by one rule (`of_run`): their training keys are
-their run.json commands resolved against today's config files and train.py defaults (an edit of a
-config file since then is not seen), their commit is unknown, and their CPU is the grid's when every
-call in its wall.json names the same CPU, unknown otherwise. A run with no run.json is refused
-(tools/runner.check_like), unless its grid declares it (grids.UNRECORDED_RUNS).
-A run stopped part-way in --root is checked by its ckpt.json's config (tools/runner.check_like).
+Runs archived before the record existed are read by one rule (`of_run`):
+their training keys are their run.json commands resolved against today's
+config files and train.py defaults (a config file's later edit is not
+seen), their commit is unknown, and their CPU is the grid's when every
+call in its wall.json names the same CPU, unknown otherwise.
 """
 
 import datetime
@@ -33,10 +31,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # train.py's keys that do not change what a run computes: where it writes and reads, threads,
 # logging, and the chain's link to its previous stage
-NOT_TRAINING = ("out_dir", "data_dir", "data_source", "init_from", "overwrite", "resume_changes",
-                "num_threads", "dry_run", "check_memory", "log_interval", "wandb_log", "wandb_project",
-                "wandb_run_name")
+NOT_TRAINING = ("out_dir", "data_dir", "data_source", "init_from", "overwrite",
+                "resume_changes", "num_threads", "dry_run", "check_memory", "log_interval",
+                "wandb_log", "wandb_project", "wandb_run_name")
 UNKNOWN = "unknown"
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
 
 
 @functools.lru_cache(maxsize=1)
@@ -45,17 +48,20 @@ def _defaults():
 
 
 def training_keys(commands):
-    """[{key: value}] of each stage's train.py command (python train.py <config> --key=value ...),
-    config files read from the repository, NOT_TRAINING left out; None if a command no longer
-    parses (a config file or key since removed)."""
-    defaults, stages = json.loads(_defaults()), []
+    """[{key: value}] of each stage's train.py command, NOT_TRAINING left
+    out; None if a command no longer parses (a config file or key since
+    removed)."""
+    defaults = json.loads(_defaults())
+    stages = []
     for cmd in commands:
-        argv = [a if a.startswith("--") or os.path.isabs(a) else os.path.join(REPO, a) for a in cmd[2:]]
+        argv = [a if a.startswith("--") or os.path.isabs(a) else os.path.join(REPO, a)
+                for a in cmd[2:]]
         try:
             config = parse_config(argv, defaults)
         except ConfigError:
             return None
-        stages.append({k: v for k, v in json.loads(json.dumps(config)).items() if k not in NOT_TRAINING})
+        config = json.loads(json.dumps(config))
+        stages.append({k: v for k, v in config.items() if k not in NOT_TRAINING})
     return stages
 
 
@@ -70,14 +76,17 @@ def cpu_name():
     return platform.processor() or platform.machine()
 
 
+def git(*args):
+    """What a git command in the repository printed (bytes)."""
+    return subprocess.run(["git", "-C", REPO, *args], capture_output=True, check=True).stdout
+
+
 def commit():
     """The repository's HEAD, '+dirty' when tracked files differ from it; 'unknown' outside git."""
-    def git(*args):
-        return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True,
-                              check=True).stdout.strip()
     try:
-        head = git("rev-parse", "HEAD")
-        return head + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+        head = git("rev-parse", "HEAD").decode().strip()
+        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
+        return head + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
         return UNKNOWN
 
@@ -85,19 +94,15 @@ def commit():
 def git_diff_sha256():
     """sha256 of `git diff HEAD` (tracked files): which uncommitted changes a dirty run ran with."""
     try:
-        diff = subprocess.run(["git", "-C", REPO, "diff", "HEAD"], capture_output=True, check=True).stdout
+        diff = git("diff", "HEAD")
     except (OSError, subprocess.CalledProcessError):
         return UNKNOWN
     return hashlib.sha256(diff).hexdigest()
 
 
-def gpu_name():
-    import torch
-    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
-
-
 def utc(seconds):
-    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(timespec="seconds")
+    moment = datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc)
+    return moment.isoformat(timespec="seconds")
 
 
 def mark_start(out_dir):
@@ -109,16 +114,12 @@ def mark_start(out_dir):
 
 def started(out_dir):
     path = os.path.join(out_dir, "started.json")
-    if not os.path.exists(path):
-        return UNKNOWN
-    with open(path) as f:
-        return json.load(f)["utc_start"]
+    return read_json(path)["utc_start"] if os.path.exists(path) else UNKNOWN
 
 
 def provenance(commands, utc_start):
-    """Where, when and from what code a finished run came: its start (mark_start) and end in UTC,
-    the commit, whether tracked files had changes and a hash of them, a hash of its resolved
-    training keys, the machine, torch and the commands."""
+    """Where, when and from what code a finished run came (its run.json's
+    `provenance`)."""
     import torch
     head = commit()
     dirty = head.endswith("+dirty")
@@ -131,7 +132,7 @@ def provenance(commands, utc_start):
         "diff_sha256": git_diff_sha256() if dirty else None,
         "config_sha256": hashlib.sha256(keys).hexdigest(),
         "cpu": cpu_name(),
-        "gpu": gpu_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "host": platform.node(),
         "torch": torch.__version__,
         "python": platform.python_version(),
@@ -149,31 +150,32 @@ def grid_cpu(archive, grid):
     path = os.path.join(archive, grid, "wall.json")
     if not os.path.exists(path):
         return UNKNOWN
-    with open(path) as f:
-        cpus = {call["cpu"] for call in json.load(f)["calls"]}
+    cpus = {call["cpu"] for call in read_json(path)["calls"]}
     return cpus.pop() if len(cpus) == 1 else UNKNOWN
 
 
 def of_run(directory, cpu_of_grid=UNKNOWN):
-    """A run's identity: recorded in its run.json, or inferred by the module's rule for runs
-    archived before it was recorded ("inferred": True); None without a run.json."""
+    """A run's identity: recorded, or inferred by the module's rule for
+    older runs ("inferred": True); None without a run.json."""
     path = os.path.join(directory, "run.json")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        run = json.load(f)
+    run = read_json(path)
     if "identity" in run:
-        return {**run["identity"], "code": code(run["identity"]["commit"], run.get("provenance", {}))}
+        recorded = run["identity"]
+        return {**recorded, "code": code(recorded["commit"], run.get("provenance", {}))}
     return {"training": training_keys(run["commands"]), "commit": UNKNOWN, "code": UNKNOWN,
             "cpu": cpu_of_grid, "inferred": True}
 
 
 def code(commit, provenance):
-    """The code a run trained with, as far as its record shows it: its commit, with the hash of its
-    uncommitted changes where the tree was dirty ('<commit>+dirty' where they were not hashed, as
-    before provenance was recorded: not known to equal any other)."""
+    """The code a run trained with: its commit, with the hash of its
+    uncommitted changes where the tree was dirty ('<commit>+dirty' where
+    they were not hashed: not known to equal any other)."""
     diff = provenance.get("diff_sha256")
-    return f"{commit[:-len('+dirty')]}+{diff[:12]}" if commit.endswith("+dirty") and diff else commit
+    if commit.endswith("+dirty") and diff:
+        return f"{commit[:-len('+dirty')]}+{diff[:12]}"
+    return commit
 
 
 def current_code():
@@ -188,7 +190,7 @@ def known_code(run_code):
 
 
 def machine(found):
-    """(code, CPU model) of a run's identity (of_run's dict, or None), UNKNOWN where not recorded."""
+    """(code, CPU model) of of_run's identity (or None), UNKNOWN where not recorded."""
     found = found or {}
     return found.get("code", UNKNOWN), found.get("cpu", UNKNOWN)
 
@@ -205,15 +207,16 @@ def short_code(run_code):
 
 
 def first_difference(trained, planned):
-    """'max_iters=8000, this comparison asks for max_iters=40' for the first key (stage by stage)
-    where a run's training keys differ from the planned ones, or None. A key newer than the run
-    counts as train.py's default, as a resume reads it."""
+    """'max_iters=8000, this comparison asks for max_iters=40' for the
+    first key where a run's training keys differ from the planned ones, or
+    None. A key newer than the run counts as its default, as on a resume."""
     if len(trained) != len(planned):
         return f"{len(trained)} stage(s), this comparison asks for {len(planned)}"
     defaults = json.loads(_defaults())
     for stage, (mine, theirs) in enumerate(zip(trained, planned)):
         for key in sorted(set(mine) | set(theirs)):
-            a, b = mine.get(key, defaults.get(key)), theirs.get(key, defaults.get(key))
+            a = mine.get(key, defaults.get(key))
+            b = theirs.get(key, defaults.get(key))
             if a != b:
                 where = f" in stage {stage}" if len(planned) > 1 else ""
                 return f"{key}={a!r}{where}, this comparison asks for {key}={b!r}"
@@ -221,30 +224,29 @@ def first_difference(trained, planned):
 
 
 def run_devices(identities):
-    """The device each run trained on (its last stage's `device` key; cpu when not recorded).
-    identities: {directory: of_run's identity or None}."""
+    """The device each run trained on (its last stage's; cpu when not recorded)."""
     return [stages[-1].get("device", "cpu") for stages in
             ((i or {}).get("training") or [{}] for i in identities.values())]
 
 
 def machines_line(pairs, identities):
-    """A sentence for the report: how many of the compared pairs mix CPUs. pairs: [(run, run)] of
-    run directories; identities: {directory: of_run's identity or None}."""
+    """A sentence for the report: how many of the compared pairs (of run
+    directories) mix CPUs. identities: {directory: of_run's or None}."""
     mixed = unknown = 0
     for a, b in pairs:
-        cpus = [(identities.get(d) or {}).get("cpu", UNKNOWN) for d in (a, b)]
+        cpus = [machine(identities.get(d))[1] for d in (a, b)]
         unknown += UNKNOWN in cpus
         mixed += UNKNOWN not in cpus and cpus[0] != cpus[1]
-    cpus = sorted({(i or {}).get("cpu", UNKNOWN) for i in identities.values()} - {UNKNOWN})
-    line = (f"Machines: of the {len(pairs)} pairs (a method and its baseline on one seed) these tables "
-            f"compare, {mixed} pair runs made on different CPUs and {unknown} include a run whose CPU is not "
-            "recorded (archived before run.json recorded it; tools/identity.py gives the rule). CPUs "
-            f"recorded: {', '.join(cpus) or 'none'}.")
+    cpus = sorted({machine(i)[1] for i in identities.values()} - {UNKNOWN})
+    line = (f"Machines: of the {len(pairs)} pairs (a method and its baseline on one seed) "
+            f"these tables compare, {mixed} pair runs made on different CPUs and {unknown} "
+            "include a run whose CPU is not recorded (archived before run.json recorded it; "
+            f"tools/identity.py gives the rule). CPUs recorded: {', '.join(cpus) or 'none'}.")
     # device is a training key, so a pair never mixes devices; a GPU run's CPU is only its host
     devices = run_devices(identities)
     off_cpu = sorted({d for d in devices if d != "cpu"})
     if off_cpu:
-        line += (f" {sum(d != 'cpu' for d in devices)} of the {len(devices)} runs trained on "
-                 f"device={', '.join(off_cpu)}: for them the CPU is the host's (the wall time below names "
-                 "the GPU where wall.json recorded it).")
+        line += (f" {sum(d != 'cpu' for d in devices)} of the {len(devices)} runs trained "
+                 f"on device={', '.join(off_cpu)}: for them the CPU is the host's (the wall "
+                 "time below names the GPU where wall.json recorded it).")
     return line

@@ -4,16 +4,15 @@ alignment of the low-resource (LR) embedding rows with their high-resource (HR) 
 Stop Jostling transition, or only predict it?
 
 Each seed trains a trunk to step 1000 (margin 0.6; the first 8 seeds also under CE). Branches
-continue the trunk's checkpoint to step 8000, with the optimizer state, the data position and
-the RNGs as they were; only the LR rows of the tied embedding change (`rotate_twins`):
+continue the trunk's checkpoint to step 8000 exactly; only the LR rows of the tied embedding
+change (`rotate_twins`):
 
     untouched  nothing changed
-    raised     each LR row turned towards its HR twin by one common angle, norm kept, until the
-               mean twin cosine is RAISED_COS
-    sham       each LR row moved by the angle it moved in `raised`, within the plane orthogonal
-               to its twin, so its twin cosine does not change
-    lowered    (seeds whose step-1000 reading is above the registered cut-off) turned away from
-               the twin until the mean twin cosine is LOWERED_COS
+    raised     each LR row turned towards its HR twin by one common angle, norm kept, until
+               the mean twin cosine is RAISED_COS
+    sham       each LR row moved by the angle it moved in `raised`, orthogonally to its twin,
+               so its twin cosine does not change
+    lowered    (trunks read above the cut-off) turned away from the twin down to LOWERED_COS
 
 One branch by hand, then its training (the resume continues the trunk's run exactly):
 
@@ -58,16 +57,16 @@ TARGETS = {"untouched": None, "raised": RAISED_COS, "sham": RAISED_COS, "lowered
 
 
 def _turned(phi, theta, arm):
-    """Each row's angle to its twin after turning by theta: towards the twin (stopping on it) or
-    away from it (stopping opposite it)."""
+    """Each row's angle to its twin after turning by theta towards it or away from it (stopping
+    on it or opposite it)."""
     return (phi - theta).clamp(min=0) if arm in ("raised", "sham") else (phi + theta).clamp(max=math.pi)
 
 
 def rotate_twins(E, shift, arm, target=None, generator=None):
-    """E with its LR rows shift..2*shift-1 rotated relative to their HR twins 0..shift-1 (arm and
-    target as the module says; generator draws the sham's directions). Every other row and every
-    norm is kept. The common angle theta is found by bisection on the mean twin cosine, which is
-    monotone in it; a mean already past the target leaves E as it is. Returns (E, theta)."""
+    """E with its LR rows shift..2*shift-1 rotated relative to their HR twins 0..shift-1 (arm
+    and target as the module says; generator draws the sham's directions), every other row and
+    every norm kept. The common angle theta is found by bisection on the mean twin cosine, which
+    is monotone in it; a mean already past the target leaves E as it is. Returns (E, theta)."""
     if arm == "untouched":
         return E.clone(), 0.0
     X = E.double()
@@ -112,10 +111,10 @@ def rotate_twins(E, shift, arm, target=None, generator=None):
 
 
 def make_branch(trunk_dir, out_dir, arm, seed):
-    """A copy of the trunk's checkpoint (ckpt.pt) and log in out_dir, its LR rows rotated by arm
-    (generator seeded with seed for the sham); the optimizer, data and RNG states stay as they are.
-    The best validation loss is reset so that best.pt can only be a branch's own weights. Written
-    to out_dir.tmp, then renamed: out_dir exists only complete. Returns the intervention record."""
+    """A copy of the trunk's checkpoint (ckpt.pt) and log in out_dir, its LR rows rotated by
+    arm (the sham's directions seeded with seed); the optimizer, data and RNG states kept. The
+    best validation loss is reset so that best.pt can only be a branch's own weights. Written to
+    out_dir.tmp, then renamed: out_dir exists only complete. Returns the intervention record."""
     if os.path.exists(out_dir):
         raise UsageError(f"{out_dir} already exists: a branch is made once (remove it to make it again)")
     path = os.path.join(trunk_dir, "ckpt.pt")
@@ -135,7 +134,8 @@ def make_branch(trunk_dir, out_dir, arm, seed):
     checkpoint["best_val_loss"] = float("inf")
     record = {"arm": arm, "target": TARGETS[arm], "theta": theta, "seed": seed,
               "step": checkpoint["iter_num"], "twin_cos_before": before,
-              "twin_cos_after": twin_alignment(rotated, shift)["twin_cos"], "trunk": os.path.abspath(trunk_dir)}
+              "twin_cos_after": twin_alignment(rotated, shift)["twin_cos"],
+              "trunk": os.path.abspath(trunk_dir)}
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
@@ -152,70 +152,48 @@ def step_reading(run_directory, step):
                  if r["iter"] == step and "twin_cos" in r), None)
 
 
-def train(cmd, out_dir, resume):
-    """One train.py process, its output in out_dir/train.out; raises on a failure or a stop."""
-    os.makedirs(out_dir, exist_ok=True)
-    identity.mark_start(out_dir)
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    with open(os.path.join(out_dir, "train.out"), "a" if resume else "w") as f:
-        code = runner.run_process(cmd + ["--init_from=resume" if resume else "--overwrite=True"], f, env)
-    if code != 0 and runner._stopping.is_set():
-        raise runner.Stopped()
-    if code != 0:
-        raise runner.RunFailed(f"run {out_dir} failed (train.py exit status {code}): "
-                               f"{runner.last_line(os.path.join(out_dir, 'train.out'))}")
-
-
-def finish(out_dir, dest, commands, extra):
-    """run.json with the run's provenance, then the small files into the archive."""
-    save_json({"commands": commands, **extra, "identity": identity.record(commands),
-               "provenance": identity.provenance(commands, identity.started(out_dir))},
-              os.path.join(out_dir, "run.json"))
-    runner.archive_run(out_dir, dest)
-
-
-def trunk_job(loss, seed, root, archive):
-    """The seed's trunk trained to TRUNK_STEP and archived; returns the archive's folder if this
-    call archived it."""
-    out, dest = (run_dir(d, GRID, f"{loss} trunk", seed) for d in (root, archive))
-    if os.path.exists(os.path.join(dest, "metrics.json")):
-        return None
-    cmd = [sys.executable, "train.py", CONFIGS[loss], f"--seed={seed}", f"--max_iters={TRUNK_STEP}",
-           f"--out_dir={out}", "--num_threads=1"]
-    if not os.path.exists(os.path.join(out, "metrics.json")):
-        train(cmd, out, resume=os.path.exists(os.path.join(out, "ckpt.pt")))
-    finish(out, dest, [cmd], {})
-    return dest
-
-
-def branch_job(loss, arm, seed, root, archive, trunk):
-    """A branch of the trunk (a future of trunk_job): made, trained to the config's max_iters,
-    archived. The lowered arm is made only where the trunk's reading is above the cut-off."""
-    trunk.result()
-    trunk_dest = run_dir(archive, GRID, f"{loss} trunk", seed)
+def job(loss, arm, seed, root, archive, trunk=None):
+    """The seed's trunk (arm "trunk", trained to TRUNK_STEP) or a branch of it (made, trained
+    to the config's max_iters, after the future trunk), archived with its provenance; returns
+    the archive's folder if this call archived it. The lowered arm is made only where the
+    trunk's reading is above the cut-off."""
+    if trunk is not None:
+        trunk.result()
     out, dest = (run_dir(d, GRID, f"{loss} {arm}", seed) for d in (root, archive))
-    if os.path.exists(os.path.join(dest, "metrics.json")):
+    if runner.has_metrics(dest):
         return None
-    trunk_out = run_dir(root, GRID, f"{loss} trunk", seed)
-    if arm == "lowered" and not step_reading(trunk_dest, TRUNK_STEP) > CUTOFF:
-        return None
-    if not os.path.exists(out):
-        make_branch(trunk_out, out, arm, seed)
-    cmd = [sys.executable, "train.py", CONFIGS[loss], f"--seed={seed}", f"--out_dir={out}", "--num_threads=1"]
-    if not os.path.exists(os.path.join(out, "metrics.json")):
-        train(cmd, out, resume=True)
-    with open(os.path.join(out, "intervention.json")) as f:
-        intervention = json.load(f)
-    branch_cmd = [sys.executable, "-m", "tools.intervention", "branch", trunk_out, out, f"--arm={arm}",
-                  f"--seed={seed}"]
-    finish(out, dest, [cmd], {"intervention": intervention, "branch_command": branch_cmd})
-    shutil.copyfile(os.path.join(out, "intervention.json"), os.path.join(dest, "intervention.json"))
+    cmd = [sys.executable, "train.py", CONFIGS[loss], f"--seed={seed}", f"--out_dir={out}",
+           "--num_threads=1"]
+    extra = {}
+    if arm == "trunk":
+        cmd.insert(4, f"--max_iters={TRUNK_STEP}")
+    else:
+        trunk_out = run_dir(root, GRID, f"{loss} trunk", seed)
+        trunk_dest = run_dir(archive, GRID, f"{loss} trunk", seed)
+        if arm == "lowered" and not step_reading(trunk_dest, TRUNK_STEP) > CUTOFF:
+            return None
+        if not os.path.exists(out):
+            make_branch(trunk_out, out, arm, seed)
+        with open(os.path.join(out, "intervention.json")) as f:
+            extra["intervention"] = json.load(f)
+        extra["branch_command"] = [sys.executable, "-m", "tools.intervention", "branch", trunk_out,
+                                   out, f"--arm={arm}", f"--seed={seed}"]
+    if not runner.has_metrics(out):
+        os.makedirs(out, exist_ok=True)
+        identity.mark_start(out)
+        runner.run_stage(cmd, out, dict(os.environ, OMP_NUM_THREADS="1"))
+    save_json({"commands": [cmd], **extra, "identity": identity.record([cmd]),
+               "provenance": identity.provenance([cmd], identity.started(out))},
+              os.path.join(out, "run.json"))
+    runner.archive_run(out, dest)
+    if extra:
+        shutil.copyfile(os.path.join(out, "intervention.json"), os.path.join(dest, "intervention.json"))
     return dest
 
 
 def jobs():
-    """(loss, arm or None for the trunk, seed): every trunk first, then the branches seed by seed."""
-    trunks = [(loss, None, s) for loss in CONFIGS for s in (SEEDS if loss == "margin 0.6" else CE_SEEDS)]
+    """(loss, arm, seed): every trunk first, then the branches seed by seed."""
+    trunks = [(loss, "trunk", s) for loss in CONFIGS for s in (SEEDS if loss == "margin 0.6" else CE_SEEDS)]
     branches = [(loss, arm, s) for s in SEEDS for loss in CONFIGS for arm in ARMS[loss]
                 if loss == "margin 0.6" or s in CE_SEEDS]
     return trunks + branches
@@ -231,14 +209,12 @@ def run_study(root, archive, workers):
               "workers": workers, "threads_per_run": 1, "cpu": identity.cpu_name(), "cores": os.cpu_count(),
               "torch": torch.__version__, "wall_s": 0.0, "runs": []}
     pool = ThreadPoolExecutor(workers)
-    trunks, branches = {}, []
+    futures = {}
     try:
         for loss, arm, seed in jobs():
-            if arm is None:
-                trunks[loss, seed] = pool.submit(trunk_job, loss, seed, root, archive)
-            else:
-                branches.append(pool.submit(branch_job, loss, arm, seed, root, archive, trunks[loss, seed]))
-        for future in as_completed([*trunks.values(), *branches]):
+            trunk = futures.get((loss, "trunk", seed))  # None for a trunk
+            futures[loss, arm, seed] = pool.submit(job, loss, arm, seed, root, archive, trunk)
+        for future in as_completed(futures.values()):
             archived = future.result()
             if archived is not None:
                 record["runs"].append(archived)

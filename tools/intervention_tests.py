@@ -1,8 +1,8 @@
 """
-Issue 61's registered tests (results/preregistration_intervention.md, I1-I4), computed from the
-study's archived runs (tools/intervention.py) by the rules written there before the first run, and
-results/jostling_intervention.md, which `python -m tools.intervention_tests` writes. While a test's
-arms are incomplete its counts are labelled partial and it gives no verdict.
+Issue 61's registered tests (results/preregistration_intervention.md, I1-I4) on the study's
+archived runs (tools/intervention.py): `python -m tools.intervention_tests` writes
+results/jostling_intervention.md. While a test's arms are incomplete its counts are labelled
+partial and it gives no verdict.
 """
 
 import argparse
@@ -11,7 +11,7 @@ import os
 
 from tools import stats
 from tools.grids import run_dir
-from tools.intervention import CE_SEEDS, CUTOFF, GRID, SEEDS, TRUNK_STEP, step_reading
+from tools.intervention import ARMS, CE_SEEDS, CUTOFF, GRID, SEEDS, TRUNK_STEP, step_reading
 from utils import save_text
 
 THRESHOLDS = (0.43, 0.40, 0.38)  # primary, then the two secondary ones
@@ -30,25 +30,21 @@ def accuracies(archive, loss, arm, seeds):
 
 def readings(archive, loss, seeds):
     """{seed: twin_cos at TRUNK_STEP} of the archived trunks."""
-    out = {}
-    for seed in seeds:
-        directory = run_dir(archive, GRID, f"{loss} trunk", seed)
-        if os.path.exists(os.path.join(directory, "log.jsonl")):
-            out[seed] = step_reading(directory, TRUNK_STEP)
-    return out
+    folders = {seed: run_dir(archive, GRID, f"{loss} trunk", seed) for seed in seeds}
+    return {seed: step_reading(folder, TRUNK_STEP) for seed, folder in folders.items()
+            if os.path.exists(os.path.join(folder, "log.jsonl"))}
 
 
 def paired_test(first, second, registered, threshold):
-    """(b, c, p, seeds both arms hold, complete): b seeds where only `first` crosses, c where only
-    `second` does, the exact McNemar p over them; complete when every registered seed is in."""
+    """(b, c, p, seeds both arms hold, complete): b seeds where only `first` crosses, c where
+    only `second` does, the exact McNemar p; complete when every registered seed is in."""
     shared = sorted(set(first) & set(second))
     b = sum(first[s] >= threshold > second[s] for s in shared)
     c = sum(second[s] >= threshold > first[s] for s in shared)
     return b, c, stats.exact_paired_p(b, c), shared, set(shared) >= set(registered)
 
 
-# each test: (name, the two arms, its registered seeds' rule, the words when it decides for the first
-# arm, and against it)
+# each test: (name, the two arms, the words when it decides for the first arm, and against it)
 TESTS = [
     ("I1", ("margin 0.6", "raised"), ("margin 0.6", "untouched"),
      "raising the alignment made runs cross", "raising the alignment stopped runs from crossing"),
@@ -63,8 +59,8 @@ TESTS = [
 
 
 def registered_seeds(name, trunk_readings):
-    """The seeds a test is registered on: I3's are the trunks read above the cut-off (all 16
-    trunks must be in to know them; None until then)."""
+    """The seeds a test is registered on: I3's are the trunks read above the cut-off (None
+    until all 16 trunks are in)."""
     if name == "I3":
         if set(trunk_readings) < set(SEEDS):
             return None
@@ -81,42 +77,43 @@ def test_lines(archive, threshold):
         arms = [accuracies(archive, loss, arm, registered or []) for loss, arm in (first, second)]
         b, c, p, shared, complete = paired_test(*arms, registered or [], threshold)
         label = f"{first[0]} {first[1]} against {second[1]}"
+        verdicts[name] = None
         if registered == []:
-            lines.append(f"{name}, {label}: no trunk read above {CUTOFF} at step {TRUNK_STEP}, so the test "
-                         "has no seeds.")
-            verdicts[name] = None
+            lines.append(f"{name}, {label}: no trunk read above {CUTOFF} at step {TRUNK_STEP}, so "
+                         "the test has no seeds.")
             continue
-        verdict = None
+        counts = (f"{b} seed(s) where only {first[1]} crosses, {c} where only {second[1]} does, "
+                  f"of {len(shared)}; exact paired p = {p:.3g}")
         if complete:
-            verdict = (yes if b > c else no) if p < 0.05 else "not shown"
-        counts = (f"{b} seed(s) where only {first[1]} crosses, {c} where only {second[1]} does, of "
-                  f"{len(shared)}; exact paired p = {p:.3g}")
-        total = len(registered) if registered is not None else "?"
-        lines.append(f"{name}, {label}: {counts}: " + (f"**{verdict}**." if verdict else
-                     f"partial ({len(shared)} of {total} seeds); no verdict until all are in."))
-        verdicts[name] = verdict
+            verdicts[name] = (yes if b > c else no) if p < 0.05 else "not shown"
+            lines.append(f"{name}, {label}: {counts}: **{verdicts[name]}**.")
+        else:
+            total = len(registered) if registered is not None else "?"
+            lines.append(f"{name}, {label}: {counts}: partial ({len(shared)} of {total} seeds); "
+                         "no verdict until all are in.")
     return lines, verdicts
 
 
 def causal_line(verdicts):
     """The registered words for the causal claim: I1 and I2 both for the raise."""
-    first, second = verdicts.get("I1"), verdicts.get("I2")
+    first = verdicts.get("I1")
+    second = verdicts.get("I2")
     if first is None or second is None:
         return "The causal claim: none until I1 and I2 are complete."
+    rule = "The causal claim, by the registered rule: "
     if first == TESTS[0][3] and second == TESTS[1][3]:
-        return ("The causal claim, by the registered rule: **the alignment causes the crossing** in this "
-                "experiment.")
+        return rule + "**the alignment causes the crossing** in this experiment."
     if first == TESTS[0][3]:
-        return ("The causal claim, by the registered rule: *moving the LR rows made runs cross; that the "
-                "alignment, rather than the move, does so is not shown*.")
-    return "The causal claim, by the registered rule: not made (I1 does not decide for the raise)."
+        return (rule + "*moving the LR rows made runs cross; that the alignment, rather than the "
+                "move, does so is not shown*.")
+    return rule + "not made (I1 does not decide for the raise)."
 
 
 def per_seed_lines(archive):
     """The trunks' readings and every arm's LR accuracy, seed by seed."""
-    margin_readings, ce_readings = readings(archive, "margin 0.6", SEEDS), readings(archive, "CE", CE_SEEDS)
-    arms = [("margin 0.6", arm) for arm in ("untouched", "raised", "sham", "lowered")] + \
-        [("CE", arm) for arm in ("untouched", "raised")]
+    margin_readings = readings(archive, "margin 0.6", SEEDS)
+    ce_readings = readings(archive, "CE", CE_SEEDS)
+    arms = [(loss, arm) for loss in ARMS for arm in ARMS[loss]]
     values = {arm: accuracies(archive, *arm, SEEDS) for arm in arms}
     lines = ["| seed | margin trunk twin_cos | CE trunk twin_cos | "
              + " | ".join(f"{loss} {arm}" for loss, arm in arms) + " |",
@@ -131,7 +128,9 @@ def per_seed_lines(archive):
 
 def provenance_line(archive):
     """Which machines and commits the archived runs came from (their run.json provenance)."""
-    cpus, commits, runs = set(), set(), 0
+    cpus = set()
+    commits = set()
+    runs = 0
     for root, _, files in os.walk(os.path.join(archive, GRID)):
         if "run.json" in files:
             with open(os.path.join(root, "run.json")) as f:
@@ -140,9 +139,8 @@ def provenance_line(archive):
             cpus.add(record.get("cpu", "not recorded"))
             changed = " (with changes)" if record.get("dirty") else ""
             commits.add(record.get("commit", "not recorded")[:12] + changed)
-    machines, code = ", ".join(sorted(cpus)) or "none", ", ".join(sorted(commits)) or "none"
-    return (f"Provenance: {runs} archived runs, trained on {machines}, from commit(s) {code} "
-            "(each run's run.json).")
+    return (f"Provenance: {runs} archived runs, trained on {', '.join(sorted(cpus)) or 'none'}, "
+            f"from commit(s) {', '.join(sorted(commits)) or 'none'} (each run's run.json).")
 
 
 def report(archive):
@@ -156,8 +154,8 @@ def report(archive):
     verdicts = {}
     for k, threshold in enumerate(THRESHOLDS):
         test, found = test_lines(archive, threshold)
-        kind = "primary" if k == 0 else "secondary"
-        lines += [f"## LR accuracy ≥ {threshold} ({kind})", ""] + [f"- {line}" for line in test] + [""]
+        lines += [f"## LR accuracy ≥ {threshold} ({'secondary' if k else 'primary'})", ""]
+        lines += [f"- {line}" for line in test] + [""]
         if k == 0:  # the causal claim is made at the primary threshold only
             verdicts = found
     lines += [causal_line(verdicts), "", "## Every seed", "",

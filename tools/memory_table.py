@@ -3,29 +3,24 @@ How much GPU memory does each paper-scale config need? Prints a Markdown table:
 
     python -m tools.memory_table config/baseline_350m.py config/simreg_7b.py ... [--gpus 8]
 
-One row per config, for the parallelism the config names (its `parallel` key; 'none' counts as
-DDP's states without buckets) on --gpus processes. The figures are plan.py's (what
-`train.py --dry_run=True` prints): states from the parameter count, activations measured by a
-forward pass at the config's real width (see plan.py's docstring).
+One row per config, for its own parallelism ('none' counts as DDP) on --gpus processes: plan.py's
+figures (`train.py --dry_run=True`).
 """
 
 import argparse
 import os
-
-import torch
 
 from configurator import parse_config, train_defaults
 from errors import UserError, end_with
 from plan import make_plan
 
 
-def read_config(path):
-    """A config file as a run reads it: train.py's defaults, then the file (its includes followed)."""
-    return parse_config([path], train_defaults())
+def read_config(*args):
+    """A run's config from train.py's arguments (config files, --key=value)."""
+    return parse_config(list(args), train_defaults())
 
 
 def table_lines(paths, gpus, measure=True):
-    """The Markdown table for each config file (tools/bench.py puts it in results/bench.md)."""
     lines = [f"GiB per GPU on {gpus} GPU(s), the config's own parallelism; activations of one micro-batch, "
              "in the compute dtype", "",
              "| config | params | parallel | micro-batch x T x micro-steps | weights + grads + AdamW (+ "
@@ -48,11 +43,10 @@ def main():
     parser.add_argument("configs", nargs="+")
     parser.add_argument("--gpus", type=int, default=8, help="processes, one per GPU")
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    missing = [path for path in args.configs if not os.path.exists(path)]
-    if missing:
-        raise UserError(f"no config file {missing[0]}")
-    print("\n".join(table_lines(args.configs, args.gpus)))  # a config, a key or --gpus: a ConfigError, status 2
+    for path in args.configs:
+        if not os.path.exists(path):
+            raise UserError(f"no config file {path}")
+    print("\n".join(table_lines(args.configs, args.gpus)))  # a bad key or --gpus: ConfigError, status 2
 
 
 if __name__ == "__main__":

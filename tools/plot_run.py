@@ -4,22 +4,19 @@ One run's log.jsonl as one figure, to look at a run while it trains or after:
     python -m tools.plot_run out/lowres_baseline                # writes out/lowres_baseline/log.png
     python -m tools.plot_run out/lowres_baseline --out run.png
 
-Panels over iterations: the loss (training 'loss' and the validation losses that are not a term's:
-'val', 'val_high', 'val_low'), one panel per loss term the records hold (the training value and
-its 'val_<term>' evaluation, if any), and the learning rate. Every line is labelled with its
-log.jsonl key. matplotlib is an optional extra, as for tools/figures.py, whose helpers draw it.
+Its panels, each line labelled with its log.jsonl key: docs/tracking.md. Needs matplotlib.
 """
 
 import argparse
 import os
 
 from errors import UserError, end_with
-from tools.figures import _grid_of_axes, _pyplot, _save
-from utils import LogError, check_writable, read_log  # noqa: F401 (LogError, read_log: this module's too)
+from tools.figures import _panels, _pyplot, _save
+from utils import check_writable, read_log
 
 # what a training record holds besides its loss terms (train.py's log); speed is not drawn
 NOT_TERMS = ("iter", "loss", "lr", "ms_per_iter", "tokens_per_s", "mfu", "loss_scale")
-# an evaluation's measures of the embedding (two-language runs: evaluate.validation_losses), one panel
+# an evaluation's measures of the embedding (two-language runs), one panel
 TWINS = ("twin_cos", "twin_top3")
 
 
@@ -27,32 +24,28 @@ def panels(records):
     """{panel title: [log key, ...]}: which keys are drawn together, in drawing order."""
     keys = list(dict.fromkeys(key for record in records for key in record))
     terms = [key for key in keys if key not in NOT_TERMS + TWINS and not key.startswith("val")]
-    loss = [key for key in keys if key == "loss"] + [key for key in keys
-                                                     if key.startswith("val") and key[4:] not in terms]
-    grouped = {"loss": loss, **{term: [term] + [k for k in keys if k == f"val_{term}"] for term in terms},
+    val = [key for key in keys if key.startswith("val") and key[4:] not in terms]
+    grouped = {"loss": [key for key in keys if key == "loss"] + val,
+               **{term: [term] + [k for k in keys if k == f"val_{term}"] for term in terms},
                "LR rows and their HR twins": [key for key in keys if key in TWINS],
                "learning rate": [key for key in keys if key == "lr"]}
     return {title: names for title, names in grouped.items() if names}
 
 
-def curve(records, key):
-    """(iterations, values) of one key, in log order."""
-    points = [(record["iter"], record[key]) for record in records if key in record]
-    return [i for i, _ in points], [v for _, v in points]
-
-
 def draw(records, title=""):
-    """The figure (matplotlib's Figure, for a caller to look into or save); None without matplotlib."""
-    plt = _pyplot()
-    if plt is None:
-        return None
+    """The matplotlib Figure, for a caller to look into or save; None without matplotlib
+    (or without panels)."""
     grouped = panels(records)
-    fig, axes = _grid_of_axes(plt, len(grouped), 3.8, 2.6, ncols=3)
+    drawn = _panels(len(grouped), 3.8, 2.6)
+    if drawn is None:
+        return None
+    _, fig, axes = drawn
     for ax, (panel, keys) in zip(axes, grouped.items()):
         for key in keys:
-            iters, values = curve(records, key)
-            sparse = key.startswith("val")  # one point per evaluation: marked
-            ax.plot(iters, values, label=key, lw=1.0, marker="o" if sparse else None, ms=3)
+            iters = [record["iter"] for record in records if key in record]
+            values = [record[key] for record in records if key in record]
+            marker = "o" if key.startswith("val") else None  # one point per evaluation
+            ax.plot(iters, values, label=key, lw=1.0, marker=marker, ms=3)
         ax.set_title(panel, fontsize=9)
         ax.set_xlabel("iteration", fontsize=8)
         ax.tick_params(labelsize=7)

@@ -1,17 +1,17 @@
 """
-Issue 40's pre-registered tests (results/preregistration.md, T1-T5), computed from the archived runs
-of the grids jostling (the 30 archived seeds), jostling_prereg (the 24 fresh seeds) and
-jostling_swap (the embedding swap). tools/report.py puts these lines into results/jostling.md once
-any of the new runs is archived. Each test follows its registered rule word for word; while a grid
-is incomplete, its counts are labelled partial and no verdict is given (the registration gives
-verdicts only for the complete set).
+Issue 40's pre-registered tests (results/preregistration.md, T1-T7), computed from the archived
+runs of the grids jostling (30 seeds), jostling_prereg (24 fresh seeds) and jostling_swap (the
+embedding swap); tools/report.py puts them into results/jostling.md. Each test follows its
+registered rule word for word; while a grid is incomplete its counts are labelled partial and
+no verdict is given.
 """
 
 import os
 
 from tools import stats
 from tools.grids import EMBEDDING_SWAPS, CROSSING_SEEDS, FRESH_SEEDS
-from tools.transition import fisher_exact, rate_cell, twin_curves
+from tools.transition import (RAISES, crosses, fisher_exact, fisher_verdict, marked_figure,
+                              rate_cell, twin_curves)
 
 THRESHOLDS = (0.43, 0.40, 0.38)   # primary, then the two secondary ones
 PREDICTOR_STEP, PREDICTOR_CUTOFF = 1000, 0.1224   # twin_cos at step 1000 above the cut-off: called
@@ -21,8 +21,14 @@ SWAPPED = ("margin 0.6, embeddings swapped",
            "margin 0.6, embeddings swapped, data order of the embeddings' seed")
 
 
-def crosses(metrics, threshold):
-    return metrics["low"]["accuracy"] >= threshold
+def count(runs, threshold):
+    """(k, n): how many of the runs {key: metrics} cross the threshold, of how many."""
+    return sum(crosses(m, threshold) for m in runs.values()), len(runs)
+
+
+def joined(first, second, tags=("old", "new")):
+    """{(tag, seed): value} of two {seed: value}."""
+    return {**{(tags[0], s): v for s, v in first.items()}, **{(tags[1], s): v for s, v in second.items()}}
 
 
 def partial_note(n, registered, unit="runs"):
@@ -30,33 +36,30 @@ def partial_note(n, registered, unit="runs"):
 
 
 def rate_test(archive, fresh, threshold):
-    """T1: the fresh own-order margin-0.6 rate, the pooled rate and the archive against the fresh
-    seeds. archive, fresh: {seed: metrics}."""
-    k_old, n_old = sum(crosses(m, threshold) for m in archive.values()), len(archive)
-    k_new, n_new = sum(crosses(m, threshold) for m in fresh.values()), len(fresh)
+    """T1: the fresh own-order margin-0.6 rate, the pooled rate and the archive against the
+    fresh seeds. archive, fresh: {seed: metrics}."""
+    k_old, n_old = count(archive, threshold)
+    k_new, n_new = count(fresh, threshold)
     if not n_new:
         return ["T1: no fresh margin-0.6 run yet."]
     low, high = stats.clopper_pearson(k_new, n_new)
     p = fisher_exact(k_old, n_old, k_new, n_new)
-    complete = n_new == len(FRESH_SEEDS)
     line = (f"T1, margin 0.6 on fresh seeds{partial_note(n_new, len(FRESH_SEEDS))}: "
             f"{rate_cell(k_new, n_new)}; pooled with the archive's {k_old} of {n_old}: "
             f"{rate_cell(k_old + k_new, n_old + n_new)}. Archive against fresh: Fisher's exact p = {p:.3g}")
-    if complete:
-        line += (": **the fresh seeds cross at another rate**, the pooled rate mixes two rates" if p < 0.05
-                 else ": no difference shown, the pooled rate is the estimate")
-        line += (f". The earlier claim (about {EXPECTED_RATE}) is **" +
-                 ("confirmed" if low <= EXPECTED_RATE <= high else "not confirmed") +
-                 f"**: {EXPECTED_RATE} is {'inside' if low <= EXPECTED_RATE <= high else 'outside'} "
-                 f"[{low:.2f}, {high:.2f}].")
-    else:
-        line += "."
-    return [line]
+    if n_new != len(FRESH_SEEDS):
+        return [line + "."]
+    line += (": **the fresh seeds cross at another rate**, the pooled rate mixes two rates" if p < 0.05
+             else ": no difference shown, the pooled rate is the estimate")
+    inside = low <= EXPECTED_RATE <= high
+    return [line + f". The earlier claim (about {EXPECTED_RATE}) is **"
+            + ("confirmed" if inside else "not confirmed")
+            + f"**: {EXPECTED_RATE} is {'inside' if inside else 'outside'} [{low:.2f}, {high:.2f}]."]
 
 
 def concordance_test(own, other, threshold):
-    """T2: the 2 x 2 of the fresh pairs, crossing with the seed's own data order x with the next
-    seed's, against what independence predicts, by Fisher's exact test."""
+    """T2: the 2 x 2 of the fresh pairs, crossing with the seed's own data order x with the
+    next seed's, against what independence predicts, by Fisher's exact test."""
     seeds = sorted(set(own) & set(other))
     if not seeds:
         return ["T2: no fresh seed has both of its runs yet."]
@@ -64,9 +67,11 @@ def concordance_test(own, other, threshold):
     b = [crosses(other[s], threshold) for s in seeds]
     n = len(seeds)
     both = sum(x and y for x, y in zip(a, b))
-    only_own, only_next = sum(x and not y for x, y in zip(a, b)), sum(y and not x for x, y in zip(a, b))
+    only_own = sum(x and not y for x, y in zip(a, b))
+    only_next = sum(y and not x for x, y in zip(a, b))
     neither = n - both - only_own - only_next
-    p_own, p_next = sum(a) / n, sum(b) / n
+    p_own = sum(a) / n
+    p_next = sum(b) / n
     expected = [n * p_own * p_next, n * p_own * (1 - p_next), n * (1 - p_own) * p_next,
                 n * (1 - p_own) * (1 - p_next)]
     line = (f"T2, the same initialisation under two data orders{partial_note(n, len(FRESH_SEEDS), 'pairs')}: "
@@ -85,7 +90,7 @@ def concordance_test(own, other, threshold):
 
 def predictor_counts(runs, curves, threshold):
     """(hits, crossing runs, false alarms, other runs, runs without a step-1000 reading) of the
-    registered predictor over runs {seed: metrics} with curves {seed: (steps, twin_cos)}."""
+    registered predictor over runs {key: metrics} with curves {key: (steps, twin_cos)}."""
     hits = n_yes = alarms = n_no = unread = 0
     for seed, metrics in runs.items():
         steps, values = curves.get(seed, ([], []))
@@ -94,15 +99,17 @@ def predictor_counts(runs, curves, threshold):
             continue
         called = values[steps.index(PREDICTOR_STEP)] > PREDICTOR_CUTOFF
         if crosses(metrics, threshold):
-            n_yes, hits = n_yes + 1, hits + called
+            n_yes += 1
+            hits += called
         else:
-            n_no, alarms = n_no + 1, alarms + called
+            n_no += 1
+            alarms += called
     return hits, n_yes, alarms, n_no, unread
 
 
 def predictor_test(own, next_order, ce, curves):
-    """T3 at the primary threshold: the 24 own-order runs (independent initialisations) primary,
-    all fresh margin-0.6 runs and the fresh CE runs secondary."""
+    """T3 at the primary threshold: the 24 own-order runs (independent initialisations)
+    primary, all fresh margin-0.6 runs and the fresh CE runs secondary."""
     threshold = THRESHOLDS[0]
     hits, n_yes, alarms, n_no, unread = predictor_counts(own, curves.get(FRESH, {}), threshold)
     n = n_yes + n_no
@@ -115,16 +122,12 @@ def predictor_test(own, next_order, ce, curves):
         line += ". **Not testable**: " + ("no own-order run crosses." if not n_yes
                                           else "every own-order run crosses.")
     else:
-        p = fisher_exact(hits, n_yes, alarms, n_no)
-        line += f"; Fisher's exact p = {p:.3g}"
-        if n == len(FRESH_SEEDS):
-            line += (": **the step-1000 reading predicts the transition on new seeds**."
-                     if p < 0.05 and hits / n_yes > alarms / n_no else ": **not shown**.")
-        else:
-            line += "."
-    both = {**{("own", s): m for s, m in own.items()}, **{("next", s): m for s, m in next_order.items()}}
-    both_curves = {**{("own", s): c for s, c in curves.get(FRESH, {}).items()},
-                   **{("next", s): c for s, c in curves.get(NEXT, {}).items()}}
+        p, word = fisher_verdict(hits, n_yes, alarms, n_no, (
+            "the step-1000 reading predicts the transition on new seeds", "not shown", "not shown"))
+        line += f"; Fisher's exact p = {p:.3g}" + (f": **{word}**." if n == len(FRESH_SEEDS) else ".")
+    tags = ("own", "next")
+    both = joined(own, next_order, tags)
+    both_curves = joined(curves.get(FRESH, {}), curves.get(NEXT, {}), tags)
     h2, y2, a2, n2, _ = predictor_counts(both, both_curves, threshold)
     _, _, a3, n3, _ = predictor_counts(ce, curves.get("baseline", {}), threshold)
     return [line, "", "Secondary: over all fresh margin-0.6 runs (pairs share an initialisation), hits "
@@ -134,26 +137,21 @@ def predictor_test(own, next_order, ce, curves):
 
 def rates_test(ce, margin, threshold, label):
     """T4: CE against margin 0.6, rate difference and Fisher's exact test."""
-    k1, n1 = sum(crosses(m, threshold) for m in margin.values()), len(margin)
-    k2, n2 = sum(crosses(m, threshold) for m in ce.values()), len(ce)
+    k1, n1 = count(margin, threshold)
+    k2, n2 = count(ce, threshold)
     if not n1 or not n2:
         return [f"T4 ({label}): not enough runs yet."]
-    p = fisher_exact(k1, n1, k2, n2)
+    p, word = fisher_verdict(k1, n1, k2, n2, RAISES)
     registered = 2 * (30 + len(FRESH_SEEDS)) if label == "pooled" else 2 * len(FRESH_SEEDS)
     line = (f"T4, CE against margin 0.6, {label}{partial_note(n1 + n2, registered)}: "
             f"margin {rate_cell(k1, n1)}, CE {rate_cell(k2, n2)}; difference {k1 / n1 - k2 / n2:+.2f}, "
             f"Fisher's exact p = {p:.3g}")
-    if n1 + n2 == registered:
-        line += (": **thresholding raises the rate**." if p < 0.05 and k1 / n1 > k2 / n2 else
-                 ": **thresholding lowers the rate**." if p < 0.05 else ": **no difference shown**.")
-    else:
-        line += "."
-    return [line]
+    return [line + (f": **{word}**." if n1 + n2 == registered else ".")]
 
 
 def swap_test(swap, threshold):
-    """T5: the runs whose embeddings come from a crossing initialisation against those whose blocks
-    do, by the registered rule; Fisher's p beside it."""
+    """T5: the runs whose embeddings come from a crossing initialisation against those whose
+    blocks do, by the registered rule; Fisher's p beside it."""
     runs = []  # (blocks, embeddings, data order, LR accuracy, crossed)
     for method, data_of in ((SWAPPED[0], lambda s: s), (SWAPPED[1], lambda s: EMBEDDING_SWAPS[s])):
         for seed, metrics in sorted(swap.get(method, {}).items()):
@@ -184,13 +182,15 @@ def swap_test(swap, threshold):
 
 
 def findings(archive, fresh, swap, curves):
-    """Markdown lines: archive, fresh, swap are {method: {seed: metrics}} of the grids jostling,
-    jostling_prereg and jostling_swap; curves {method: {seed: (steps, twin_cos)}} of jostling_prereg."""
+    """Markdown lines: archive, fresh, swap are {method: {seed: metrics}} of the grids
+    jostling, jostling_prereg and jostling_swap; curves are twin_curves of jostling_prereg."""
     lines = ["## Issue 40: the pre-registered tests", "",
              "Registered in `results/preregistration.md` before any of these runs started; each line "
              "follows its rule there. The fresh seeds are 1367–1390; own order means `data_seed` = "
              "`seed`.", ""]
-    own, next_order, ce = fresh.get(FRESH, {}), fresh.get(NEXT, {}), fresh.get("baseline", {})
+    own = fresh.get(FRESH, {})
+    next_order = fresh.get(NEXT, {})
+    ce = fresh.get("baseline", {})
     for threshold in THRESHOLDS:
         lines += [f"### LR accuracy ≥ {threshold} "
                   f"({'primary' if threshold == THRESHOLDS[0] else 'secondary'})", ""]
@@ -198,10 +198,8 @@ def findings(archive, fresh, swap, curves):
         lines += concordance_test(own, next_order, threshold) + [""]
         if threshold == THRESHOLDS[0]:
             lines += predictor_test(own, next_order, ce, curves) + [""]
-        pooled_margin = {**{("old", s): m for s, m in archive.get("margin 0.6", {}).items()},
-                         **{("new", s): m for s, m in own.items()}}
-        pooled_ce = {**{("old", s): m for s, m in archive.get("baseline", {}).items()},
-                     **{("new", s): m for s, m in ce.items()}}
+        pooled_ce = joined(archive.get("baseline", {}), ce)
+        pooled_margin = joined(archive.get("margin 0.6", {}), own)
         lines += rates_test(pooled_ce, pooled_margin, threshold, "pooled") + [""]
         lines += rates_test(ce, own, threshold, "fresh seeds only") + [""]
         lines += swap_test(swap, threshold) + [""]
@@ -224,9 +222,9 @@ NORM_MARGIN = 0.04  # T6: a third of the released l2_repel's -0.12 HR PPL agains
 
 
 def norm_term_outcome(evaluated, registered_seeds=5):
-    """T6's rule on claims.evaluate_claims(..., claims.NORM_CLAIMS): [(claim, paired result, Holm
-    p, verdict)] of (a) the norm term alone against CE and (b) against the released l2_repel.
-    None until both rows have every registered seed."""
+    """T6's rule on claims.evaluate_claims(..., claims.NORM_CLAIMS): [(claim, paired result,
+    Holm p, verdict)] of the norm term alone (a) against CE, (b) against the released
+    l2_repel. None until both rows have every registered seed."""
     (_, vs_ce, _, verdict_ce), (_, vs_released, p_released, _) = evaluated
     if vs_ce is None or vs_released is None or min(vs_ce["n"], vs_released["n"]) < registered_seeds:
         return None
@@ -243,8 +241,8 @@ CONVERGED_BEFORE, CONVERGED_FALL = 1400, 0.01
 
 
 def convergence_lines(runs, registered_seeds=5):
-    """T7's convergence rule for CE on the BPE toy at 1600 steps. runs: {seed: {"dir", "metrics"}}
-    of the CE row (each log.jsonl holds its val loss every 50 steps)."""
+    """T7's convergence rule for CE on the BPE toy at 1600 steps. runs: {seed: {"dir",
+    "metrics"}} of the CE row (each log.jsonl holds its val loss every 50 steps)."""
     from utils import read_log
     if not runs:
         return []
@@ -268,14 +266,9 @@ def convergence_lines(runs, registered_seeds=5):
 
 
 def twin_figure(g, results_dir):
-    """[(title, path)] of the figure of every run's twin_cos curve in the grid g (jostling_prereg or
-    jostling_swap), one panel per method, the runs that cross 0.43 in red; [] without curves or
-    matplotlib."""
-    from tools import figures
+    """transition.marked_figure of every twin_cos curve of the grid g (jostling_prereg or
+    jostling_swap), a panel per method."""
     panels = {method: {str(seed): (steps, values, crosses(g.results[method][seed], THRESHOLDS[0]))
                        for seed, (steps, values) in per_seed.items()}
               for method, per_seed in twin_curves(g).items()}
-    path = figures.marked_curves(panels, os.path.join(results_dir, "figures", f"{g.name}_twin_cosine.png"),
-                                 "twin_cos")
-    return [("Mean cosine of each LR row with its HR twin at every evaluation (runs that reach LR accuracy "
-             f"{THRESHOLDS[0]} in red)", path)] if path else []
+    return marked_figure(panels, results_dir, g.name, f"reach LR accuracy {THRESHOLDS[0]}")

@@ -13,13 +13,13 @@ than CLOSE, and |gradient of the repulsion| / |gradient of the norm term|.
 """
 
 import argparse
-import os
 
 import torch
 
 import losses
+from checkpoint import data_dir_of, load_model
 from errors import UserError, end_with
-from evaluate import load_model, val_blocks
+from scoring import val_blocks
 
 CLOSE = 10.0  # a squared distance whose exp(-d) (4.5e-5) is still seen beside the diagonal's 1
 
@@ -55,9 +55,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     for path in args.checkpoints:
         model, checkpoint = load_model(path)
-        data_dir = args.data_dir or checkpoint["config"]["data_dir"]
-        if not os.path.exists(os.path.join(data_dir, "meta.json")):
-            raise UserError(f"{path}: its data_dir '{data_dir}' holds no dataset; give --data_dir")
+        data_dir = data_dir_of(checkpoint, path, args.data_dir)
         x, _ = val_blocks(data_dir, model.config.block_size)
         print(f"{path} (first {min(args.blocks, len(x))} val blocks)\n")
         print("| block | median squared distance | pairs closer than 10 | repulsion / norm term (gradient) |")
