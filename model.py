@@ -364,16 +364,10 @@ class GPT(nn.Module):
         fill_parameters(self, self.initializers())
 
     def embeddings(self):
-        """The weights a loss may need, by name; tied: one matrix."""
-        return {"input": self.input_embedding(), "output": self.output_embedding()}
-
-    def input_embedding(self):
-        """(V, C) rows looked up for input tokens."""
-        return self.wte.weight
-
-    def output_embedding(self):
-        """(V, C) rows the final state is scored against."""
-        return self.lm_head.weight
+        """The (V, C) weights a loss may need, by name: 'input', the rows
+        looked up for input tokens; 'output', the rows the final state is
+        scored against. Tied: one matrix."""
+        return {"input": self.wte.weight, "output": self.lm_head.weight}
 
     def num_params(self, non_embedding=False, active=False):
         """Parameter count; non_embedding: without wpe; active: only

@@ -136,7 +136,7 @@ def configure_optimizers(model, learning_rate, weight_decay, betas,
     given, is its decay (docs/fidelity.md)."""
     params = {id(p): p for m in (model, *extra_modules)
               for p in m.parameters() if p.requires_grad}  # tied: once
-    embedding = model.input_embedding()
+    embedding = model.wte.weight
     decay = weight_decay
     if embedding_weight_decay is not None:
         decay = embedding_weight_decay

@@ -188,7 +188,7 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
     plus "flops": the matmul FLOPs this evaluation executed."""
     x, y = val_blocks(data_dir, model.config.block_size)
     targets = y.reshape(-1)
-    W = model.output_embedding().detach().float().cpu()
+    W = model.lm_head.weight.detach().float().cpu()
     forward_flops = x.numel() * model.flops_per_token(backward=False)
     if low_resource:  # two languages: each scored on the whole split
         shift = len(itos)
@@ -202,7 +202,7 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
                 "isotropy": metrics.isotropy(rows),
                 "isotropy_authors": metrics.isotropy_authors(rows)}
         result["isotropy_all"] = metrics.isotropy(W)
-        E = model.input_embedding().detach().float().cpu()
+        E = model.wte.weight.detach().float().cpu()
         result["translations"] = metrics.translation_metrics(E, itos, shift)
         return result
     # one language, a natural vocabulary: rare targets get own metrics
@@ -285,7 +285,7 @@ def validation_losses(model, objective, val_data, batch_size, block_size,
                         return_hidden_states=bool(aux) or chunk > 0)
                     if chunk:  # the head and the loss by chunks, as in training
                         row[k * B:(k + 1) * B] = linear_cross_entropy(
-                            passes[lang][1][-1], model.output_embedding(),
+                            passes[lang][1][-1], model.lm_head.weight,
                             y + offset, chunk_size=chunk,
                             reduction="none").view(B, -1).mean(1)
                         continue
@@ -330,7 +330,7 @@ def validation_losses(model, objective, val_data, batch_size, block_size,
     out.update({f"val_{name}": value for name, value in term_sums.items()})
     # a char vocabulary's 2V x 2V cosines are cheap; a BPE table's not
     if low_resource and 2 * shift <= 4096:
-        embedding = model.input_embedding()
+        embedding = model.wte.weight
         if hasattr(embedding, "full_tensor"):
             embedding = embedding.full_tensor()
         out.update(metrics.twin_alignment(embedding, shift))

@@ -25,13 +25,13 @@ import torch
 from tqdm import tqdm
 
 import checkpoint
-import scoring
+import memory
 import metrics
 import parallelism
-import memory
 import plan
 import prepare_shakespeare
 import run
+import scoring
 import speed
 import tracking
 from configurator import (ConfigError, check_train_config, parse_config,

@@ -73,6 +73,14 @@ def test_table_uses_each_configs_own_parallelism():
     assert float(rows["baseline_350m.py"][4]) == pytest.approx(20 * params_350m / memory.GiB, rel=0.02)
 
 
+def test_a_one_process_config_counts_as_ddp_on_several_gpus():
+    """c4_tiny sets parallel='none' (one process); the table's 8-GPU row counts it as DDP, as its
+    docstring says, where a plan of 'none' on 8 processes is refused."""
+    lines = memory_table.table_lines([os.path.join(REPO, "config", "c4_tiny.py")], 8, measure=False)
+    row = [line.split(" | ") for line in lines if line.startswith("| c4_tiny.py")]
+    assert len(row) == 1 and row[0][2] == "ddp"
+
+
 def test_a_plan_for_a_gpu_counts_the_gpus_cross_entropy():
     """losses.cross_entropy is F.cross_entropy on logits upcast to float32, on every device, so the
     meta device where the plan measures holds what a GPU holds: on (8 x 2048, 50304) bf16 logits

@@ -33,7 +33,7 @@ def test_hidden_states_are_embedding_blocks_and_final_norm():
 
 def test_untied_model_has_its_own_head():
     model = build_model(GPTConfig(**{**TINY.__dict__, "tie_weights": False}))
-    assert model.output_embedding() is not model.input_embedding()
+    assert model.lm_head.weight is not model.wte.weight
     assert model.num_params() == build_model(TINY).num_params() + 30 * 32
 
 

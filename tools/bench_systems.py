@@ -109,7 +109,7 @@ PLAN_MEMORY_RUNS = [
     ("c4_tiny", ["config/c4_tiny.py"], 1),
     ("c4_tiny, activation checkpointing", ["config/c4_tiny.py", "--activation_checkpointing=True"], 1),
     ("350M width, 2 blocks", ["config/baseline_350m.py", "--n_layer=2", "--parallel=none",
-                              "--global_batch_size=0"], 1),
+                              "--batch_size=1", "--global_batch_size=0"], 1),
     ("c4_tiny, DDP on 2 gloo processes", ["config/c4_tiny.py", "--parallel=ddp"], 2),
     ("c4_tiny, FSDP on 2 gloo processes", ["config/c4_tiny.py", "--parallel=fsdp"], 2),
 ]

@@ -28,7 +28,10 @@ def table_lines(paths, gpus, measure=True):
              "total |",
              "|---|---|---|---|---|---|---|---|"]
     for path in paths:
-        p = make_plan(read_config(path), gpus, measure=measure)
+        config = read_config(path)
+        if config["parallel"] == "none":  # a one-process config, counted as DDP on gpus
+            config["parallel"] = "ddp"
+        p = make_plan(config, gpus, measure=measure)
         mode = "fsdp" if p["parallel"] == "fsdp" else "ddp"
         parts = p["memory_parts"]
         total = p["memory"][mode]["checkpointed" if p["activation_checkpointing"] else "plain"]
