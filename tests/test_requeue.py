@@ -1,23 +1,15 @@
-"""A multi-node job that is preempted and requeued (docs/runs.md's Slurm script), on one machine:
-two torchrun "nodes" of one gloo process each, joined by a c10d rendezvous on 127.0.0.1, run with
-the same command every time (--init_from=auto). The preemption arrives as the script delivers it:
-its trap passes Slurm's SIGUSR1 to srun, and srun to every process of the job step, each node's
-torchrun and its workers; torchrun (told to handle SIGUSR1) passes a second one to its worker (a
-torchrun without that option, started through docs/runs.md's wrapper, ignores it).
-Every rank agrees on the stop at the step it reached, saves it, and the requeued job goes on from
-there: its losses are the uninterrupted run's, step for step. Rank 0
-alone decides whether a job resumes or starts, and from which checkpoint: ranks whose view of
-out_dir differs (here: two working directories and a relative out_dir) follow it or stop together."""
+"""Several torchrun "nodes" on one machine: two agents of one gloo process each, joined by a
+rendezvous on 127.0.0.1, run with the same command every time (--init_from=auto). Rank 0 alone
+decides whether a job resumes or starts, and from which checkpoint: ranks whose view of out_dir
+differs (here: two working directories and a relative out_dir) follow it or stop together. The
+preempted and requeued job, through slurm/'s scripts: tests/test_slurm.py."""
 
 import functools
-import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -57,39 +49,6 @@ def torchrun_handles_signals():
     usage = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True,
                            text=True).stdout
     return "--signals_to_handle" in usage
-
-
-@pytest.mark.slow
-def test_a_preempted_two_node_job_is_requeued_and_loses_no_step(tmp_path, data_dir):
-    whole, stopped = tmp_path / "whole", tmp_path / "stopped"
-    reference, job = launch_nodes(whole, data_dir, *LONG), launch_nodes(stopped, data_dir, *LONG)
-    log, t0 = stopped / "log.jsonl", time.time()
-    while not (log.exists() and len(log.read_text().splitlines()) > 40) and time.time() - t0 < 300:
-        time.sleep(0.01)
-    workers = [subprocess.run(["pgrep", "-P", str(agent.pid)], capture_output=True, text=True).stdout.split()
-               for agent in job]
-    assert [len(w) for w in workers] == [1, 1], workers
-    signalled = time.time()
-    for pid in [agent.pid for agent in job] + [int(w[0]) for w in workers]:  # srun: every process of the step
-        os.kill(pid, signal.SIGUSR1)
-    results = finish(*job, check=False)
-    seconds = time.time() - signalled
-    finish(*reference)
-    # torchrun exits 1 after a clean stop (its SignalException, or, ignoring SIGUSR1, its worker's exit
-    # 138): the script requeues on its own trap
-    assert [r.returncode for r in results] == [1, 1], [r.stderr[-2000:] for r in results]
-    output = "".join(r.stdout for r in results)
-    step = json.loads((stopped / "ckpt.json").read_text())["iter_num"]
-    assert 40 <= step < 200 and f"stopped by SIGUSR1 at step {step};" in output
-    assert max(train_losses(stopped)) == step - 1  # every step trained before the stop is in ckpt.pt
-    assert "(on each of the 2 nodes) torchrun --nnodes=2 --nproc_per_node=1" in output
-    assert "--rdzv_endpoint=127.0.0.1:" in output and output.rstrip().endswith("--init_from=resume")
-    assert seconds < 30, seconds  # torchrun's default grace; a real run adds one step and its save
-    print(f"stopped at step {step}, {seconds:.1f} s from the signal to both launchers' exit")
-    # the requeued job: the same command
-    results = finish(*launch_nodes(stopped, data_dir, *LONG))
-    assert f"resumed from {stopped / 'ckpt.pt'} at iter {step}" in "".join(r.stdout for r in results)
-    assert train_losses(stopped) == train_losses(whole)
 
 
 @pytest.mark.slow
