@@ -28,7 +28,7 @@ from utils import (atomic_write, remove_leftovers, save_json, torch_save,
 
 # FSDP: ckpt.pt's shard folders (latest, previous, being written)
 DCP_SLOTS = ("a", "b", "c")
-BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt (save_weights)
+BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt
 
 
 def load(path, device="cpu",
@@ -109,21 +109,18 @@ def shards_of(path, checkpoint):
 
 
 def run_state(config, model_config, meta, iter_num, best_val_loss,
-              last_eval, training=None):
-    """A checkpoint's state besides the weights; training: for ckpt.pt
-    (TrainingState.state_dict())."""
+              last_eval):
+    """A checkpoint's state besides the weights and the TrainingState."""
     return {"model_config": model_config.__dict__, "config": config,
             "iter_num": iter_num, "best_val_loss": best_val_loss,
             "last_eval": last_eval, "meta": meta,
             "data_dir_resolved": os.path.realpath(config["data_dir"]),
-            "processes": parallelism.world_size(), **(training or {})}
+            "processes": parallelism.world_size()}
 
 
 class TrainingState:
-    """The rest of a full checkpoint, saved and loaded like a module: the
-    FLOPs executed, the data order, the RNGs, AdaGC's EMAs, the float16
-    loss scale, Stop Jostling's gradient parts (rank 0's, as every rank's
-    are the same)."""
+    """The rest of a full checkpoint, saved and loaded like a module
+    (rank 0's: every rank's is the same); what it holds: docs/runs.md."""
 
     def __init__(self, data_generator, epoch_windows=None, clipper=None,
                  scaler=None, grad_recorder=None, device="cpu"):
@@ -221,9 +218,10 @@ def json_step(path):
 RESUME_NEEDS = ("model_config", "config", "iter_num", "data_rng", "torch_rng")
 
 
-def load_latest(out_dir, device, master=True):
+def load_latest(out_dir, device):
     """(checkpoint, path) of the newest readable full checkpoint: ckpt.pt,
-    or ckpt_prev.pt if ckpt.pt or its shards cannot be read (a warning)."""
+    or ckpt_prev.pt if ckpt.pt or its shards cannot be read (a warning);
+    mends a JSON summary a step behind. Rank 0's."""
     paths = [os.path.join(out_dir, name)
              for name in ("ckpt.pt", "ckpt_prev.pt")]
     if not any(os.path.exists(p) for p in paths):
@@ -242,24 +240,24 @@ def load_latest(out_dir, device, master=True):
         except CheckpointError as e:
             problems.append(str(e))
             continue
-        if problems and master:
+        if problems:
             print(f"warning: {problems[0]}; resuming from the previous "
                   f"checkpoint {path} (step {checkpoint['iter_num']}) instead")
         json_path = path[:-3] + ".json"
-        if master and json_step(json_path) != checkpoint["iter_num"]:
+        if json_step(json_path) != checkpoint["iter_num"]:
             save_json(summary(checkpoint), json_path)
         return checkpoint, path
     raise CheckpointError("cannot resume: " + "; ".join(problems))
 
 
 def starting_weights(path, model_config, head_from_embedding, data_dir,
-                     device="cpu", sharded=False):
-    """Another run's weights to start from: whole, or for a sharded run
-    from shards, a function reading each rank's rows (load_shards_into).
-    head_from_embedding: the LM head starts as a copy of the input
-    embedding (CWT's second stage, headless LM paper, Sec. 4.2)."""
-    on_cpu = device == "cpu"
-    source = load(path, device, mmap=on_cpu)
+                     sharded=False):
+    """Another run's weights to start from, memory-mapped on the CPU:
+    whole, or for a sharded run from shards, a function reading each
+    rank's rows (load_shards_into). head_from_embedding: the LM head
+    starts as a copy of the input embedding (CWT's second stage,
+    headless LM paper, Sec. 4.2)."""
+    source = load(path, mmap=True)
     check_dataset(source, data_dir, whole=False)
     theirs = GPTConfig.from_checkpoint(source["model_config"])
     for key, value in theirs.__dict__.items():
@@ -271,7 +269,7 @@ def starting_weights(path, model_config, head_from_embedding, data_dir,
     if sharded and "model" not in source and "dcp" in source:
         return functools.partial(load_shards_into, shards_of(path, source),
                                  head_from_embedding)
-    weights = dict(load_with_weights(path, device, mmap=on_cpu)["model"])
+    weights = dict(load_with_weights(path, mmap=True)["model"])
     if head_from_embedding:
         weights["lm_head.weight"] = weights["wte.weight"].clone()
     return weights
@@ -304,8 +302,6 @@ def data_dir_of(checkpoint, path, override=None):
         f"--data_dir=...")
 
 
-# the full training state
-
 def whole_weights(modules):
     return {"model": modules["model"].state_dict(),
             "objective": modules["objective"].state_dict()}
@@ -316,61 +312,145 @@ def objective_shapes(modules):
     return {k: list(v.shape) for k, v in objective.items()}
 
 
-def save_full(out_dir, state, modules, optimizers, parallel, master,
-              dcp_slots, keep_previous=True):
-    """Write ckpt.pt, the previous one kept as ckpt_prev.pt unless
-    keep_previous=False. FSDP: the shards go to a free slot of ckpt_dcp/;
-    dcp_slots: [previous, latest] slot names, updated. Collective."""
-    path = os.path.join(out_dir, "ckpt.pt")
-    state = dict(state)
-    if parallel == "fsdp":
-        slot = next(s for s in DCP_SLOTS if s not in dcp_slots)
+class Checkpoints:
+    """Writes a run's ckpt.pt and best.pt and restores a resumed run.
+    modules: ModuleDict {'model', 'objective'}."""
+
+    def __init__(self, out_dir, modules, optimizers, master):
+        self.out_dir = out_dir
+        self.modules = modules
+        self.optimizers = optimizers
+        self.master = master
+
+    def write_agreed(self, path, state, keep_previous=False):
+        """write() on rank 0, its outcome agreed over all ranks."""
+        problem = None
+        if self.master:
+            try:
+                write(path, state, keep_previous=keep_previous)
+            except CheckpointError as e:
+                problem = str(e)
+        agree(problem)
+
+
+class Whole(Checkpoints):
+    """ckpt.pt and best.pt hold the whole weights, written by rank 0."""
+
+    def save_full(self, state, keep_previous=True):
+        """Write ckpt.pt, the previous one kept as ckpt_prev.pt unless
+        keep_previous=False. Collective."""
+        path = os.path.join(self.out_dir, "ckpt.pt")
+        optimizers = [opt.state_dict() for opt in self.optimizers]
+        state = {**state, **whole_weights(self.modules),
+                 "optimizers": optimizers}
+        self.write_agreed(path, state, keep_previous)
+
+    def save_best(self, state):
+        """best.pt: the weights alone. Collective."""
+        path = os.path.join(self.out_dir, "best.pt")
+        state = {**state, **whole_weights(self.modules)}
+        self.write_agreed(path, state)
+
+    def restore(self, checkpoint, path):
+        """Load a full checkpoint's weights and optimizer states."""
+        if "dcp" in checkpoint:
+            directory = os.path.join(self.out_dir, checkpoint["dcp"])
+            raise CheckpointError(
+                f"cannot resume: {path} was written with parallel='fsdp' "
+                f"(sharded in {directory}); resume with --parallel=fsdp")
+        self.modules["model"].load_state_dict(checkpoint["model"])
+        try:
+            self.modules["objective"].load_state_dict(
+                checkpoint.get("objective", {}))
+        except RuntimeError:
+            raise CheckpointError(loss_mismatch(path)) from None
+        for opt, state in zip(self.optimizers, checkpoint["optimizers"]):
+            opt.load_state_dict(state)
+
+
+class Sharded(Checkpoints):
+    """ckpt.pt and best.pt name folders of FSDP shards, every rank
+    writing its own: ckpt.pt's in a free one of ckpt_dcp/'s DCP_SLOTS,
+    best.pt's in best_dcp/step_<iter>/."""
+
+    def __init__(self, out_dir, modules, optimizers, master):
+        super().__init__(out_dir, modules, optimizers, master)
+        # the slots ckpt_prev.pt and ckpt.pt name
+        self.slots = [None, None]
+
+    def save_full(self, state, keep_previous=True):
+        path = os.path.join(self.out_dir, "ckpt.pt")
+        slot = next(s for s in DCP_SLOTS if s not in self.slots)
         dcp = os.path.join("ckpt_dcp", slot)
-        has_optimizer_state = any(opt.state for opt in optimizers)
-        write_shards(os.path.join(out_dir, dcp), modules, optimizers,
-                     has_optimizer_state, master, path)
-        state.update(dcp=dcp,
-                     dcp_previous=dcp_slots[1],
-                     dcp_optimizers=has_optimizer_state,
-                     objective_shapes=objective_shapes(modules))
-    else:
-        state.update(whole_weights(modules),
-                     optimizers=[opt.state_dict() for opt in optimizers])
-    write_agreed(master, path, state, keep_previous)
-    if parallel == "fsdp":
-        dcp_slots[:] = [dcp_slots[1], slot]
-        if master:  # shards no checkpoint names any more
+        with_optimizers = any(opt.state for opt in self.optimizers)
+        self.write_shards(os.path.join(self.out_dir, dcp), path,
+                          with_optimizers)
+        state = {**state, "dcp": dcp, "dcp_previous": self.slots[1],
+                 "dcp_optimizers": with_optimizers,
+                 "objective_shapes": objective_shapes(self.modules)}
+        self.write_agreed(path, state, keep_previous)
+        self.slots = [self.slots[1], slot]
+        if self.master:  # shards no checkpoint names any more
             for old in DCP_SLOTS:
-                if old not in dcp_slots:
-                    shutil.rmtree(os.path.join(out_dir, "ckpt_dcp", old),
+                if old not in self.slots:
+                    shutil.rmtree(os.path.join(self.out_dir, "ckpt_dcp", old),
                                   ignore_errors=True)
 
+    def save_best(self, state):
+        path = os.path.join(self.out_dir, "best.pt")
+        best_dcp = os.path.join(self.out_dir, BEST_DCP)
+        step = f"step_{state['iter_num']}"
+        self.write_shards(os.path.join(best_dcp, step), path)
+        state = {**state, "dcp": os.path.join(BEST_DCP, step)}
+        self.write_agreed(path, state)
+        if self.master:
+            for old in os.listdir(best_dcp):
+                if old != step:
+                    shutil.rmtree(os.path.join(best_dcp, old),
+                                  ignore_errors=True)
 
-def write_shards(directory, modules, optimizers, with_optimizers, master,
-                 path):
-    """Every rank writes its shards into directory (emptied first), for
-    the checkpoint at path; a failure on one rank fails all."""
-    if master and os.path.exists(directory):
-        shutil.rmtree(directory)
-    parallelism.barrier()
-    problem = None
-    try:
-        save_sharded(directory, modules, optimizers, with_optimizers)
-    except shard_errors() as e:
-        problem = (f"cannot write the shards in {directory} "
-                   f"({str(e).splitlines()[0][:200]}); {path} is intact")
-    agree(problem)
-
-
-def write_agreed(master, path, state, keep_previous=False):
-    """write() on rank 0, its outcome agreed over all ranks."""
-    problem = None
-    if master:
+    def write_shards(self, directory, path, with_optimizers=False):
+        """Every rank writes its shards into directory (emptied first),
+        for the checkpoint at path; a failure on one rank fails all."""
+        if self.master and os.path.exists(directory):
+            shutil.rmtree(directory)
+        parallelism.barrier()
+        problem = None
         try:
-            write(path, state, keep_previous=keep_previous)
-        except CheckpointError as e:
-            problem = str(e)
-    agree(problem)
+            save_sharded(directory, self.modules, self.optimizers,
+                         with_optimizers)
+        except shard_errors() as e:
+            problem = (f"cannot write the shards in {directory} "
+                       f"({str(e).splitlines()[0][:200]}); {path} is intact")
+        agree(problem)
+
+    def restore(self, checkpoint, path):
+        """Read the shards a full checkpoint names. Collective."""
+        if "dcp" not in checkpoint:
+            written = checkpoint["config"].get("parallel", "none")
+            raise CheckpointError(
+                f"cannot resume: {path} holds whole weights (written with "
+                f"parallel='{written}'); resume it with that setting")
+        directory = os.path.join(self.out_dir, checkpoint["dcp"])
+        if checkpoint["objective_shapes"] != objective_shapes(self.modules):
+            raise CheckpointError(loss_mismatch(path))
+        try:  # DCP gathers every rank's failure: all ranks are here together
+            load_sharded(directory, self.modules, self.optimizers,
+                         checkpoint["dcp_optimizers"])
+        except shard_errors() as e:
+            before = ""
+            if path.endswith("ckpt.pt"):
+                before = f"; move {path} aside to resume from ckpt_prev.pt"
+            raise CheckpointError(
+                f"cannot read the FSDP shards in {directory}, named by {path} "
+                f"({type(e).__name__}){before}") from None
+        self.slots = [checkpoint.get("dcp_previous"),
+                      os.path.basename(checkpoint["dcp"])]
+
+
+def loss_mismatch(path):
+    return (f"cannot resume from {path}: its loss parameters (NITP head) "
+            f"do not match nitp_weight / nitp_hidden of this config")
 
 
 def agree(problem):
@@ -379,63 +459,3 @@ def agree(problem):
     problem = parallelism.first_error(problem)
     if problem is not None:
         raise CheckpointError(problem, agreed=True)
-
-
-def save_weights(path, state, modules, parallel, master):
-    """best.pt: the weights alone, whole from rank 0, or under FSDP as
-    shards in best_dcp/step_<iter>/ that best.pt names. Collective."""
-    state = dict(state)
-    if parallel == "fsdp":
-        best_dcp = os.path.join(os.path.dirname(path), BEST_DCP)
-        directory = os.path.join(best_dcp, f"step_{state['iter_num']}")
-        write_shards(directory, modules, [], False, master, path)
-        state["dcp"] = os.path.relpath(directory, os.path.dirname(path))
-    else:
-        state.update(whole_weights(modules))
-    write_agreed(master, path, state)
-    if parallel == "fsdp" and master:
-        for old in os.listdir(best_dcp):
-            if old != os.path.basename(directory):
-                shutil.rmtree(os.path.join(best_dcp, old), ignore_errors=True)
-
-
-def restore(checkpoint, path, out_dir, modules, optimizers, parallel,
-            dcp_slots):
-    """Load a full checkpoint's weights and optimizer states in place
-    (collective under FSDP)."""
-    mismatch = (f"cannot resume from {path}: its loss parameters (NITP"
-                " head) do not match nitp_weight / nitp_hidden of this config")
-    if "dcp" not in checkpoint:
-        if parallel == "fsdp":
-            written = checkpoint["config"].get("parallel", "none")
-            raise CheckpointError(
-                f"cannot resume: {path} holds whole weights (written with "
-                f"parallel='{written}'); resume it with that setting")
-        modules["model"].load_state_dict(checkpoint["model"])
-        try:
-            modules["objective"].load_state_dict(
-                checkpoint.get("objective", {}))
-        except RuntimeError:
-            raise CheckpointError(mismatch) from None
-        for opt, opt_state in zip(optimizers, checkpoint["optimizers"]):
-            opt.load_state_dict(opt_state)
-        return
-    directory = os.path.join(out_dir, checkpoint["dcp"])
-    if parallel != "fsdp":
-        raise CheckpointError(
-            f"cannot resume: {path} was written with parallel='fsdp' (sharded "
-            f"in {directory}); resume with --parallel=fsdp")
-    if checkpoint["objective_shapes"] != objective_shapes(modules):
-        raise CheckpointError(mismatch)
-    try:  # DCP gathers every rank's failure: all ranks are here together
-        load_sharded(directory, modules, optimizers,
-                     checkpoint["dcp_optimizers"])
-    except shard_errors() as e:
-        before = ""
-        if path.endswith("ckpt.pt"):
-            before = f"; move {path} aside to resume from ckpt_prev.pt"
-        raise CheckpointError(
-            f"cannot read the FSDP shards in {directory}, named by {path} "
-            f"({type(e).__name__}){before}") from None
-    dcp_slots[:] = [checkpoint.get("dcp_previous"),
-                    os.path.basename(checkpoint["dcp"])]

@@ -10,20 +10,20 @@ from memory import fsdp_units, gathered_bytes, held_numel, shard_group
 from utils import duration
 
 GPUS_PER_NODE = 8  # processes sharing a node's NVLink (or PCIe)
+NVLINK4 = "NVLink 4, 450 GB/s each way"
+NVLINK = "NVLink, 200 GB/s each way"
+PCIE4 = "PCIe 4.0 x16, 32 GB/s each way"
 # datasheet Gb/s each way per GPU, gpu: (within a node, between nodes,
 # the link within, the link between)
 LINK_GBPS = {
-    "H100": (3600, 400, "NVLink 4, 450 GB/s each way", "InfiniBand NDR"),
-    "H200": (3600, 400, "NVLink 4, 450 GB/s each way", "InfiniBand NDR"),
-    "H800": (1600, 400, "NVLink, 200 GB/s each way", "InfiniBand NDR"),
+    "H100": (3600, 400, NVLINK4, "InfiniBand NDR"),
+    "H200": (3600, 400, NVLINK4, "InfiniBand NDR"),
+    "H800": (1600, 400, NVLINK, "InfiniBand NDR"),
     "A100": (2400, 200, "NVLink 3, 300 GB/s each way", "InfiniBand HDR"),
-    "A800": (1600, 200, "NVLink, 200 GB/s each way", "InfiniBand HDR"),
-    "L40S": (256, 200, "PCIe 4.0 x16, 32 GB/s each way",
-             "200 Gb/s Ethernet"),
-    "A10G": (256, 100, "PCIe 4.0 x16, 32 GB/s each way",
-             "100 Gb/s Ethernet"),
-    "4090": (256, 100, "PCIe 4.0 x16, 32 GB/s each way",
-             "100 Gb/s Ethernet"),
+    "A800": (1600, 200, NVLINK, "InfiniBand HDR"),
+    "L40S": (256, 200, PCIE4, "200 Gb/s Ethernet"),
+    "A10G": (256, 100, PCIE4, "100 Gb/s Ethernet"),
+    "4090": (256, 100, PCIE4, "100 Gb/s Ethernet"),
 }
 
 
@@ -72,19 +72,18 @@ def communication_bytes(model, objective, parallel, processes,
 def communication_plan(model, objective, config, processes, micro_steps,
                        compute_s, gpu, link_gbps, timed, kept_gib=None):
     """The plan's communication keys (plan.make_plan): a step's bytes by
-    collective, their seconds at the links' Gb/s, the step's seconds
-    with compute overlapped, and what would let compute hide them:
-    fewer micro-steps, fewer processes, or (FSDP; kept_gib: its memory
-    per GPU) the weights kept gathered. link_gbps: None, the gpu's
+    collective, their seconds, the step's seconds with compute
+    overlapped, and what would let compute hide them: fewer
+    micro-steps, fewer processes, or (FSDP; kept_gib: its memory per
+    GPU) the weights kept gathered. link_gbps: None, the gpu's
     (link_of); timed: False, bytes only (processes on a CPU)."""
     B = config["batch_size"]
     sequences = config["global_batch_size"]
 
     def communication(micro_steps, n=processes,
                       keep=config.get("fsdp_keep_gathered", False)):
-        """Bytes, and seconds at the links' Gb/s: FSDP's within its shard
-        group's link; DDP's, and hybrid sharding's all-reduce between the
-        groups, over the link between all the processes."""
+        """Bytes, and seconds at the links' Gb/s: FSDP's within its
+        shard group, all-reduces between all the processes."""
         group = shard_group(config, n)
         moved = communication_bytes(model, objective, config["parallel"], n,
                                     micro_steps, gathered_bytes(config),
@@ -186,21 +185,18 @@ def communication_lines(p):
              f"{p['step_seconds']:.2f} s with overlap: {run} for the run"]
     if c["seconds"] <= compute:
         return lines
-    fewer = p["fewer_micro_steps"]
-    if fewer:
+    if fewer := p["fewer_micro_steps"]:
         fix = (f"{fewer['keys']} ({fewer['micro_steps']} micro-step(s)) "
                f"would bring it to {fewer['seconds']:.2f} s (check its "
                f"memory with {fewer['keys']}), as would a faster link")
-    elif p["fewer_processes"]:
-        f = p["fewer_processes"]
+    elif f := p["fewer_processes"]:
         fix = (f"on {f['processes']} processes, one micro-step of "
                f"{f['keys']} each, compute would hide it (check their "
                "memory), as would a faster link")
     else:
         fix = ("a larger global_batch_size (more compute per step) or a "
                "faster link would fix it")
-    if p.get("keep_gathered"):
-        k = p["keep_gathered"]
+    if k := p.get("keep_gathered"):
         fix += (f"; or --fsdp_keep_gathered=True: {k['seconds']:.2f} s, "
                 f"the weights gathered once per step, {k['gib']:.1f} GiB "
                 "per GPU")

@@ -94,11 +94,12 @@ def read_config_file(path, _chain=()):
 TRAIN_PY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py")
 
 
-def train_defaults(path=TRAIN_PY):
+def train_defaults():
     """train.py's default config, read from its source without running it:
     the constants it assigns between its "# default config" and
-    "config_keys" lines, and the objective's keys where it takes them."""
-    with open(path) as f:
+    "config_keys" lines, and the model's and objective's keys where it
+    takes them."""
+    with open(TRAIN_PY) as f:
         source = f.read()
     first, last = (source[:source.index(marker)].count("\n") + 1
                    for marker in ("# default config", "config_keys ="))
@@ -109,9 +110,12 @@ def train_defaults(path=TRAIN_PY):
         if isinstance(node, ast.Assign) and len(node.targets) == 1 \
                 and isinstance(node.targets[0], ast.Name):
             defaults[node.targets[0].id] = ast.literal_eval(node.value)
-        elif isinstance(node, ast.Expr) and "ObjectiveConfig()" in ast.unparse(node):
+        elif isinstance(node, ast.Expr):  # globals().update(vars(...))
+            from model import GPTConfig
             from objective import ObjectiveConfig
-            defaults.update(vars(ObjectiveConfig()))
+            names = {**defaults, "GPTConfig": GPTConfig,
+                     "ObjectiveConfig": ObjectiveConfig}
+            defaults.update(eval(ast.unparse(node.value.args[0]), names))
     return defaults
 
 
@@ -262,8 +266,7 @@ def model_problem(config):
     from model import GPTConfig
     from objective import Objective
     try:
-        GPTConfig(**{k: config[k] for k in GPTConfig.__dataclass_fields__
-                     if k in config and k != "vocab_size"})
+        GPTConfig.from_config(config, config["vocab_size"])
         with torch.device("meta"):  # nothing allocated (NITP's head)
             Objective.from_config(config)
     except ValueError as e:

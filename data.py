@@ -261,10 +261,8 @@ def load_tokens(data_dir, split, block_size, vocab_size=None,
                 n_tokens=None):
     """The split's tokens, read lazily: a uint16 memmap of {split}.bin,
     or of the per-shard files meta.json indexes (ShardedTokens for
-    more than one). It must hold a window of block_size + 1 tokens,
-    n_tokens if given, and no id at or above vocab_size if given; a
-    {split}.bin is scanned for its largest id and, if meta.json
-    records its {split}_sha256, hashed in the same pass."""
+    more than one), checked: a window of block_size + 1 tokens,
+    n_tokens and vocab_size if given, recorded hashes."""
     meta_path = os.path.join(data_dir, "meta.json")
     meta = read_meta(data_dir) if os.path.exists(meta_path) else {}
     files = (meta.get("token_files") or {}).get(split)
@@ -309,8 +307,7 @@ def _scan(path):
 class EpochWindows:
     """data_order='epoch': the non-overlapping windows (window w: the
     block_size + 1 tokens from w * block_size on), each drawn once an
-    epoch in an order seeded by (seed, epoch): a checkpoint keeps
-    (epoch, index). next(8) twice gives what next(16) once gives."""
+    epoch in an order seeded by (seed, epoch) (docs/runs.md)."""
 
     def __init__(self, n_tokens, block_size, seed):
         self.n_windows = (n_tokens - 1) // block_size
@@ -373,8 +370,7 @@ def sample_windows(n_tokens, block_size, n, generator,
 def read_windows(data, starts, is_low, block_size, shift, device="cpu"):
     """The windows of block_size + 1 tokens at starts -> inputs and
     next-token targets, (B, T) each, on the device. A low-resource
-    window's ids are shifted by `shift` (the char vocabulary's size:
-    the second language is the first with its own ids)."""
+    window's ids are shifted by `shift`."""
     import torch
     offsets = torch.arange(block_size + 1)
     positions = (starts.unsqueeze(1) + offsets).numpy()

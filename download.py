@@ -100,9 +100,7 @@ def _fetch_into(url, part, timeout):
 def download(url, dest_path, retries=DEFAULT_RETRIES,
              retry_delay=DEFAULT_RETRY_DELAY, timeout=DEFAULT_TIMEOUT):
     """Download ``url`` to ``dest_path`` unless that file exists; return
-    True if it downloaded. Bytes go to ``dest_path + '.part'`` (resumed
-    with a Range request if it exists), renamed to ``dest_path`` only
-    when complete. Up to ``retries`` retries, waiting
+    True if it downloaded. Up to ``retries`` retries, waiting
     ``retry_delay * 2**k`` seconds (at most MAX_RETRY_DELAY) before
     retry k+1."""
     if os.path.isfile(dest_path):

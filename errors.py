@@ -1,8 +1,7 @@
 """Errors a user can act on, not bugs: UserError, whose message is the one
-line the user sees. Library modules raise it or a subclass
-(CheckpointError, UsageError, utils.PathError, data.DataError,
-configurator.ConfigError, ...); a script's entry point catches it once
-and calls end_with (train.py, at module level, uses end_on_user_error).
+line the user sees. Library modules raise it or a subclass; a script's
+entry point catches it once and calls end_with (run_script does both;
+train.py, at module level, uses end_on_user_error).
 
 Design notes: docs/runs.md
 """
@@ -57,6 +56,15 @@ def end_with(error, master=True):
     if several_processes():
         os._exit(error.status)
     sys.exit(error.status)
+
+
+def run_script(main):
+    """Calls a script's main: a UserError ends it with its line and
+    its status, anything else with the usual traceback."""
+    try:
+        main()
+    except UserError as error:
+        end_with(error)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -6,7 +6,7 @@ Table 1) on the whole val split, in each language:
     python evaluate.py run/best.pt --data_dir=DIR --out=scores.json
 
 An existing file is replaced only with --overwrite; a run's
-metrics.json keeps its training FLOPs. The scoring itself: scoring.py.
+metrics.json keeps its training FLOPs.
 The metrics and design notes: docs/metrics.md
 """
 
@@ -15,7 +15,7 @@ import json
 import os
 
 import checkpoint as checkpoints
-from errors import UserError, end_with
+from errors import UserError, run_script
 from scoring import evaluate_checkpoint, format_metrics, with_run_flops
 from utils import (PathError, check_writable, choose_device,
                    keep_freed_memory, save_json, write_failure)
@@ -89,7 +89,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # the one place a user's problem ends the run
-        end_with(e)
+    run_script(main)

@@ -65,8 +65,7 @@ def cross_entropy(logits, targets, ignore_index=-1, margin=None):
 def _head_chunk(logits, targets, ignore_index, margin):
     """A chunk of the LM head's logits (n, V) -> (token losses (n,) in
     float32, d loss / d logits (n, V) in the logits' dtype: softmax
-    minus one-hot target, 0 on ignored rows). Reductions and
-    pointwise operations only, so torch.compile fuses it on a GPU."""
+    minus one-hot target, 0 on ignored rows)."""
     z = at_least_fp32(logits)
     if margin is not None:
         z = threshold_logits(z, targets, margin, ignore_index)
@@ -88,9 +87,8 @@ def _head_chunk_kernel(device_type):
 
 
 def _in_matmul_dtype(*tensors):
-    """The tensors in the dtype autocast would run their matmul in.
-    Not autocast's cast: in a no-grad forward it caches a weight's
-    cast for the region, without gradient, for later uses (torch 2.6)."""
+    """The tensors in the dtype autocast would run their matmul in,
+    cast here: autocast's cached cast of a weight may lack its grad."""
     device_type = tensors[0].device.type
     if device_type == "meta" or not torch.is_autocast_enabled(device_type):
         return tensors
@@ -100,8 +98,7 @@ def _in_matmul_dtype(*tensors):
 
 class _ChunkedHeadCrossEntropy(torch.autograd.Function):
     """cross_entropy(h @ weight^T, targets), chunk_size rows of h at a
-    time. The forward also computes the gradients, so each of the
-    head's matmuls runs once, as without chunks; backward scales."""
+    time; the forward also computes the gradients, backward scales."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, ignore_index, margin, chunk_size):
@@ -165,15 +162,9 @@ def linear_cross_entropy(h, weight, targets, ignore_index=-1,
         h, weight, targets, ignore_index, margin, chunk_size)
 
 
-# Representation-level losses, on hidden states: each in float32
-# (at_least_fp32: float64 kept) with autocast and TF32 off
-# (full_fp32), masked entries filled finitely (no NaN reaches a
-# gradient), no host-device sync.
-
 def _mask_out(x, keep):
     """x where `keep`, else a quarter of the dtype's minimum: weightless
-    in a logsumexp and without gradient, yet, unlike -inf, finite even
-    for an empty set, and the difference of two cannot overflow."""
+    in a logsumexp, without gradient, and finite."""
     return x.masked_fill(~keep, torch.finfo(x.dtype).min / 4)
 
 
@@ -233,9 +224,7 @@ def simreg(h, labels, tau=0.01, chunk_size=None, ignore_index=-1):
         # N_i empty: softplus of an (almost) -inf L_i is exactly 0
         token_loss = F.softplus(contrast)
 
-        # Group averaging without a scatter: anchor i's label occurs
-        # |P_i| times, so weights 1/|P_i| sum to one per label, and
-        # sum_i 1/|P_i| counts the labels.
+        # weights 1/|P_i| sum to one per label: a mean per label
         group_size = positive.sum(-1).to(token_loss.dtype)
         weight = torch.where(valid, 1.0 / group_size.clamp_min(1), 0.0)
         n_labels = weight.sum(-1)
@@ -304,9 +293,7 @@ def _dispersion_decorrelation_features(z, tau, form):
 
 def _dispersion_l2_repel(z, tau, form):
     B, T, C = z.shape
-    # |a|^2 + |b|^2 - 2ab: no (B,T,T,C) difference tensor. The
-    # diagonal is set to 0, not computed: its rounding noise had a
-    # gradient that swamped the released form's true one
+    # |a|^2 + |b|^2 - 2ab, the diagonal set to 0, not computed
     sq_norm = z.square().sum(-1)
     sq_dist = (sq_norm.unsqueeze(2) + sq_norm.unsqueeze(1)
                - 2 * z @ z.transpose(1, 2))
@@ -382,12 +369,11 @@ def dispersion(hidden_states, tau=1.0, variant="angular",
     Needs T >= 2. Cost O(T^2 C) time, O(T^2) memory per layer and
     sequence.
     """
-    if variant not in DISPERSION_VARIANTS:
-        raise ValueError(f"unknown dispersion variant {variant!r}; "
-                         f"valid: {', '.join(DISPERSION_VARIANTS)}")
-    if form not in DISPERSION_FORMS:
-        raise ValueError(f"unknown dispersion form {form!r}; "
-                         f"valid: {', '.join(DISPERSION_FORMS)}")
+    for key, value, valid in (("variant", variant, DISPERSION_VARIANTS),
+                              ("form", form, DISPERSION_FORMS)):
+        if value not in valid:
+            raise ValueError(f"unknown dispersion {key} {value!r}; "
+                             f"valid: {', '.join(valid)}")
     if torch.is_tensor(hidden_states):
         hidden_states = [hidden_states]
     layers = list(hidden_states)
@@ -440,9 +426,8 @@ def cwt(h, targets, wte, ignore_index=-1, tau=1.0):
     E_y (N,C) = wte[their targets]:
         logits = H E_y^T / tau     (N x N, raw dot products)
         L = mean_n [ logsumexp_m logits[n, m] - logits[n, n] ]
-    each state must pick the input embedding of its next token among
-    those of every position in the batch (same tokens included). No
-    LM head. N = 0 gives 0. tau (default 1): the released code's
+    over every position in the batch (same tokens included). No LM
+    head. N = 0 gives 0. tau (default 1): the released code's
     temperature (NathanGodey/headless-lm, cwt_loss).
 
     h (B,T,C), targets (B,T), wte (V,C). Float32 (float64 kept). A

@@ -1,24 +1,11 @@
 """
 What one process of a run needs in memory, before anything is
 allocated, and whether it fits: train.py's memory check and
-batch_size='auto', and plan.py's memory table.
+batch_size='auto', and plan.py's memory table. The states are counted
+per parameter (memory_by_mode), the activations measured on the meta
+device (activation_gib).
 
-States: fp32 weights, gradients and AdamW's two moments are 16 bytes per
-parameter, all on every GPU with DDP (plus DDP's gradient buckets,
-another 4 bytes) and 1/N of them with FSDP (plus the largest unit FSDP
-gathers whole while it runs, and the unsharded gradient FSDP keeps
-between micro-steps when there are several: 4 bytes per parameter).
-
-Activations are measured, not guessed: one training micro-step of the
-model cut to 1 and 2 blocks runs on the meta device, PeakTensorBytes
-keeps the peak of the tensors it creates, and the difference is
-extrapolated to the run's depth (activation_gib). For a GPU in bf16
-(fp16) they are measured in that dtype, as autocast stores them (the
-residual stream, the matmuls' outputs;
-model.GPT.residual_in_compute_dtype), the norms and losses still in
-float32; elsewhere in float32.
-
-Design notes, and the plan against measured peaks
+What is counted: docs/parallelism.md; the plan against measured peaks
 (`python -m tools.bench --section plan_memory`): docs/performance.md.
 """
 
@@ -39,20 +26,15 @@ from utils import available_memory
 
 GiB = 2 ** 30
 # On the CPU a run's resident peak is its tensors' peak plus this
-# fraction of the step's transient tensors: glibc's heap, kept at its
-# peak by utils.keep_freed_memory, fragments; under torchrun gloo's
-# threads keep heaps of their own. Calibrated by `python -m tools.bench
-# --section plan_memory` (docs/performance.md). The CUDA caching
-# allocator's own margin is not measured here.
+# fraction of the step's transient tensors: glibc's heap
+# (docs/performance.md)
 CPU_HEAP_ALLOWANCE = {"one process": 0.2, "torchrun": 0.8}
 
-# GiB of each GPU (as nvidia-smi reports it; the 80 GB A100 and the SXM
-# parts), for batch_size='auto' in a plan made for a GPU named
+# GiB of each GPU as nvidia-smi reports it (the 80 GB A100, the SXM
+# parts), for a plan made for a GPU named
 GPU_MEMORY_GIB = {"H100": 79.6, "H200": 140.4, "H800": 79.6, "A100": 80.0,
                   "A800": 80.0, "L40S": 45.0, "A10G": 22.5, "4090": 24.0}
-# the share of it batch_size='auto' fills: the CUDA context and the
-# collectives' buffers are not in the plan (the margin measured on an
-# H100: docs/performance.md)
+# the share of it batch_size='auto' fills (docs/performance.md)
 AUTO_BATCH_MEMORY = 0.9
 
 
@@ -66,10 +48,8 @@ def meta_model(config, vocab):
 
 class PeakTensorBytes(TorchDispatchMode):
     """Counts the bytes of the tensors the operations run under it
-    create, while they live, and keeps the peak: a step's activations
-    with the transient buffers around them (a big vocabulary's logits,
-    their softmax and gradient) that the saved tensors alone miss. A
-    storage counts once, however many views of it there are."""
+    create, while they live, and keeps the peak. A storage counts
+    once, however many views of it there are."""
 
     def __init__(self):
         super().__init__()
@@ -97,11 +77,9 @@ class PeakTensorBytes(TorchDispatchMode):
 
 
 class FlashAttentionOnMeta(TorchFunctionMode):
-    """The attention of a step measured on meta: there
-    scaled_dot_product_attention takes its math form, which holds the
-    T x T scores that flash kernels never do, so a causal attention runs
-    the CPU flash kernel's meta function instead, and the step holds
-    what it holds on the CPU."""
+    """A causal attention on meta runs the CPU flash kernel's meta
+    function, not the math form that holds the T x T scores flash
+    kernels never do: the step holds what it holds on the CPU."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -122,10 +100,9 @@ class FlashAttentionOnMeta(TorchFunctionMode):
 
 
 def compute_dtype(config):
-    """The dtype a run's activations are stored in: on a GPU, bf16 under
-    autocast (dtype 'auto' too: every GPU plan.py names has bf16; an
-    older GPU's fp16 is the same size), fp16, or float32; float32
-    elsewhere (an upper bound for a CPU run under bf16)."""
+    """The dtype a run's activations are stored in: on a GPU, bf16
+    (dtype 'auto' too), fp16, or float32; float32 elsewhere (an upper
+    bound for a CPU run under bf16)."""
     if not str(config.get("device", "")).startswith("cuda"):
         return torch.float32
     dtypes = {"float32": torch.float32, "float16": torch.float16}
@@ -134,9 +111,8 @@ def compute_dtype(config):
 
 def objective_on_blocks(config, n_layer):
     """The run's objective on its model cut to n_layer blocks: a loss
-    that reads block l's state (simreg_layer, nitp_layer) reads the last
-    block the cut model has when l is beyond it. Every block's state has
-    the same shape, so the loss costs what it costs in the run."""
+    that reads block l's state (simreg_layer, nitp_layer) reads the
+    cut model's last block when l is beyond it (the same shape)."""
     cut = {"n_layer": n_layer}
     if config.get("simreg_layer", -1) > n_layer:
         cut["simreg_layer"] = n_layer
@@ -150,10 +126,7 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len,
     """Peak bytes of the tensors one training micro-step creates
     (forward, the run's objective, backward into existing gradients)
     with the model cut to n_layer blocks, in compute_dtype. On meta by
-    default: nothing allocated, a fraction of a second at any width. A
-    mixture of experts runs there too (static shapes: its capacity
-    buffers are counted; dropless routing spreads the k N routed rows
-    evenly, moe.balanced_sizes). Cached: a plan asks for the same step
+    default: nothing allocated. Cached: a plan asks for the same step
     often."""
     scalars = (int, float, str, bool, type(None))
     keys = tuple(sorted((k, v) for k, v in config.items()
@@ -222,9 +195,10 @@ def gathered_bytes(config):
 
 def memory_by_mode(model, config, processes, micro_steps, measure=True):
     """GiB per GPU: {ddp, fsdp} x {plain, checkpointed}, and the parts
-    they are made of (the states as the module's docstring counts them;
-    hybrid sharding, fsdp_shard_size = k: 1/k; fsdp_keep_gathered: every
-    unit gathered for the whole step). measure: True (on meta), False
+    they are made of. The states: 16 bytes per parameter (fp32 weights,
+    gradients, AdamW's moments), 1/k of them under FSDP on k ranks
+    (fsdp_shard_size = k: hybrid sharding), plus what DDP and FSDP hold
+    besides (docs/parallelism.md). measure: True (on meta), False
     (activations NaN) or a device to measure them on."""
     n = model.num_params()
     group = shard_group(config, processes)
@@ -253,8 +227,7 @@ def memory_by_mode(model, config, processes, micro_steps, measure=True):
 
 def held_numel(parameters, shards):
     """Elements of `parameters` as FSDP holds them on `shards` ranks:
-    each padded where no dimension divides (parallelism.padded_numel;
-    the whole count on 1)."""
+    each padded where no dimension divides (the whole count on 1)."""
     return sum(parallelism.padded_numel(p.shape, shards) for p in parameters)
 
 
@@ -359,10 +332,9 @@ def resolve_batch_size(config, processes, vocab, available_gib, heap=0.0):
     """(config, whether its batch fits). batch_size='auto' becomes the
     most sequences per process and micro-step whose plan fits
     AUTO_BATCH_MEMORY of available_gib, among the divisors of each
-    process's share of global_batch_size (whole micro-steps, the
-    recipe's global batch), each planned at its own size, largest first
-    (docs/performance.md); where not even one fits, 1, which the memory
-    check then refuses with what would fit. A number stays as it is."""
+    process's share of global_batch_size, largest first; where not even
+    one fits, 1, which the memory check then refuses with what would
+    fit. A number stays as it is."""
     if config["batch_size"] != "auto":
         return config, True
     budget = available_gib * AUTO_BATCH_MEMORY
@@ -386,9 +358,8 @@ def cpu_heap_allowance(processes):
 
 
 def device_memory(device, processes):
-    """(GiB `device` has for this process, utils.available_memory's;
-    the heap allowance, on the CPU only; where the GiB figure comes
-    from)."""
+    """(GiB `device` has for this process, the heap allowance (on the
+    CPU only), where the GiB figure comes from)."""
     available, source = available_memory(device)
     heap = 0.0
     if torch.device(device).type == "cpu":
@@ -398,7 +369,7 @@ def device_memory(device, processes):
 
 def device_batch_size(config, processes, vocab, device):
     """resolve_batch_size's batch_size against what `device` has for
-    this process (device_memory)."""
+    this process."""
     available, heap, _ = device_memory(device, processes)
     # the step measured with this device's loss (step_peak_bytes)
     config = {**config, "device": device}
@@ -407,8 +378,7 @@ def device_batch_size(config, processes, vocab, device):
 
 
 def device_memory_problem(config, processes, vocab, device):
-    """memory_problem against what `device` has for this process
-    (device_memory)."""
+    """memory_problem against what `device` has for this process."""
     available, heap, source = device_memory(device, processes)
     config = {**config, "device": device}  # (as device_batch_size)
     return memory_problem(config, processes, vocab, available,
@@ -429,7 +399,7 @@ def auto_batch_size(config, processes, vocab, device, master):
 
 def check_fits(config, processes, vocab, device):
     """A UserError, before anything is allocated, when the plan's memory
-    for this process does not fit in what the device has
-    (device_memory_problem); rank 0 says it for every rank."""
+    for this process does not fit in what the device has; rank 0 says
+    it for every rank."""
     if problem := device_memory_problem(config, processes, vocab, device):
         raise UserError(problem, agreed=True)

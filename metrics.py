@@ -1,7 +1,6 @@
 """
 Evaluation metrics: pure functions of tensors (no model, no file I/O).
-"float64" means the device's widest float (utils.widest_float); the
-embedding matrix's geometry is computed on the CPU.
+"float64": the device's widest float (utils.widest_float).
 Design notes: docs/metrics.md
 """
 
@@ -34,7 +33,7 @@ def rank_metrics(logits, targets):
         accuracy    = mean_t [rank_t == 1]
         recall_at_5 = mean_t [rank_t <= 5]
         mrr         = mean_t 1 / rank_t        (mean reciprocal rank)
-    Blind to calibration (only the logits' order counts). Python floats.
+    Python floats.
     """
     rank = target_ranks(logits, targets).to(widest_float(logits.device))
     return {
@@ -47,7 +46,7 @@ def rank_metrics(logits, targets):
 def perplexity(logits, targets):
     """
     Perplexity = exp( -1/N sum_t log softmax(logits_t)[targets_t] ),
-    the exponential of the mean cross-entropy in nats, in float64.
+    in float64.
     """
     wide = logits.to(widest_float(logits.device))
     logp = F.log_softmax(wide, dim=-1)
@@ -91,10 +90,9 @@ def best_inverse_temperature(means_at, b=1.0, max_steps=20):
     """
     Newton's method for b* = argmin_b f(b), f(b) = mean_t NLL_t(T = 1/b);
     means_at(b) -> (f, f', f'') at b, over all tokens (one pass of
-    temperature_nll_sums). A step changes b by at most a factor 2, b
-    stays in [1/T_MAX, 1/T_MIN]; stops at a relative step below 1e-7
-    or after max_steps. The first pass is at b (1: plain perplexity).
-    Returns (f at the best b visited, that b, number of passes).
+    temperature_nll_sums), first at b (1: plain perplexity); safeguarded
+    (docs/metrics.md). Returns (f at the best b visited, that b, number
+    of passes).
     """
     f, g, h = means_at(b)
     best = (f, b)
@@ -175,8 +173,7 @@ def isotropy(W):
 def isotropy_authors(W, eigenvectors=None):
     """
     I(W) as Stop Jostling's table computed it: a over the eigenvectors
-    of W^T W, one sign each, set by sign_eigenvectors (any solver then
-    gives the same value); never below isotropy(W). eigenvectors: a
+    of W^T W, one sign each, set by sign_eigenvectors. eigenvectors: a
     solver, (C, C) matrix -> eigenvector columns (default eigh).
     """
     W, U = _gram_eigenvectors(W, eigenvectors)
@@ -284,9 +281,7 @@ def embedding_gradient_part_vectors(idx, targets, hidden, grad_logits,
         dL/dW_i =  sum_{t: idx_t = i}      dL/demb_t        (1) input
                  + sum_{t: targets_t = i}  g_ti * hidden_t  (2) target
                  + sum_{t: targets_t != i} g_ti * hidden_t  (3) non-target
-    with g_ti = dL/dlogits[t, i]. (2) pulls W_i toward contexts where i
-    is the answer; (3) pushes every non-answer away, for a rare token
-    almost every step ("marginalization").
+    with g_ti = dL/dlogits[t, i]; (3) is the "marginalization".
 
     idx, targets (N,); hidden (N, C): the final normed states;
     grad_logits (N, V); grad_embedding (N, C). Targets -1 count in
@@ -322,10 +317,10 @@ class EmbeddingGradientRecorder:
     Training calls watch() after the forward, add() after each backward
     and end_step() after the optimizer. One process only."""
 
-    def __init__(self, enabled, vocab_size, steps=()):
+    def __init__(self, enabled, vocab_size):
         self.enabled = enabled
         self.vocab_size = vocab_size
-        self.steps = list(steps)
+        self.steps = []
         self.parts = 0
 
     def watch(self, logits, hidden_states):

@@ -45,10 +45,13 @@ class GPTConfig:
     ffn_hidden: int = 0  # SwiGLU width; 0: 8/3 n_embd, up to x256
     n_expert: int = 1  # > 1: a Mixtral mixture-of-experts MLP
     top_k: int = 2  # experts per token
-    capacity_factor: float = 0.0  # 0: no token dropped
-    moe_routing: str = "capacity"  # capacity | dropless
+    # slots: x tokens * top_k / n_expert; 0: no token dropped
+    capacity_factor: float = 0.0
+    # capacity: static shapes | dropless: only the routed FLOPs
+    moe_routing: str = "capacity"
     rope_theta: float = 10000.0
-    rope_layout: str = "half"  # half | interleaved (apply_rope)
+    # RoPE's pairs: half (i, i + d/2) | interleaved (2i, 2i+1)
+    rope_layout: str = "half"
     init_std: float = 0.01  # every matrix (LLaMA); gpt2 uses 0.02
 
     @classmethod
@@ -111,18 +114,6 @@ class GPTConfig:
         return min(self.capacity_factor * self.top_k, self.n_expert)
 
 
-class LayerNorm(nn.Module):
-    """LayerNorm with an optional bias."""
-
-    def __init__(self, ndim, bias):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(ndim))
-        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
-
-    def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
-
-
 class CausalSelfAttention(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -164,9 +155,9 @@ class Block(nn.Module):
 
     def __init__(self, config):
         super().__init__()
-        self.ln_1 = LayerNorm(config.n_embd, config.bias)
+        self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
-        self.ln_2 = LayerNorm(config.n_embd, config.bias)
+        self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
     def forward(self, x):
@@ -185,7 +176,7 @@ def at_least_fp32(x):
 @contextlib.contextmanager
 def full_fp32(device_type):
     """Autocast off and full float32 matmuls (no TF32) inside, for
-    the losses that need them (docs/model.md)."""
+    the losses that need them."""
     saved = torch.get_float32_matmul_precision()
     torch.set_float32_matmul_precision("highest")
     try:
@@ -226,7 +217,7 @@ def rope_angles(seq_len, head_dim, theta, device):
 def apply_rope(x, cos, sin, layout="half"):
     """Rotate (..., T, head_dim) by the angles (cos, sin: (..., T,
     head_dim/2)). Pair i is dimensions (i, i + head_dim/2) in layout
-    "half", (2i, 2i+1) in "interleaved" (docs/model.md)."""
+    "half", (2i, 2i+1) in "interleaved"."""
     if layout == "half":
         cos = cos.to(x.dtype)
         sin = sin.to(x.dtype)
@@ -250,8 +241,7 @@ class RotaryAttention(nn.Module):
         B, T, C = x.shape
         shape = (B, T, self.n_head, C // self.n_head)
         q, k, v = (t.view(shape) for t in self.wqkv(x).split(C, dim=2))
-        # rotated before the heads move in front of T, in the order
-        # the projection wrote them; the same for every head
+        # rotated as the projection wrote them, before the heads move
         cos = cos.unsqueeze(1)
         sin = sin.unsqueeze(1)
         q, k = (apply_rope(t, cos, sin, self.rope_layout) for t in (q, k))
@@ -305,16 +295,15 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(config.dropout)
         block = LlamaBlock if llama else Block
         self.h = nn.ModuleList([block(config) for _ in range(config.n_layer)])
-        self.ln_f = RMSNorm(C) if llama else LayerNorm(C, config.bias)
+        self.ln_f = RMSNorm(C) if llama else nn.LayerNorm(C, bias=config.bias)
         self.lm_head = nn.Linear(C, config.vocab_size, bias=False)
-        # MoE, means over layers: the router's load-balancing loss
-        # and the share of routed slots past capacity (moe.py)
+        # MoE: the router's loss and the dropped share, layers' means
         self.aux_loss = None
         self.dropped_fraction = None
         self._rope = {}  # (T, device) -> RoPE's cos and sin
         self.tie_weights()
 
-    # under autocast, the residual stream in bf16 (docs/model.md)
+    # under autocast, the residual stream in bf16
     residual_in_compute_dtype = True
 
     def rope_cache(self, seq_len, device):
@@ -330,17 +319,15 @@ class GPT(nn.Module):
 
     def tie_weights(self):
         # Weight tying (Press & Wolf 2017): each row gets the three
-        # gradients Stop Jostling separates (docs/model.md)
+        # gradients Stop Jostling separates
         if self.config.tie_weights:
             self.lm_head.weight = self.wte.weight
 
     def initializers(self):
         """(name, fill) for every parameter, in the order the init
-        draws from the global generator; fill(t) writes the initial
-        value into a tensor of the parameter's shape. Matrices are
-        N(0, 0.02) (LLaMA: init_std), GPT-2's residual projections
-        over sqrt(2 n_layer) so the residual stream's variance does
-        not grow with depth."""
+        draws them; fill(t) writes the initial value into a tensor of
+        the parameter's shape: N(0, 0.02) matrices (LLaMA: init_std),
+        GPT-2's residual projections over sqrt(2 n_layer)."""
         def normal(std):
             return lambda t: nn.init.normal_(t, 0.0, std)
 
@@ -358,8 +345,6 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        """Separate from __init__: a model built on the meta device is
-        materialised with to_empty(), then initialised once."""
         self.tie_weights()  # to_empty() may have un-shared the tie
         fill_parameters(self, self.initializers())
 
@@ -381,13 +366,13 @@ class GPT(nn.Module):
             n -= cfg.n_layer * (cfg.n_expert - cfg.top_k) * expert
         return n
 
-    def flops_per_token(self, seq_len=None, with_head=True, backward=True):
+    def flops_per_token(self, with_head=True, backward=True):
         """Training FLOPs per token (PaLM, appendix B): 6 per matmul
         parameter + 12 * n_layer * n_embd * T for attention scores;
         backward=False: the forward alone, a third of that;
         with_head=False: no LM head. Experts: experts_computed."""
         cfg = self.config
-        T = seq_len or cfg.block_size
+        T = cfg.block_size
         # the matmuls' weights; lookups (wpe, an untied wte) are free
         n = self.num_params(non_embedding=True, active=True)
         if cfg.n_expert > 1:

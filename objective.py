@@ -78,14 +78,13 @@ class ObjectiveConfig:
 
 class Objective(nn.Module):
     """The weighted sum of the losses (a weight of 0: not computed) on
-    what the model returns. hidden_states (model.py): [0] the embedding
-    output, [l] block l's (1..L), [L+1] the final normed state."""
+    what the model returns (model.py: logits, hidden states)."""
 
     @classmethod
     def from_config(cls, config):
         """From train.py's keys; the router's loss only with experts."""
-        keys = [f.name for f in fields(ObjectiveConfig) if f.name in config]
-        settings = {key: config[key] for key in keys}
+        settings = {f.name: config[f.name] for f in fields(ObjectiveConfig)
+                    if f.name in config}
         if config.get("n_expert", 1) == 1:
             settings["moe_aux_weight"] = 0.0
         return cls(config["n_layer"], config["n_embd"], **settings)
@@ -121,34 +120,33 @@ class Objective(nn.Module):
         """Not headless, nor with ce_chunk_size."""
         return self.trains_head and not self.config.ce_chunk_size
 
-    def initializers(self, std=0.02):
+    def initializers(self):
         """(name, fill) of every parameter, in init_weights' order."""
         for name, _ in self.named_parameters():
-            yield name, lambda t: nn.init.normal_(t, mean=0.0, std=std)
+            yield name, lambda t: nn.init.normal_(t, mean=0.0, std=0.02)
 
     @torch.no_grad()
-    def init_weights(self, std=0.02):
-        fill_parameters(self, self.initializers(std))
+    def init_weights(self):
+        fill_parameters(self, self.initializers())
 
     def forward(self, logits, hidden_states, targets, embeddings,
-                ignore_index=-1, router_loss=None):
-        """-> (weighted sum, {name: unweighted term}). embeddings
-        (model.embeddings()): 'input', the rows of input tokens;
-        'output', the LM head's (the same on a tied model).
-        router_loss: a mixture of experts' load-balancing loss."""
+                router_loss=None):
+        """-> (weighted sum, {name: unweighted term}). embeddings:
+        model.embeddings(); router_loss: a mixture of experts' one."""
         c = self.config
         terms = {}
         final = hidden_states[-1]
         if self.weights["ce"] and logits is None:  # ce_chunk_size
             terms["ce"] = losses.linear_cross_entropy(
-                final, embeddings["output"], targets, ignore_index,
-                c.margin, c.ce_chunk_size)
+                final, embeddings["output"], targets, margin=c.margin,
+                chunk_size=c.ce_chunk_size)
         elif self.weights["ce"]:
-            terms["ce"] = losses.cross_entropy(logits, targets, ignore_index, c.margin)
+            terms["ce"] = losses.cross_entropy(logits, targets,
+                                               margin=c.margin)
         if self.weights["simreg"]:
             h = final if c.simreg_layer == -1 else hidden_states[c.simreg_layer]
             chunk = c.simreg_chunk_size or None
-            terms["simreg"] = losses.simreg(h, targets, c.simreg_tau, chunk, ignore_index)
+            terms["simreg"] = losses.simreg(h, targets, c.simreg_tau, chunk)
         if self.weights["dispersion"]:
             layers = hidden_states[1:self.n_layer + 1]
             if c.dispersion_layers == "last":
@@ -164,7 +162,7 @@ class Objective(nn.Module):
                                         hidden_states[self.nitp_layer])
         if self.weights["cwt"]:
             terms["cwt"] = losses.cwt(final, targets, embeddings["input"],
-                                      ignore_index, c.cwt_tau)
+                                      tau=c.cwt_tau)
         if c.moe_aux_weight and router_loss is not None:
             terms["moe_aux"] = router_loss
         weights = {**self.weights, "moe_aux": c.moe_aux_weight}
@@ -175,8 +173,7 @@ class Objective(nn.Module):
 class Trained(nn.ModuleDict):
     """What a run trains: {'model', 'objective'}, the one module
     parallelism.parallelize wraps. Its forward is a micro-batch's
-    objective, as train.py, plan.py and the benchmarks compute it:
-    -> (loss, terms, logits or None, hidden_states)."""
+    objective: -> (loss, terms, logits or None, hidden_states)."""
 
     def __init__(self, model, objective):
         super().__init__({"model": model, "objective": objective})

@@ -137,9 +137,8 @@ def configure_optimizers(model, learning_rate, weight_decay, betas,
     params = {id(p): p for m in (model, *extra_modules)
               for p in m.parameters() if p.requires_grad}  # tied: once
     embedding = model.wte.weight
-    decay = weight_decay
-    if embedding_weight_decay is not None:
-        decay = embedding_weight_decay
+    decay = (weight_decay if embedding_weight_decay is None
+             else embedding_weight_decay)
     # the token embedding apart: in its own optimizer or its own group
     apart = separate_embeddings or decay != weight_decay
     rest = [p for p in params.values() if not (apart and p is embedding)]

@@ -1,14 +1,7 @@
 """
 Data parallelism (DDP, FSDP2), applied to the model from outside
-(torchtitan style): model.py and losses.py know nothing about it.
-train.py, launched by torchrun, runs:
-
-    rank, local_rank, world_size = init_distributed(device_type)
-    wrapped = parallelize(trained, ...)  # objective.Trained
-    with gradient_sync(wrapped, enabled=last):
-        forward, backward
-
-and the collectives below. Design notes: docs/parallelism.md.
+(torchtitan style): init_distributed, parallelize, gradient_sync and
+the collectives train.py needs. Design notes: docs/parallelism.md.
 """
 
 import contextlib
@@ -279,8 +272,8 @@ def fsdp_unavailable(device):
 
 def zero_gradients_for_unused(model, objective=None):
     """set_reduce_scatter_unused_params(True) for torch < 2.13: every
-    parameter of each FSDP unit joins the graph with weight 0
-    (docs/parallelism.md). Call after fully_shard."""
+    parameter of each FSDP unit joins the graph with weight 0. Call
+    after fully_shard."""
     def root_parameters():  # not the blocks': those are other units
         in_blocks = {id(p) for block in model.h for p in block.parameters()}
         return [p for p in model.parameters() if id(p) not in in_blocks]

@@ -7,26 +7,10 @@ config on a number of processes, whether it fits, and how long it takes.
         --mfu 0.4 [--link_gbps 400] [--key=value ...]
 
 Nothing is allocated: the model and the objective are built on the meta
-device, so a 7B plan takes seconds. train.py --dry_run plans for the
-processes as launched, on the device the run would use: a CUDA GPU as an
-H100 (as plan.py does without --gpu), a CPU or MPS at this machine's
-measured speed and memory. The plan gives
-
-    size           parameters (and active per token for a mixture of
-                   experts), the objective's own
-    batch          tokens per step and per run, micro-steps per process
-    compute        the FLOPs train.py counts for its MFU (6 per matmul
-                   weight and token, attention, evaluations) and their
-                   time: on a GPU at a stated MFU of its datasheet peak,
-                   elsewhere at the speed measured here (measured_speed)
-    communication  the bytes DDP or FSDP send per step, their time at
-                   the link's bandwidth, and the run's time with compute
-                   and communication overlapped (comms.py)
-    memory         per GPU (per process off a GPU), DDP and FSDP, with
-                   and without activation checkpointing (memory.py)
-    data           the tokens read against those in data_dir (C4:
-                   shards) as epochs or the share never seen, with a
-                   warning when the run reads its data more than once
+device. train.py --dry_run plans for the processes as launched, on the
+device the run would use: a CUDA GPU as an H100, a CPU or MPS at this
+machine's measured speed and memory. What the plan's lines say: README.md
+("Sizes, and the plan of a run").
 
 Design notes and measurements: docs/performance.md.
 """
@@ -93,7 +77,7 @@ def evaluation_flops(model, config, processes=1):
     """FLOPs of one evaluation over all processes: eval_iters batches
     split over them, each scored in every language with the LM head; a
     process whose share is short repeats a batch, so each runs
-    ceil(eval_iters / processes) (scoring.validation_losses)."""
+    ceil(eval_iters / processes)."""
     languages = 2 if config["low_resource"] else 1
     batches = math.ceil(config["eval_iters"] / processes) * processes
     sequences = batches * languages * config["batch_size"]
@@ -111,8 +95,6 @@ def data_needed(config, tokens_per_run):
     try:
         meta = read_meta(data_dir)
     except DataError:
-        meta = None
-    if meta is None:
         out["prepared"] = None
         out["passes"] = None
         if os.path.basename(os.path.normpath(data_dir)).startswith("c4"):
@@ -140,9 +122,8 @@ def data_needed(config, tokens_per_run):
 
 def device_figures(device, gpu, mfu, dtype, processes):
     """The peak FLOP/s of one process, the MFU, and the memory
-    batch_size='auto' may fill: for 'cuda' `gpu`'s datasheet at `mfu`
-    (the GPU need not be here); for a CPU or MPS this machine's, measured
-    now, as train.py's memory check counts them (memory.device_memory)."""
+    batch_size='auto' may fill: for 'cuda' `gpu`'s datasheet at `mfu`;
+    for a CPU or MPS this machine's, measured now."""
     if device == "cuda":
         return {"gpu": gpu, "peak": GPU_PEAK_BF16_FLOPS[gpu], "mfu": mfu,
                 "memory_gib": GPU_MEMORY_GIB[gpu],
@@ -179,8 +160,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True,
     """The plan of `config` (train.py's keys) on `processes` processes, as
     a dict. device 'cuda' plans for `gpu` at `mfu`; 'cpu' or 'mps' for
     this machine (device_figures). measure: memory_by_mode's. link_gbps:
-    Gb/s each way per GPU; None: comms.LINK_GBPS's for gpu and processes
-    (none on a CPU: communication is counted there, not timed)."""
+    Gb/s each way per GPU; None: comms.LINK_GBPS's for gpu and
+    processes."""
     check_plan_arguments(config, processes, gpu, mfu, link_gbps, device)
     # the step measured with the device's logits (step_peak_bytes); off
     # a GPU in the dtype the run would choose there (FSDP gathers

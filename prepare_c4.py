@@ -1,11 +1,8 @@
 """Prepare English C4 (allenai/c4, "en") as GPT-2 BPE tokens for
 train.py, shard by shard.
 
-In ``out_dir``: the downloaded shards (``c4-train.00000-of-01024.json.gz``
-...); one token file per shard (``train/c4-train.00000-of-01024.bin``,
-``val/...``: uint16 ids, every document followed by EOT, 50256); and
-``meta.json``, whose ``token_files`` index lists each split's files in
-shard order, with their sizes, largest ids and hashes.
+In ``out_dir``: the downloaded shards, one uint16 token file per shard
+(``train/``, ``val/``) and ``meta.json``, their index.
 
 Usage::
 
@@ -119,8 +116,7 @@ def iter_documents(path, raw):
 
 def encode_batch(enc, texts):
     """GPT-2 ids of documents, each followed by EOT, as one uint16
-    array. encode_ordinary: a document's own "<|endoftext|>" is plain
-    text, so the only 50256s in the data are the separators we add."""
+    array; a document's own "<|endoftext|>" is plain text."""
     ids = []
     for text in texts:
         ids.extend(enc.encode_ordinary(text))
@@ -210,8 +206,8 @@ def previous_meta(out_dir):
 
 
 def is_finished(out_dir, name, entry):
-    """The shard's entry matches its files' sizes (hashes would take
-    minutes over 100 GB: docs/data.md)."""
+    """The shard's entry matches its files' sizes (not hashes: they
+    would take minutes over 100 GB)."""
     if entry is None or entry.get("file") != token_file(name):
         return False
     shard = os.path.join(out_dir, name)
@@ -231,10 +227,10 @@ def make_meta(splits, done, source):
     meta = {
         **BPE_META,
         "dtype": "uint16",
-        "n_train": sum(e["n_tokens"] for e in files["train"]),
-        "n_val": sum(e["n_tokens"] for e in files["val"]),
-        "n_train_docs": sum(e["n_docs"] for e in files["train"]),
-        "n_val_docs": sum(e["n_docs"] for e in files["val"]),
+        **{f"n_{split}": sum(e["n_tokens"] for e in files[split])
+           for split in files},
+        **{f"n_{split}_docs": sum(e["n_docs"] for e in files[split])
+           for split in files},
         "source": source,
         "train_shards": splits["train"],
         "val_shards": splits["val"],
@@ -260,9 +256,8 @@ def write_index(out_dir, meta):
 
 def shards_from_text(text_path, paths, train, val):
     """Offline stand-in for the download: a plain-text file's
-    paragraphs as documents, every 10th to validation, dealt
-    round-robin into shards in C4's names and format. Shards already
-    there are kept; the same text gives the same bytes."""
+    paragraphs as documents in shards of C4's names and format
+    Shards already there are kept."""
     try:
         with open(text_path, encoding="utf-8") as f:
             docs = [d.strip("\n") for d in re.split(r"\n\s*\n", f.read())
@@ -334,13 +329,10 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR,
         else:
             write_index(out_dir, meta)
         return meta
-    # The index is first written when a shard is finished: until then
-    # the old meta.json still describes files that are all there.
     print(f"{len(done)} of {len(names)} shards already tokenised, "
           f"{len(todo)} to do ({workers} worker(s))")
 
-    # spawn, not fork: forking a process that runs threads (tqdm's
-    # monitor, an HTTP client) can deadlock; spawn is alike everywhere
+    # spawn: forking a process that runs threads can deadlock
     pool = None
     if workers > 1 and len(todo) > 1:
         pool = concurrent.futures.ProcessPoolExecutor(
@@ -412,10 +404,8 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR,
 # command line
 
 def main(argv=None):
-    """Parse arguments, run ``prepare`` and print a summary. A bad
-    argument is one ``error: ...`` line and exit status 2; a problem
-    with the data, the output folder or the network one such line and
-    status 1, never a traceback."""
+    """Parse arguments, run ``prepare`` and print a summary; an error
+    is one line (status 2: a bad argument, else 1)."""
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--shards", type=int, default=1,

@@ -3,7 +3,7 @@ BPE) language modelling.
 
 Writes ``train.bin`` / ``val.bin`` (raw ``np.uint16`` token ids) and
 ``meta.json`` (the vocabulary ``itos`` and the run's facts) in
-``out_dir``. Every problem is one ``data.DataError`` naming the file.
+``out_dir``.
 
 Usage::
 
@@ -72,13 +72,12 @@ def download(url, dest_path, sha256=None):
 
 def file_sha256(path):
     with open(path, "rb") as f:
-        return hashlib.sha256(f.read()).hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def read_text(path):
-    """``path`` as UTF-8 text we can train on, and the sha256 of its
-    bytes. Decoded here (no newline translation), so that the ids
-    decode back to exactly the file."""
+    """``path`` as UTF-8 text we can train on (no newline
+    translation), and the sha256 of its bytes."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -114,8 +113,7 @@ def read_text(path):
 
 
 def build_char_vocab(text, source):
-    """Every distinct character, sorted: the same text always gives
-    the same ids, whatever Python's set order."""
+    """Every distinct character, sorted."""
     itos = sorted(set(text))
     if len(itos) > MAX_VOCAB:
         raise DataError(
@@ -123,12 +121,6 @@ def build_char_vocab(text, source):
             f"expected at most {MAX_VOCAB} so that ids fit in uint16 "
             "(with one id to spare)")
     return itos
-
-
-def encode_char(text, itos):
-    """Each character's index in ``itos``, as a uint16 array."""
-    stoi = {ch: i for i, ch in enumerate(itos)}
-    return np.array([stoi[ch] for ch in text], dtype=np.uint16)
 
 
 def default_out_dir(tokenizer):
@@ -203,19 +195,19 @@ def prepare(input_path=None, out_dir=None, url=DEFAULT_URL,
               f"(sha256 {digest[:12]}..., expected {expected[:12]}...); "
               "using it anyway")
 
-    # by position, not at random: val is a contiguous unseen passage
+    # by position, not at random: val is a contiguous unseen passage,
+    # each side encoded alone
+    n_chars = int(len(text) * TRAIN_FRACTION)
+    halves = (text[:n_chars], text[n_chars:])
     if tokenizer == "char":
         itos = build_char_vocab(text, text_path)
-        ids = encode_char(text, itos)
-        n_train = int(len(ids) * TRAIN_FRACTION)
-        train_ids, val_ids = ids[:n_train], ids[n_train:]
         vocab = {"tokenizer": "char", "vocab_size": len(itos), "itos": itos}
-    else:  # GPT-2 BPE: the same character split, each side encoded alone
-        encode = gpt2_encoding().encode_ordinary
-        n_chars = int(len(text) * TRAIN_FRACTION)
-        train_ids = np.array(encode(text[:n_chars]), dtype=np.uint16)
-        val_ids = np.array(encode(text[n_chars:]), dtype=np.uint16)
+        stoi = {ch: i for i, ch in enumerate(itos)}
+        parts = [[stoi[ch] for ch in half] for half in halves]
+    else:  # GPT-2 BPE
         vocab = BPE_META
+        parts = [gpt2_encoding().encode_ordinary(half) for half in halves]
+    train_ids, val_ids = (np.array(p, dtype=np.uint16) for p in parts)
 
     meta = {**vocab, "n_train": int(len(train_ids)),
             "n_val": int(len(val_ids)), "source": source, "sha256": digest}
@@ -225,9 +217,8 @@ def prepare(input_path=None, out_dir=None, url=DEFAULT_URL,
 
 
 def main(argv=None):
-    """Parse arguments, run ``prepare`` and print a summary. An error
-    is one ``error: ...`` line, not a traceback: exit status 2 for a
-    bad argument, 1 for a problem with the data."""
+    """Parse arguments, run ``prepare`` and print a summary; an error
+    is one line (status 2: a bad argument, else 1)."""
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--input", default=None,

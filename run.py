@@ -1,8 +1,7 @@
 """A training run's directory: who owns it (open_run: one run per out_dir),
 what the run writes there (RunFiles), and how it continues (resume, if
 check_resumable allows). checkpoint.py says what a checkpoint holds.
-
-A run's files and what happens when a run goes wrong: docs/runs.md
+Design notes: docs/runs.md
 """
 
 import fcntl
@@ -18,9 +17,8 @@ import time
 import parallelism
 import scoring
 import tracking
-from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, agree,
-                        check_dataset, load, load_latest, restore, save_full,
-                        save_weights)
+from checkpoint import (BEST_DCP, RESUME_NEEDS, CheckpointError, Sharded,
+                        Whole, agree, check_dataset, load, load_latest)
 from errors import UserError
 from model import GPTConfig
 from utils import (NO_PERMISSION, NO_SPACE, LogError, PathError, read_log,
@@ -51,8 +49,7 @@ def clear_run(out_dir):
 
 def lock_run(out_dir, command):
     """Lock out_dir/run.lock (flock) for this process's life, naming the
-    holder in it. Returns the open lock file: keep it open. A live run's
-    lock or an unusable out_dir: CheckpointError, nothing changed."""
+    holder in it. Returns the open lock file: keep it open."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise CheckpointError(f"out_dir {out_dir} is a file, not a directory; "
                               f"give another --out_dir")
@@ -174,7 +171,7 @@ def load_agreed(out_dir, device, master):
     problem = None
     if master:
         try:
-            checkpoint, path = load_latest(out_dir, device, master)
+            checkpoint, path = load_latest(out_dir, device)
         except CheckpointError as e:
             problem = str(e)
     step = checkpoint and checkpoint["iter_num"]
@@ -221,19 +218,17 @@ def end_if_complete(checkpoint, config, out_dir, master, device):
 
 class RunFiles:
     """What a run writes while it trains: log.jsonl (and W&B), ckpt.pt,
-    best.pt. modules: ModuleDict {'model', 'objective'}."""
+    best.pt (Sharded under FSDP, else Whole)."""
 
     def __init__(self, out_dir, modules, optimizers, parallel, master,
                  device, learning_rate):
         self.out_dir = out_dir
         self.modules = modules
-        self.optimizers = optimizers
-        self.parallel = parallel
+        kind = Sharded if parallel == "fsdp" else Whole
+        self.checkpoints = kind(out_dir, modules, optimizers, master)
         self.master = master
         self.device = device
         self.learning_rate = learning_rate  # for the divergence message
-        # FSDP: the slots of ckpt_dcp/ that ckpt_prev.pt and ckpt.pt name
-        self.dcp_slots = [None, None]
         # False: ckpt.pt is the unreadable file a resume fell back from
         self.keep_previous = True
         self.saved_step = None  # the step ckpt.pt holds
@@ -252,8 +247,7 @@ class RunFiles:
             changes = check_resumable(state, config, config["data_dir"],
                                       parallelism.world_size())
             end_if_complete(state, config, out_dir, self.master, self.device)
-            restore(state, path, out_dir, self.modules, self.optimizers,
-                    self.parallel, self.dcp_slots)
+            self.checkpoints.restore(state, path)
         except CheckpointError as e:
             e.agreed = True
             raise
@@ -318,11 +312,9 @@ class RunFiles:
                               check_weights=True)
         state = {**state, "config_changes": self.config_changes}
         if best:
-            save_weights(os.path.join(self.out_dir, "best.pt"), state,
-                         self.modules, self.parallel, self.master)
-        save_full(self.out_dir, {**state, **training.state_dict()},
-                  self.modules, self.optimizers, self.parallel, self.master,
-                  self.dcp_slots, self.keep_previous)
+            self.checkpoints.save_best(state)
+        self.checkpoints.save_full({**state, **training.state_dict()},
+                                   self.keep_previous)
         self.keep_previous = True
         self.saved_step = step
 

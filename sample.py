@@ -1,14 +1,13 @@
 """
 Generate text from a checkpoint written by train.py:
 
-    python sample.py out/lowres_baseline/best.pt --start "ROMEO:" --lang lr
+    python sample.py out/lowres_baseline/best.pt --start "ROMEO:" --lang low
 
 In the low-resource experiment every character exists twice, as an HR
 id and as its LR twin (id + vocab). `--lang` picks the language of the
 prompt; the model may switch language mid-sample, so the output reports
-how many generated characters were LR. Both languages print as the same
-characters. A checkpoint trained on GPT-2 BPE data (prepare_c4.py) is
-decoded with tiktoken.
+how many generated characters were LR. A checkpoint trained on GPT-2 BPE
+data (prepare_c4.py) is decoded with tiktoken.
 """
 
 import argparse
@@ -16,7 +15,7 @@ import argparse
 import torch
 
 from checkpoint import load_model
-from errors import UserError, end_with
+from errors import UserError, run_script
 from utils import check_arguments, choose_device
 
 
@@ -93,7 +92,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # the one place a user's problem ends the run
-        end_with(e)
+    run_script(main)

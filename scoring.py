@@ -99,11 +99,9 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024,
                                 rare=None):
     """prediction_metrics without holding all (N, V) logits: lm_head
     recomputes them by chunks from the final normed states (N, C) (a new
-    tensor each call: the passes overwrite it). Means over tokens are
-    exact size-weighted chunk means; t_best comes from the same Newton's
-    method, one head pass a step, the first of which (T = 1) also gives
-    PPL, the rank metrics and "rare": the metrics of the positions where
-    rare (N,) bool is True. "head_passes": passes over all N states."""
+    tensor each call: the passes overwrite it), one pass a Newton step.
+    "rare": the metrics of the positions where rare (N,) bool is True.
+    "head_passes": passes over all N states."""
     n = len(targets)
     rare = torch.zeros(n, dtype=torch.bool) if rare is None else rare
     chunks = [(finals[i:i + chunk], targets[i:i + chunk], rare[i:i + chunk])
@@ -237,17 +235,15 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
 def validation_losses(model, objective, val_data, batch_size, block_size,
                       eval_iters, shift, low_resource_prob, device,
                       autocast, rank=0, world_size=1, stop_pending=None):
-    """train.py's evaluation: cross-entropy (never thresholded) on the
-    same eval_iters validation batches every time, in both languages;
-    'val' on batches mixed as in training (a window is LR with
-    probability low_resource_prob), from the per-window losses; the
-    other active terms on the same mixed batches. Under torchrun each
-    rank takes every world_size-th batch (docs/metrics.md).
+    """train.py's evaluation: cross-entropy, never
+    thresholded, and the other active terms on the same eval_iters
+    validation batches every time, in both languages.
     shift > 0: the LR language's id offset (0: one language). Returns
-    {"val", "val_high", "val_low" (two languages), "val_<term>" (each
-    other active term; "val_ce" when headless), "twin_cos", "twin_top3"
-    (two languages, char vocabulary)}, or None when stop_pending() (a
-    stop signal) became true on any rank before its last batch."""
+    {"val" (windows mixed as in training), "val_high", "val_low" (two
+    languages), "val_<term>" (each other active term; "val_ce" when
+    headless), "twin_cos", "twin_top3" (two languages, char
+    vocabulary)}, or None when stop_pending() (a stop signal) became
+    true on any rank before its last batch."""
     low_resource = shift > 0
     on_cuda = str(device).startswith("cuda")
     model.eval()
@@ -290,8 +286,8 @@ def validation_losses(model, objective, val_data, batch_size, block_size,
                             reduction="none").view(B, -1).mean(1)
                         continue
                 logits = passes[lang][0] if aux else passes[lang]
-                # a window at a time: at a 50304-token vocabulary the
-                # batch's log-softmax would make evaluation the peak
+                # a window at a time: a BPE batch's log-softmax would
+                # be the run's peak
                 row[k * B:(k + 1) * B] = torch.stack([
                     torch.nn.functional.cross_entropy(
                         window.float(), targets, reduction="none").mean()

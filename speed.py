@@ -57,9 +57,8 @@ def step_time(model_config, objective_kwargs, batch_size, steps, warmup,
 
 def measured_speed(device, dtype):
     """(peak FLOP/s, MFU) of this machine's `device` (a CPU, MPS: no
-    datasheet): the matmul peak train.py's MFU divides by
-    (utils.peak_flops), and the MFU the lowres toy's CE step reaches
-    here (docs/performance.md)."""
+    datasheet): the matmul peak train.py's MFU divides by, and the MFU
+    the lowres toy's CE step reaches here (docs/performance.md)."""
     peak = peak_flops(device, dtype)
     settings, batch_size = EFFICIENCY_SETTINGS["lowres"]
     toy = GPTConfig(**settings)
@@ -75,8 +74,7 @@ def long_work_notice(flops_per_step, flops_per_eval, peak, mfu=0.4,
                      threshold_s=120):
     """The line train.py prints before its loop when one step or one
     evaluation would take more than threshold_s at the plan's MFU of
-    `peak` (FLOP/s of all processes), so that a run that works does not
-    look hung until its first log line. None when both are short."""
+    `peak` (FLOP/s of all processes); None when both are short."""
     long = []
     for what, flops in (("one step", flops_per_step),
                         ("one evaluation", flops_per_eval)):

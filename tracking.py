@@ -1,9 +1,7 @@
 """
 Optional experiment tracking with Weights & Biases (train.py's
-wandb_log=True). log.jsonl stays the run's record; W&B gets a copy of
-each of its lines (step = iter) and the run's config. wandb is imported
-only here and only when a run asks for it. A resumed run continues the
-same W&B run through out_dir/wandb_id.txt.
+wandb_log=True): a copy of each log.jsonl record and the run's config.
+wandb is imported only here and only when a run asks for it.
 Design notes: docs/tracking.md
 """
 
@@ -18,8 +16,7 @@ ID_FILE = "wandb_id.txt"
 
 
 def run_id(out_dir, resuming):
-    """The W&B id stored in out_dir when resuming, else a new random one
-    (random, so that a run started over in out_dir gets new curves)."""
+    """The W&B id stored in out_dir when resuming, else a new one."""
     path = os.path.join(out_dir, ID_FILE)
     if resuming and os.path.exists(path):
         with open(path) as f:
@@ -29,10 +26,14 @@ def run_id(out_dir, resuming):
     return secrets.token_hex(8)  # W&B ids: lower-case letters and digits
 
 
-def start_wandb(config, out_dir, resuming):
-    """wandb.init for a run whose out_dir is ready; returns the run.
-    W&B's files go to out_dir/wandb/ unless WANDB_DIR is set. A failing
-    init (online without a login) is one line that says what to do."""
+def start_wandb(config, out_dir, resuming, master=True):
+    """wandb.init for a run whose out_dir is ready; returns the run, or
+    None without wandb_log or off rank 0. A resume continues the same
+    W&B run. W&B's files go to out_dir/wandb/ unless WANDB_DIR is set.
+    A failing init (online without a login) is one line that says what
+    to do."""
+    if not (config["wandb_log"] and master):
+        return None
     import wandb
 
     wandb_id = run_id(out_dir, resuming)

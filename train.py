@@ -8,11 +8,9 @@ Train a GPT on a prepared dataset, nanoGPT style:
 The defaults below are the Stop Jostling low-resource experiment (Sec. 4.1,
 Table 4): a 0.8M-parameter character GPT on tiny Shakespeare where each
 training window is, with probability low_resource_prob, rewritten into a
-second "low-resource" language (every id shifted by the char vocabulary
-size). The run writes log.jsonl, ckpt.pt (resume with --init_from=resume),
-best.pt and metrics.json to out_dir. A stop signal (Ctrl-C, `kill`, SIGUSR1)
-finishes the step, saves ckpt.pt and prints the command that resumes.
-Files, failures and design notes: docs/runs.md.
+second "low-resource" language. The run writes log.jsonl, ckpt.pt (resume
+with --init_from=resume), best.pt and metrics.json to out_dir. Files,
+stops, failures and design notes: docs/runs.md.
 """
 
 
@@ -80,23 +78,9 @@ global_batch_size = 0  # sequences per step, all processes; 0: batch x steps
 data_order = "random"
 low_resource = True  # add the low-resource language (Stop Jostling, 4.1)
 low_resource_prob = 0.02  # probability that a window is in that language
-# model
-vocab_size = 0  # 0: the dataset's; more pads the table (GPT-2 BPE: 50304)
-n_layer = 4
-n_head = 4
-n_embd = 128
-dropout = 0.0
-bias = False
-tie_weights = True
-arch = "gpt2"  # gpt2 | llama (RMSNorm, RoPE, SwiGLU; SimReg, App. A.1)
-ffn_hidden = 0  # llama's SwiGLU width; 0: 8/3 n_embd, up to a multiple of 256
-n_expert = 1  # llama: > 1 is a Mixtral mixture of experts
-top_k = 2  # experts per token
-capacity_factor = 0.0  # slots: x tokens * top_k / n_expert; 0: none dropped
-moe_routing = "capacity"  # capacity: static shapes | dropless: routed FLOPs
-rope_theta = 10000.0
-rope_layout = "half"  # RoPE pairs (i, i + d/2) | interleaved: (2i, 2i+1)
-init_std = 0.01  # llama: std of every weight matrix
+# model: each key's default and comment: model.GPTConfig; vocab_size 0:
+# the dataset's, more pads the table (GPT-2 BPE: 50304)
+globals().update(vars(GPTConfig(vocab_size=0, block_size=block_size)))
 # loss: a weighted sum of losses.py's terms, each on when its <name>_weight
 # > 0; each key's default and rule: objective.ObjectiveConfig
 globals().update(vars(ObjectiveConfig()))
@@ -151,8 +135,7 @@ if dry_run:  # nothing allocated or read, out_dir untouched
     sys.exit(0)
 if problem := check_train_config(config, world_size):
     raise ConfigError(problem)
-if num_threads > 0:
-    torch.set_num_threads(num_threads)
+torch.set_num_threads(num_threads or torch.get_num_threads())
 try:
     device = choose_device(device)
 except ValueError as e:
@@ -178,8 +161,8 @@ if parallel != "none":
         torch.cuda.set_device(device)
 master = rank == 0  # the one process that prints and writes files
 on_cuda = device.startswith("cuda")
-if on_cuda:  # TF32 for fp32 matmuls; a loss that needs full fp32 keeps it
-    torch.set_float32_matmul_precision("high")
+# TF32 on CUDA; a loss that needs full fp32 keeps it
+torch.set_float32_matmul_precision("high" if on_cuda else "highest")
 dtype = choose_dtype(dtype, device)
 autocast = autocast_context(device, dtype)
 # the same seed on every rank: FSDP2 shards each rank's own copy of the
@@ -222,9 +205,8 @@ if init_embeddings_from_seed is not None:
         print(f"embeddings from seed {init_embeddings_from_seed}'s "
               f"initialisation, the rest from {seed}'s")
 
-# compile, checkpoint activations around the compiled blocks, then DDP or
-# FSDP2. A step runs forward through the parallel wrapper; all else uses
-# trained itself.
+# compile, checkpoint around the compiled blocks, then DDP or FSDP2; a
+# step runs forward through the wrapper, all else uses trained itself
 if compile == "True" or (compile == "auto" and on_cuda):
     parallelism.compile_blocks(trained.model)
 if activation_checkpointing:
@@ -233,7 +215,8 @@ wrapper = parallelism.parallelize(
     trained, parallel, device,
     param_dtype=None if dtype == "float32" else getattr(torch, dtype),
     # a headless run's untied LM head gets no gradient
-    unused_parameters=not (trained.objective.trains_head or tie_weights),
+    unused_parameters=not (trained.objective.trains_head
+                           or model_config.tie_weights),
     weights=start_weights,
     keep_gathered=fsdp_keep_gathered, shard_size=fsdp_shard_size)
 del start_weights  # copied in
@@ -267,9 +250,8 @@ if init_from == "resume":
     resumed = run_files.resume(config, training)
     iter_num = resumed["iter_num"]
     best_val_loss = resumed["best_val_loss"]
-wandb_run = None
-if wandb_log and master:  # a resume continues the same W&B run
-    wandb_run = tracking.start_wandb(config, out_dir, init_from == "resume")
+wandb_run = tracking.start_wandb(config, out_dir, init_from == "resume",
+                                 master)
 run_files.wandb_run = wandb_run
 
 

@@ -370,6 +370,14 @@ def launched(name, default):
     return int(value)
 
 
+def markdown_table(header, rows):
+    """A Markdown table as lines: its header, the rule under it and a
+    line per row (each cell through str)."""
+    return (["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+            + ["| " + " | ".join(str(cell) for cell in row) + " |"
+               for row in rows])
+
+
 def save_json(obj, path):
     save_text(json.dumps(obj, indent=2) + "\n", path)
 

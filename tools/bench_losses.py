@@ -1,6 +1,7 @@
 """
 tools/bench.py's sections on what a training step costs (toy, 350m, cwt, memory, efficiency,
-compile), and the report every section writes into (emit, table, goal).
+compile), and what every section shares: the report (emit, table, goal), child processes
+(run_child) and timing in turn (alternate).
 """
 
 import json
@@ -8,16 +9,19 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 import parallelism
+from errors import UserError
 from losses import cross_entropy, simreg
 from model import GPT, GPTConfig, build_model
 from objective import Objective
 from optim import configure_optimizers
 from speed import EFFICIENCY_SETTINGS, step_time
-from utils import autocast_context, keep_freed_memory, measure_matmul_flops, seconds
+from utils import (autocast_context, keep_freed_memory, markdown_table, measure_matmul_flops,
+                   seconds)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
@@ -45,20 +49,28 @@ def table(title, header, rows, intro=None):
     emit(f"\n### {title}\n")
     if intro:
         emit(intro + "\n")
-    emit("| " + " | ".join(header) + " |")
-    emit("|" + "---|" * len(header))
-    for row in rows:
-        emit("| " + " | ".join(str(c) for c in row) + " |")
+    for line in markdown_table(header, rows):
+        emit(line)
 
 
-def goal(what, value, limit, unit="", higher_is_better=False):
+def goal(what, value, limit, unit, higher_is_better=False):
     met = value >= limit if higher_is_better else value <= limit
     emit(f"- {what} {'≥' if higher_is_better else '≤'} {limit}{unit}: {value:.2f}{unit}, "
          f"{'met' if met else 'NOT met'}")
 
 
+def run_child(command, **env):
+    """The JSON lines (records) a command prints, run in the repository with `env` added to
+    the environment; a failure ends the benchmark with the end of its stderr."""
+    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, **env})
+    if result.returncode != 0:
+        raise UserError(f"{' '.join(command)} failed: {result.stderr[-2000:]}")
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
 def alternate(ways, steps, warmup, device):
-    """{name: seconds of each call} of `ways` called in turn (a load slows all alike), after
+    """{name: median seconds of a call} of `ways` called in turn (a load slows all alike), after
     `warmup` untimed rounds."""
     times = {name: [] for name in ways}
     for i in range(warmup + steps):
@@ -66,7 +78,7 @@ def alternate(ways, steps, warmup, device):
             elapsed = seconds(work, device)
             if i >= warmup:
                 times[name].append(elapsed)
-    return times
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def toy(args, device, dtype):
@@ -87,7 +99,7 @@ def toy(args, device, dtype):
 
 def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
     """Median seconds of one loss term alone, forward + backward (+ AdamW on its own parameters),
-    on hidden states of the real shape: far less noisy than subtracting two ~40 s steps."""
+    on hidden states of the real shape."""
     torch.manual_seed(0)
     objective = Objective(n_layer, C, ce_weight=0.0, **objective_kwargs).to(device)
     objective.init_weights()
@@ -126,24 +138,23 @@ def paper_350m(args, device, dtype):
               f"{steps[name, n_layer]:.2f} s", file=sys.stderr)
     per_block = steps["CE", 2] - steps["CE", 1]
     full = steps["CE", 1] + (L - 1) * per_block
-    # CE step FLOPs at 2 blocks (6 N per token + attention), for NITP's FLOP prediction at the CE step's rate
-    ce_flops = 6 * (2 * 12 * C * C + V * C) * T + 2 * 12 * C * T * T
-    rate = ce_flops / steps["CE", 2]
+    # the CE step's FLOPs at 2 blocks (6 N per token + attention): the rate NITP's FLOPs are timed at
+    rate = (6 * (2 * 12 * C * C + V * C) * T + 2 * 12 * C * T * T) / steps["CE", 2]
     rows = [("CE", f"{steps['CE', 2]:.2f}", "", f"{full:.1f}", "", "")]
     share = {}
     for name, kw in losses.items():
         extra = loss_time(kw, L, C, T, V, args.steps * 4, device, dtype)
         print(f"  {name}: the term alone {extra:.3f} s", file=sys.stderr)
+        share[name] = 100 * extra / full
         note = ""
         if name == "CE + NITP":
             # SwiGLU head C -> 4C -> C: 3 matrices of 4 C^2, 24 C^2 FLOPs per token forward, x3 with backward
             predicted = 3 * 24 * C * C * T / rate
+            share["NITP / its FLOP prediction"] = extra / predicted
             note = (f"FLOP prediction {predicted:.2f} s at the CE step's {rate / 1e9:.0f} GFLOP/s: "
                     f"measured / predicted = {extra / predicted:.2f}")
-            share["NITP / its FLOP prediction"] = extra / predicted
-        share[name] = 100 * extra / full
         rows.append((name, f"{steps[name, 2]:.2f}", f"{extra:.3f}", f"{full + extra:.1f}",
-                     f"{100 * extra / full:.2f} %", note))
+                     f"{share[name]:.2f} %", note))
     table(f"350M width (d 1024, T 2048, batch 1, V 50304): CE step at 1 and 2 blocks extrapolated to 24 "
           f"(per block {per_block:.2f} s); each term timed alone at 24 blocks",
           ["objective", "s / step at 2 blocks", "the term alone, s", "s / step at 24 blocks",
@@ -174,9 +185,9 @@ def _status_kib(field):
 
 
 def memory_child(chunk_size):
-    """Run in a fresh process: SimReg forward + backward at T 2048, C 1024; print how far the
-    resident set grew above where it stood before (Linux: writing 5 to /proc/self/clear_refs
-    resets the peak, VmHWM, so torch's own import peak does not hide the loss's)."""
+    """In a fresh process: SimReg forward + backward at T 2048, C 1024; prints how far the peak
+    resident set grew (writing 5 to /proc/self/clear_refs resets the peak, VmHWM, past torch's
+    own import peak)."""
     h = torch.randn(1, 2048, 1024, requires_grad=True)
     labels = torch.randint(0, 50304, (1, 2048))
     simreg(h[:, :8], labels[:, :8]).backward()  # load the kernels first
@@ -191,9 +202,8 @@ def memory_child(chunk_size):
 def simreg_memory(args, device, dtype):
     rows = []
     for chunk in (0, 1024, 256):
-        out = subprocess.run([*SELF, "--memory_child", str(chunk)], capture_output=True, text=True,
-                             check=True, cwd=REPO).stdout
-        rows.append(("full" if chunk == 0 else f"chunk {chunk}", f"{json.loads(out)['peak_delta_mib']:.0f}"))
+        (out,) = run_child([*SELF, "--memory_child", str(chunk)])
+        rows.append(("full" if chunk == 0 else f"chunk {chunk}", f"{out['peak_delta_mib']:.0f}"))
     table("SimReg peak memory, forward + backward, T 2048, C 1024 (growth of the peak resident set)",
           ["SimReg", "peak MiB"], rows)
 
@@ -212,18 +222,16 @@ def efficiency_child(setting, steps, warmup):
 def efficiency(args, device, dtype):
     cores = os.cpu_count() or 1
     torch.set_num_threads(cores)
-    # as tools/runner.py: a best of 3 can read low
+    # 20 repeats, as tools/runner.py: a best of 3 can read low
     peak = measure_matmul_flops("cpu", torch.float32, repeats=20)
     rows = []
     for setting in EFFICIENCY_SETTINGS:
         steps = args.steps * (20 if setting == "lowres" else 4)
         command = [*SELF, "--efficiency_child", setting, "--steps", str(steps), "--warmup", "3"]
-        alone = json.loads(subprocess.run(command, capture_output=True, text=True, check=True,
-                                          cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS=str(cores))).stdout)
-        children = [subprocess.Popen(command, stdout=subprocess.PIPE, text=True, cwd=REPO,
-                                     env=dict(os.environ, OMP_NUM_THREADS="1"))
-                    for _ in range(cores)]
-        side_by_side = [json.loads(child.communicate()[0]) for child in children]
+        (alone,) = run_child(command, OMP_NUM_THREADS=str(cores))
+        with ThreadPoolExecutor(cores) as pool:  # one 1-thread process per core, side by side
+            children = [pool.submit(run_child, command, OMP_NUM_THREADS="1") for _ in range(cores)]
+        side_by_side = [child.result()[0] for child in children]
         rate = sum(r["flops"] / r["seconds"] for r in side_by_side)
         rows += [(setting, f"1 process x {cores} threads", f"{1000 * alone['seconds']:.1f}",
                   f"{alone['flops'] / alone['seconds'] / peak:.2f}"),
@@ -258,9 +266,6 @@ def compile_step(args, device, dtype):
         return step
     times = alternate({"eager": training_step(eager), "compiled (inductor)": training_step(compiled)},
                       10 * args.steps, max(args.warmup, 3), device)
-    base = statistics.median(times["eager"])
     table(f"toy CE step (4 x 128, T 64, batch 12), eager vs compiled blocks, {torch.get_num_threads()} "
-          "thread(s)",
-          ["model", "median ms", "ratio to eager"],
-          [(name, f"{1000 * statistics.median(t):.1f}", f"{statistics.median(t) / base:.2f}")
-           for name, t in times.items()])
+          "thread(s)", ["model", "median ms", "ratio to eager"],
+          [(name, f"{1000 * t:.1f}", f"{t / times['eager']:.2f}") for name, t in times.items()])

@@ -1,7 +1,7 @@
 """
-tools/bench.py's sections that set what plan.py and the data and model code predict against what a
-run measures: gpu_memory, plan_memory, plan_comm (CollectiveBytes), prepare (prepare_c4.py's
-throughput) and moe. What each measures, and the results: docs/performance.md.
+tools/bench.py's sections on what plan.py and the data and model code predict against what a run
+measures: gpu_memory, plan_memory, plan_comm (CollectiveBytes), prepare (prepare_c4.py) and moe.
+What each measures, and the results: docs/performance.md.
 """
 
 import gzip
@@ -24,23 +24,22 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-import parallelism
 import memory
+import parallelism
 import plan
 from errors import UserError
 from model import GPTConfig, MixtureOfExperts, build_model
 from objective import Objective, Trained
 from optim import apply_gradients, configure_optimizers
-from tools.bench_losses import alternate, emit, table
+from tools.bench_losses import REPO, alternate, emit, run_child, table
 from tools.memory_table import read_config, table_lines
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def expert_loop(moe, x):
     """MixtureOfExperts.forward before issue 31: a loop over the experts, each on the tokens
-    routed to it (torch.where: a host sync on a GPU), nothing dropped."""
+    routed to it, nothing dropped."""
     probs = F.softmax(moe.router(x), dim=-1)
     top_p, top_e = probs.topk(moe.top_k, dim=-1)
     top_p = top_p / top_p.sum(dim=-1, keepdim=True)
@@ -61,9 +60,9 @@ def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
     for p in moe.parameters():
         torch.nn.init.normal_(p, 0.0, 0.01)
     x = torch.randn(N, C, device=device)
-    routings = {"loop over experts (before)": None}  # -> (dropless, capacity_factor)
-    routings.update({f"static, capacity_factor {factor}": (False, factor) for factor in factors})
-    routings["dropless (sorted by expert)"] = (True, 0.0)
+    routings = {"loop over experts (before)": None,  # -> (dropless, capacity_factor)
+                **{f"static, capacity_factor {f}": (False, f) for f in factors},
+                "dropless (sorted by expert)": (True, 0.0)}
     dropped = {name: [] for name in routings}
 
     def step(name):
@@ -73,8 +72,7 @@ def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
         (moe(x) if routings[name] else expert_loop(moe, x)).square().mean().backward()
         dropped[name].append(moe.dropped_fraction.item() if name.startswith("static") else 0.0)
     times = alternate({name: partial(step, name) for name in routings}, steps, warmup, device)
-    return {name: (statistics.median(times[name]), statistics.median(dropped[name][warmup:]))
-            for name in routings}
+    return {name: (t, statistics.median(dropped[name][warmup:])) for name, t in times.items()}
 
 
 def moe(args, device, dtype):
@@ -86,15 +84,15 @@ def moe(args, device, dtype):
            for name, (t, d) in times.items()])
 
 
-PAPER_CONFIGS = ["config/c4_tiny.py", "config/baseline_350m.py", "config/baseline_1b3.py",
-                 "config/baseline_3b.py", "config/baseline_7b.py", "config/baseline_moe_8x1b.py"]
+PAPER_CONFIGS = ["c4_tiny", "baseline_350m", "baseline_1b3", "baseline_3b", "baseline_7b",
+                 "baseline_moe_8x1b"]
 
 
 def gpu_memory(args, device, dtype):
+    paths = [os.path.join(REPO, "config", f"{name}.py") for name in PAPER_CONFIGS]
     emit("\n### GPU memory of the paper configs (tools/memory_table.py, 8 GPUs)\n")
-    for line in table_lines([os.path.join(REPO, p) for p in PAPER_CONFIGS], gpus=8):
-        emit(line)
-    config = read_config(os.path.join(REPO, "config/baseline_7b.py"))
+    emit("\n".join(table_lines(paths, gpus=8)))
+    config = read_config(os.path.join(REPO, "config", "baseline_7b.py"))
     n = plan.make_plan(config, 8, measure=False)["params"]
     emit("\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter: on one GPU the 7B "
          f"model's states alone are {16 * n / memory.GiB:.0f} GiB. With several micro-steps per step FSDP2 "
@@ -104,7 +102,7 @@ def gpu_memory(args, device, dtype):
          "of a run (plan.py).")
 
 
-# (name, train.py arguments, processes) of the runs plan_memory measures
+# (name, train.py arguments, processes)
 PLAN_MEMORY_RUNS = [
     ("c4_tiny", ["config/c4_tiny.py"], 1),
     ("c4_tiny, activation checkpointing", ["config/c4_tiny.py", "--activation_checkpointing=True"], 1),
@@ -116,8 +114,8 @@ PLAN_MEMORY_RUNS = [
 
 
 def peak_rss_gib(command):
-    """Peak resident memory of a command's largest process (the command or any process it waited
-    for, e.g. torchrun's workers), GiB; the command must succeed."""
+    """Peak resident GiB of a command's largest process (it or one it waited for, e.g. torchrun's
+    workers); the command must succeed."""
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True)
     _, status, usage = os.wait4(process.pid, 0)
@@ -128,7 +126,7 @@ def peak_rss_gib(command):
 
 def plan_memory(args, device, dtype):
     """The plan's memory for a process (train.py's memory check) against the peak resident
-    memory of the same run, --repeats times: the peak moves (docs/performance.md)."""
+    memory of the same run, --repeats times."""
     data_dir = os.environ.get("PLAN_MEMORY_DATA", "data/c4_tiny")
     if not os.path.exists(os.path.join(REPO, data_dir, "meta.json")):
         raise UserError(f"plan_memory needs C4-format data in {data_dir}: python prepare_c4.py --from_text "
@@ -137,23 +135,21 @@ def plan_memory(args, device, dtype):
                "prepare_shakespeare, tracking")
     base = peak_rss_gib([sys.executable, "-c", imports])
     short = [f"--max_iters={args.steps}", "--eval_interval=2", "--eval_iters=1", "--log_interval=1",
-             "--final_eval=False", f"--data_dir={data_dir}", "--overwrite=True"]
-    out_dir = os.path.join(REPO, "out", "bench_plan_memory")
+             "--final_eval=False", f"--data_dir={data_dir}", "--overwrite=True",
+             f"--out_dir={os.path.join(REPO, 'out', 'bench_plan_memory')}"]
     rows = []
     for name, train_args, processes in PLAN_MEMORY_RUNS:
         launcher = [*TORCHRUN, f"--nproc_per_node={processes}"] if processes > 1 else [sys.executable]
-        command = [*launcher, "train.py", *train_args, *short, f"--out_dir={out_dir}"]
+        command = [*launcher, "train.py", *train_args, *short]
         peaks = sorted(peak_rss_gib(command) - base for _ in range(args.repeats))
         median = statistics.median(peaks)
         config = {**read_config(*train_args, *short), "dtype": "float32"}
-        vocab = plan.run_vocab(config)
-        tensors, states = memory.process_gib(config, processes, vocab)
-        heap = memory.cpu_heap_allowance(processes)
-        planned = memory.process_gib(config, processes, vocab, heap=heap)[0]
-        implied = (median - tensors) / (tensors - states)
-        rows.append((name, str(processes), f"{states:.3f}", f"{tensors:.3f}", f"{planned:.3f}",
+        tensors, states = memory.process_gib(config, processes, plan.run_vocab(config))
+        planned = tensors + memory.cpu_heap_allowance(processes) * (tensors - states)
+        rows.append((name, processes, f"{states:.3f}", f"{tensors:.3f}", f"{planned:.3f}",
                      " / ".join(f"{p:.3f}" for p in (peaks[0], median, peaks[-1])),
-                     f"{100 * (planned - median) / median:+.0f} %", f"{implied:.2f}"))
+                     f"{100 * (planned - median) / median:+.0f} %",
+                     f"{(median - tensors) / (tensors - states):.2f}"))
     table(f"The plan's memory per process against the measured peak (CPU, float32, {args.steps} steps, "
           f"{args.repeats} runs each)",
           ["run", "processes", "plan: states GiB", "plan: tensors GiB", "plan: with heap GiB",
@@ -166,16 +162,17 @@ def plan_memory(args, device, dtype):
 # plan_comm's model: a 4096-token vocabulary, so that the blocks and the roots (embeddings, head,
 # NITP's head) weigh alike
 COMM_MODEL = ["config/baseline_350m.py", "--n_layer=2", "--vocab_size=4096", "--block_size=64",
-              "--batch_size=1", "--nitp_weight=1.0", "--grad_clip_mode=norm"]
+              "--batch_size=1", "--nitp_weight=1.0", "--grad_clip_mode=norm", "--dtype=float32"]
 # (the FSDP runs differ in micro-steps and in the all-gathers' dtype, and neither product is the other's)
 COMM_RUNS = {
-    "DDP, 2 micro-steps": ["--parallel=ddp", "--global_batch_size=4", "--dtype=float32"],
-    "DDP, 4 micro-steps": ["--parallel=ddp", "--global_batch_size=8", "--dtype=float32"],
-    "FSDP, 4 micro-steps, activation checkpointing": ["--parallel=fsdp", "--global_batch_size=8",
-                                                      "--dtype=float32", "--activation_checkpointing=True"],
-    "FSDP, 2 micro-steps, bf16 all-gathers": ["--parallel=fsdp", "--global_batch_size=4", "--dtype=bfloat16"],
-    "FSDP, 4 micro-steps, kept gathered": ["--parallel=fsdp", "--global_batch_size=8", "--dtype=float32",
-                                           "--fsdp_keep_gathered=True"],
+    "DDP, 2 micro-steps": ["--parallel=ddp", "--global_batch_size=4"],
+    "DDP, 4 micro-steps": ["--parallel=ddp", "--global_batch_size=8"],
+    "FSDP, 4 micro-steps, activation checkpointing":
+        ["--parallel=fsdp", "--global_batch_size=8", "--activation_checkpointing=True"],
+    "FSDP, 2 micro-steps, bf16 all-gathers":
+        ["--parallel=fsdp", "--global_batch_size=4", "--dtype=bfloat16"],
+    "FSDP, 4 micro-steps, kept gathered":
+        ["--parallel=fsdp", "--global_batch_size=8", "--fsdp_keep_gathered=True"],
 }
 
 
@@ -195,18 +192,19 @@ class CollectiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.namespace in ("c10d", "_c10d_functional") and func._opname != "wait_tensor":
-            kind = next((k for name, k in self.KINDS.items() if name in func._opname), None)
-            functional = func.namespace == "_c10d_functional"
-            if kind is None:
-                self.other[str(func)] += 1
-                return out
-            # c10d's in-place ops name the gathered tensor first and the tensor to scatter second
-            buffer = {"all_gather": out if functional else args[0],
-                      "reduce_scatter": args[0] if functional else args[1], "all_reduce": args[0]}[kind]
-            self.buffers[kind] += sum(t.numel() * t.element_size() for t in tree_flatten(buffer)[0]
-                                      if isinstance(t, torch.Tensor))
-            self.calls[str(func)] += 1
+        if func.namespace not in ("c10d", "_c10d_functional") or func._opname == "wait_tensor":
+            return out
+        kind = next((k for name, k in self.KINDS.items() if name in func._opname), None)
+        if kind is None:
+            self.other[str(func)] += 1
+            return out
+        # c10d's in-place ops name the gathered tensor first and the tensor to scatter second
+        functional = func.namespace == "_c10d_functional"
+        buffer = {"all_gather": out if functional else args[0],
+                  "reduce_scatter": args[0] if functional else args[1], "all_reduce": args[0]}[kind]
+        self.buffers[kind] += sum(t.numel() * t.element_size() for t in tree_flatten(buffer)[0]
+                                  if isinstance(t, torch.Tensor))
+        self.calls[str(func)] += 1
         return out
 
 
@@ -251,22 +249,18 @@ def comm_child():
 
 def plan_comm(args, device, dtype):
     command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "tools.bench", "--comm_child"]
-    result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    if result.returncode != 0:
-        raise UserError(f"{' '.join(command)} failed: {result.stderr[-2000:]}")
     rows = []
-    for record in (json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")):
+    for record in run_child(command, OMP_NUM_THREADS="1"):
         if "skipped" in record:
             rows.append((record["run"], "skipped: " + record["skipped"], "", "", "", ""))
             continue
         config = read_config(*COMM_MODEL, *COMM_RUNS[record["run"]])
-        planned = plan.make_plan(config, record["processes"], measure=False)["communication"]
+        planned = plan.make_plan(config, record["processes"], measure=False)["communication"]["total"]
         counted = sum(record["sent"].values())
         rows.append((record["run"], ", ".join(f"{n} {op.split('.')[1]}" for op, n in record["calls"].items()),
                      ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in record["sent"].items() if v),
-                     f"{counted / 1e6:,.1f}", f"{planned['total'] / 1e6:,.1f}",
-                     f"{100 * (planned['total'] - counted) / counted:+.1f} %"))
+                     f"{counted / 1e6:,.1f}", f"{planned / 1e6:,.1f}",
+                     f"{100 * (planned - counted) / counted:+.1f} %"))
     table("The plan's communication per optimizer step and process against the collectives of a real step "
           "(2 gloo processes)", ["run", "calls", "counted MB, by kind", "counted MB", "plan MB",
                                  "plan error"], rows,
@@ -277,7 +271,6 @@ def plan_comm(args, device, dtype):
 
 PREPARE_COPIES = 16          # tiny Shakespeare x 16: 4 train shards of ~4 MB of JSON + 1 val shard
 PREPARE_DOC_PARAGRAPHS = 12  # speeches per document: ~2 KB, about a C4 document's length
-C4_SHARD_TOKENS = 150e6      # GPT-2 tokens in one C4 "en" train shard, roughly (plan.C4_TOKENS_PER_SHARD)
 C4_SHARD_GZ_BYTES = 320e6    # the compressed shard a worker waits for: ~305 GB / 1024 shards (allenai/c4 en)
 
 
@@ -309,27 +302,25 @@ def prepare_throughput(args, device, dtype):
     if not os.path.isfile(text_path):
         raise UserError(f"the prepare section needs tiny Shakespeare at {text_path}: python "
                         "prepare_shakespeare.py (or set PREPARE_TEXT to a plain-text file)")
-    work = tempfile.mkdtemp(prefix="bench_prepare_")
-    try:
-        with open(text_path, encoding="utf-8") as f:
-            speeches = [s.strip("\n") for s in re.split(r"\n\s*\n", f.read()) if s.strip()] * PREPARE_COPIES
+    with open(text_path, encoding="utf-8") as f:
+        speeches = [s.strip("\n") for s in re.split(r"\n\s*\n", f.read()) if s.strip()] * PREPARE_COPIES
+    # PREPARE_SCRIPT: another version of the script to time the same way (e.g. an older commit's)
+    script = os.environ.get("PREPARE_SCRIPT", os.path.join(REPO, "prepare_c4.py"))
+    enc = tiktoken.get_encoding(BPE_ENCODING)
+    runs = {1: [], 2: []}
+    tiktoken_runs, loop_runs, parse_runs = [], [], []
+    with tempfile.TemporaryDirectory(prefix="bench_prepare_", ignore_cleanup_errors=True) as work:
         big = os.path.join(work, "input.txt")  # documents of 12 speeches, as --from_text cuts them
         with open(big, "w", encoding="utf-8") as out:
             out.write("\n\n".join("\n".join(speeches[i:i + PREPARE_DOC_PARAGRAPHS])
                                   for i in range(0, len(speeches), PREPARE_DOC_PARAGRAPHS)) + "\n")
         out_dir = os.path.join(work, "c4")
-        # PREPARE_SCRIPT: another version of the script to time the same way (e.g. an older commit's)
-        script = os.environ.get("PREPARE_SCRIPT", os.path.join(REPO, "prepare_c4.py"))
         command = [sys.executable, script, "--from_text", big, "--shards", "4", "--out_dir", out_dir]
-
-        def prepare(workers):
-            subprocess.run(command + ["--workers", str(workers)], check=True, capture_output=True,
-                           env={**os.environ, "PYTHONPATH": REPO})
-        prepare(1)  # makes the shards
+        prepare = {w: partial(run_child, [*command, "--workers", str(w)], PYTHONPATH=REPO) for w in runs}
+        prepare[1]()  # makes the shards
         lines = list(shard_lines(out_dir))
         docs = [json.loads(line)["text"] for line in lines]
         json_bytes = sum(len(line) for line in lines)
-        enc = tiktoken.get_encoding(BPE_ENCODING)
         n_tokens = sum(len(ids) + 1 for ids in enc.encode_ordinary_batch(docs, num_threads=1))  # + EOT each
 
         def encode_loop():
@@ -339,8 +330,6 @@ def prepare_throughput(args, device, dtype):
         def parse_shards():  # what the main process did twice per shard before
             for line in shard_lines(out_dir):
                 json.loads(line)
-        runs = {1: [], 2: []}
-        tiktoken_runs, loop_runs, parse_runs = [], [], []
         for _ in range(args.steps):
             for workers in runs:
                 for old in ("train", "val", "meta.json", "train.bin", "val.bin"):
@@ -349,12 +338,10 @@ def prepare_throughput(args, device, dtype):
                         shutil.rmtree(path)
                     elif os.path.exists(path):
                         os.remove(path)
-                runs[workers].append(wall_and_cpu(partial(prepare, workers), children_cpu_seconds))
+                runs[workers].append(wall_and_cpu(prepare[workers], children_cpu_seconds))
                 tiktoken_runs.append(wall_and_cpu(lambda: enc.encode_ordinary_batch(docs, num_threads=1)))
             loop_runs.append(wall_and_cpu(encode_loop))
             parse_runs.append(wall_and_cpu(parse_shards))
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
     wall, cpu = map(statistics.median, zip(*tiktoken_runs))
 
     def row(what, measured, workers=None, tokens=True):
@@ -377,7 +364,8 @@ def prepare_throughput(args, device, dtype):
     cpu_of = {w: statistics.median(c for _, c in runs[w]) for w in runs}
     per_core = n_tokens / cpu_of[1]  # tokens per CPU-second of the script's one process
     startup = cpu_of[2] - cpu_of[1]
-    shard_s = C4_SHARD_TOKENS / per_core
+    shard_tokens = plan.C4_TOKENS_PER_SHARD
+    shard_s = shard_tokens / per_core
     rounds = math.ceil(350 / 32)
     parse_cpu = statistics.median(c for _, c in parse_runs)
     emit("- before issue 31 the main process decompressed and parsed every shard twice (a checking pass, "
@@ -385,7 +373,7 @@ def prepare_throughput(args, device, dtype):
          f"= {cpu / (2 * parse_cpu):.1f} workers busy on this text, whatever the cores (less the pickling of "
          "the batches); now each worker reads its own shards and the main process only downloads and writes "
          "the index.")
-    emit(f"- predicted for 350 C4 shards (~{C4_SHARD_TOKENS / 1e6:.0f}M tokens each) with 32 workers: "
+    emit(f"- predicted for 350 C4 shards (~{shard_tokens / 1e6:.0f}M tokens each) with 32 workers: "
          f"{shard_s:.0f} s of tokenising per shard and worker, {rounds} rounds of 32 shards = "
          f"{rounds * shard_s / 60:.0f} min (plus about {startup:.1f} CPU-s to start each worker: the "
          f"2-worker run's extra CPU time), if the downloads keep up: 32 shards per {shard_s:.0f} s is "

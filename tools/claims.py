@@ -2,12 +2,12 @@
 The papers' claims, each tested on our grids by one stated rule (RULE, stats.verdict). A claim
 names a method, its baseline on the same seeds, one measured quantity, the direction the paper
 reports and the paper's number; where the paper measured something else (a downstream
-benchmark, a bigger model), the toy's nearest quantity stands in for it.
+benchmark, a bigger model), the toy's nearest quantity stands in for it. The rule and why it is
+this one: docs/statistics.md.
 """
 
 import collections
 import functools
-import json
 import operator
 import os
 
@@ -16,7 +16,8 @@ import torch
 
 import metrics
 from tools import stats
-from utils import read_log
+from tools.identity import read_json
+from utils import markdown_table, read_log
 
 
 def _metric(*path):
@@ -25,8 +26,8 @@ def _metric(*path):
 
 
 def isotropy_authors_of(lang, of=metrics.isotropy_authors):
-    """The paper's I(W) (metrics.isotropy_authors, or `of`, e.g. metrics.isotropy_sign_range)
-    of one language's rows of a tied-weight char run's archived embedding (embedding.npz)."""
+    """The paper's I(W) (or `of`, e.g. metrics.isotropy_sign_range) of one language's rows
+    of a tied-weight char run's archived embedding (embedding.npz)."""
     def value(run):
         with np.load(os.path.join(run["dir"], "embedding.npz")) as data:
             W = torch.from_numpy(data["wte"])
@@ -36,16 +37,14 @@ def isotropy_authors_of(lang, of=metrics.isotropy_authors):
 
 
 def _marginalization(key):
-    def value(run):
-        with open(os.path.join(run["dir"], "marginalization.json")) as f:
-            return json.load(f)[key]
-    return value
+    return lambda run: read_json(os.path.join(run["dir"], "marginalization.json"))[key]
 
 
-def val_curve(run_dir):
-    """[(step, val loss)] of a run's evaluations (the mixed HR/LR loss on the char grids)."""
+def val_curve(run_dir, key="val"):
+    """[(step, value)] of key in a run's log.jsonl; by default its val loss
+    (the mixed HR/LR loss on the char grids)."""
     log = read_log(os.path.join(run_dir, "log.jsonl"))
-    return [(r["iter"], r["val"]) for r in log if "val" in r]
+    return [(r["iter"], r[key]) for r in log if key in r]
 
 
 def steps_to_reach(curve, target):
@@ -59,8 +58,7 @@ def steps_to_reach(curve, target):
 
 def speed_up(method_dir, baseline_dir):
     """SimReg's convergence claim on one seed: 1 - (steps the method needs to first reach the
-    baseline run's final val loss) / (the baseline's total steps). A method that never reaches
-    it counts as 0 (no speed-up), the conservative choice for a claim of faster convergence."""
+    baseline run's final val loss) / (the baseline's total steps); 0 if it never does."""
     return speed_up_of_curves(val_curve(method_dir), val_curve(baseline_dir))
 
 
@@ -132,8 +130,7 @@ def _lm_claims(lang):
     """The claims of SimReg, dispersion, NITP and CWT on a grid whose main language is `lang`
     ("high" or "val"): the toy's PPL stands in for their papers' "a better LM"."""
     hr = "HR " if lang == "high" else ""
-    # char grid: PPL ~5, paired differences in PPL; BPE grid: PPL ~300 and heavy-tailed across
-    # seeds, so relative changes per seed (%)
+    # differences in PPL on a char grid, relative changes (%) on BPE (docs/statistics.md)
     scale = dict(kind="difference", digits=2) if hr else dict(kind="relative", digits=1)
 
     def ppl(paper, method, says, **role):
@@ -259,9 +256,7 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
     evaluated = evaluate_claims(grid, runs, baseline, family)
     if not evaluated:
         return []
-    lines = ([RULE, ""] if with_rule else []) + [
-        "| paper | method | vs | quantity | paper's claim | ours: mean [95 % CI], k/n | Holm p "
-        "| verdict | paper's effect in CI |", "|---" * 9 + "|"]
+    rows = []
     for c, r, p, v in evaluated:
         arrow = "↑" if c["direction"] > 0 else "↓"
         ours = paired_cell(r, c["digits"], c["direction"]) if r else NO_RUNS
@@ -270,24 +265,25 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
         if c["paper_effect"] is not None and r and r["low"] is not None:
             within = ("yes" if r["low"] <= c["paper_effect"] <= r["high"] else
                       "ours smaller" if abs(r["mean"]) < abs(c["paper_effect"]) else "ours larger")
-        lines.append(f"| {c['paper']} | {c['method']} | {c['baseline'] or baseline} | "
-                     f"{c['quantity']} {arrow} | {c['paper_says']} | {ours} | {holm_p} | {v} | "
-                     f"{within} |")
+        rows.append((c["paper"], c["method"], c["baseline"] or baseline,
+                     f"{c['quantity']} {arrow}", c["paper_says"], ours, holm_p, v, within))
     counts = collections.Counter(v for *_, v in evaluated)
     judged = sum(c["role"] == "claim" and v != NO_RUNS for c, *_, v in evaluated)
-    lines += ["", f"{counts[stats.REPRODUCES]} reproduce, {counts[stats.NOT_SHOWN]} not shown, "
-              f"{counts[stats.CONTRADICTED]} contradicted, of {judged} claims."]
+    summary = (f"{counts[stats.REPRODUCES]} reproduce, {counts[stats.NOT_SHOWN]} not shown, "
+               f"{counts[stats.CONTRADICTED]} contradicted, of {judged} claims.")
     others = [f"{w.split(',')[0]}: {counts[w]}" for w in (*CHECK_WORDS.values(), DESCRIPTION)
               if counts[w]]
     if others:
-        lines[-1] += (f" Beside them: {', '.join(others)}. A check tests only that a loss "
-                      "lowered the quantity it penalises; a description is measured beside a "
-                      "claim the paper makes about something else, and is not tested (it stays "
-                      "out of the Holm adjustment).")
+        summary += (f" Beside them: {', '.join(others)}. A check tests only that a loss "
+                    "lowered the quantity it penalises; a description is measured beside a "
+                    "claim the paper makes about something else, and is not tested (it stays "
+                    "out of the Holm adjustment).")
     if counts[NO_RUNS]:
-        lines[-1] += (f" {counts[NO_RUNS]} of the table's {len(evaluated)} rows have no runs in "
-                      "this archive: they are neither counted nor judged.")
-    return lines
+        summary += (f" {counts[NO_RUNS]} of the table's {len(evaluated)} rows have no runs in "
+                    "this archive: they are neither counted nor judged.")
+    header = ("paper", "method", "vs", "quantity", "paper's claim", "ours: mean [95 % CI], k/n",
+              "Holm p", "verdict", "paper's effect in CI")
+    return ([RULE, ""] if with_rule else []) + markdown_table(header, rows) + ["", summary]
 
 
 # Issue 40's ablation (results/preregistration.md, T6): the released l2_repel's norm term

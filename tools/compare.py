@@ -8,11 +8,9 @@ Run a named grid of methods x seeds (tools/grids.py) and write its results table
     python -m tools.compare lowres --methods CE SimReg --seeds 1337 --archive out/short \\
         --max_iters=400
 
-Each run is `python train.py <config> --seed=S --out_dir=<root>/<grid>/<method>/seed<S>`; its
-small files are archived in results/runs/<grid>/<method>/seed<S> (committed), which the tables
-are built from. An archived or finished run is skipped: an interrupted grid resumes. Runs
-trained with other keys than the grid's configs with this call's overrides are refused
-(tools/identity.py): such a comparison goes to its own --archive. Ctrl-C stops a call cleanly.
+Each run trains in <root>/<grid>/<method>/seed<S>; its small files, which the
+tables are built from, are archived in results/runs/<grid>/<method>/seed<S>.
+How a call runs, resumes and refuses runs: docs/runs.md#a-grids-runs.
 """
 
 import argparse
@@ -24,9 +22,10 @@ from configurator import check_values, parse_config, train_defaults, train_rules
 from errors import UserError, end_with
 from tools import figures
 from tools.grid_figures import make_figures
-from tools.grids import GRIDS, runs_of, stages
+from tools.grids import GRIDS, runs_of
 from tools.report import build_table
-from tools.runner import check_like, check_pooled_call, run_grid, sync_archive
+from tools.runner import (check_like, check_pooled_call, planned_commands, run_grid,
+                          sync_archive)
 from utils import check_arguments, check_writable, save_text
 
 FIGURES = "\n## Figures\n"
@@ -40,9 +39,8 @@ def check_overrides(grid, overrides):
     defaults = train_defaults()
     rules = train_rules()
     for _, seed, config, args, _ in runs_of(grid, "."):
-        for config_file in stages(config):
-            argv = [config_file, f"--seed={seed}", *args, *overrides]
-            check_values(parse_config(argv, defaults), rules)
+        for cmd in planned_commands(config, seed, [*args, *overrides]):
+            check_values(parse_config(cmd[2:], defaults), rules)
 
 
 def main(argv=None):

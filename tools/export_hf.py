@@ -6,10 +6,7 @@ transformers.AutoModelForCausalLM / AutoTokenizer and lm-evaluation-harness can 
     python -m tools.export_hf out/lowres_baseline/best.pt hf/lowres_baseline
     python -m tools.export_hf run/best.pt hf/run --data_dir=data/shakespeare_char --overwrite
 
-arch gpt2 becomes GPT2LMHeadModel, llama LlamaForCausalLM (MixtralForCausalLM with experts); an
-FSDP run's ckpt.pt exports too, a headless run (ce_weight=0) is refused. The export is loaded back
-and its logits compared with ours (--no_check skips this) before the directory appears.
-transformers and safetensors are optional. Design notes: docs/export.md
+What becomes what, and what is refused: docs/export.md
 """
 
 import argparse
@@ -23,7 +20,7 @@ import torch
 import checkpoint as checkpoints
 import run
 from data import DataError, read_meta
-from errors import UserError, end_with
+from errors import UserError, run_script
 from model import GPT, GPTConfig
 from tools import hf_tokenizer
 from utils import check_writable
@@ -32,7 +29,7 @@ CHECK_TOLERANCE = 1e-4  # max |logit difference| / max(1, max |logit|) the check
 
 
 class ExportError(UserError):
-    """A checkpoint, dataset or output directory that cannot be exported as asked."""
+    """A checkpoint, dataset or out_dir that cannot be exported as asked."""
 
 
 def require_hf():
@@ -45,8 +42,7 @@ def require_hf():
 
 
 def read_checkpoint(path):
-    """(GPTConfig, checkpoint) of `path`, its weights memory-mapped (an FSDP run's
-    ckpt.pt: read back from its shards)."""
+    """(GPTConfig, checkpoint) of `path`, its weights memory-mapped."""
     try:
         ckpt = checkpoints.load_with_weights(path, mmap=True)
     except checkpoints.CheckpointError as e:
@@ -63,8 +59,9 @@ def read_checkpoint(path):
 
 
 def permute_heads(weight, n_head):
-    """The output rows of a (C, C) q or k projection, head by head, from our interleaved
-    RoPE pairs to HF's halves: HF dimension j < d/2 takes our 2j, d/2 + j our 2j + 1."""
+    """The rows of a (C, C) q or k projection, head by head, from our
+    interleaved RoPE pairs to HF's halves: HF dimension j < d/2 takes
+    our 2j, d/2 + j our 2j + 1."""
     C = weight.shape[0]
     d = C // n_head
     order = torch.cat([torch.arange(0, d, 2), torch.arange(1, d, 2)])
@@ -72,8 +69,8 @@ def permute_heads(weight, n_head):
 
 
 def gpt2_weights(sd, config):
-    """HF GPT-2 names; its Conv1D stores (in, out), the transpose of nn.Linear. HF GPT-2
-    always has biases: a model trained with bias=False gets zeros, the same function."""
+    """HF GPT-2's weights: Conv1D stores (in, out), the transpose of
+    nn.Linear; a model without biases gets zero ones."""
     C = config.n_embd
     bias = lambda key, n: sd.get(key, torch.zeros(n, dtype=sd["wte.weight"].dtype))  # noqa: E731
     out = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"],
@@ -93,8 +90,8 @@ def gpt2_weights(sd, config):
 
 
 def llama_weights(sd, config):
-    """HF LLaMA / Mixtral names (Mixtral as published: one w1/w2/w3 per expert, which
-    transformers loads in every version); an interleaved model's q and k are permuted."""
+    """HF LLaMA / Mixtral weights (one w1/w2/w3 per expert, as every
+    transformers version loads them); interleaved q and k permuted."""
     interleaved = config.rope_layout != "half"
     half = lambda w: permute_heads(w, config.n_head) if interleaved else w  # noqa: E731
     out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"]}
@@ -111,7 +108,7 @@ def llama_weights(sd, config):
         moe = hf + "block_sparse_moe."
         if config.n_expert > 1:
             out[moe + "gate.weight"] = sd[ours + "mlp.router.weight"]
-            for e in range(config.n_expert):  # ours are stacked (E, out, in): expert e is row e
+            for e in range(config.n_expert):  # ours stacked (E, out, in)
                 for theirs, mine in (("w1", "gate"), ("w2", "down"), ("w3", "up")):
                     out[f"{moe}experts.{e}.{theirs}.weight"] = sd[f"{ours}mlp.{mine}"][e]
         else:
@@ -121,8 +118,8 @@ def llama_weights(sd, config):
 
 
 def hf_config(config, special):
-    """The transformers config of the same model: eps 1e-5 (our LayerNorm and RMSNorm), no
-    dropout (inference), n_positions / max_position_embeddings = block_size."""
+    """The transformers config of the same model (eps 1e-5, no dropout,
+    block_size positions)."""
     import transformers
 
     common = dict(vocab_size=config.vocab_size, tie_word_embeddings=config.tie_weights,
@@ -148,9 +145,8 @@ def hf_config(config, special):
 
 
 def dataset_meta(ckpt, path, data_dir):
-    """(meta, where it came from) of the checkpoint's dataset: --data_dir's meta.json if
-    given, else the meta the run stored in its checkpoint, else meta.json in the run's
-    data_dir; (None, why) when none exists."""
+    """(meta, where it came from): --data_dir's meta.json if given, else
+    the checkpoint's meta, else the run's data_dir's; (None, why)."""
     if not data_dir and isinstance(ckpt.get("meta"), dict):
         return ckpt["meta"], path
     run_dirs = (ckpt.get("data_dir_resolved"), ckpt["config"].get("data_dir"))
@@ -167,9 +163,9 @@ def dataset_meta(ckpt, path, data_dir):
 
 
 def make_tokenizer(meta, config):
-    """(kind, tokenizer) of meta (hf_tokenizer.build); (None, None) without one."""
+    """hf_tokenizer.build's tokenizer of meta, or None."""
     if meta is None:
-        return None, None
+        return None
     n_chars = len(meta.get("itos", ()))
     if n_chars > config.vocab_size:
         raise ExportError(f"the dataset's vocabulary has {n_chars} characters but the model "
@@ -183,8 +179,8 @@ def make_tokenizer(meta, config):
 
 @torch.no_grad()
 def check_logits(directory, idx, ours):
-    """The max |difference| between our logits on idx and those of the directory loaded by
-    AutoModelForCausalLM (ExportError beyond tolerance)."""
+    """The max |difference| between our logits on idx and those of the
+    directory loaded back (ExportError beyond tolerance)."""
     from transformers import AutoModelForCausalLM
 
     hf, info = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32,
@@ -208,9 +204,9 @@ SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16:
 
 
 def write_safetensors(weights, path, metadata):
-    """Write {name: tensor} as safetensors (the header's length, its JSON, the raw bytes) one
-    tensor at a time: a view is made contiguous only while written, and tensors sharing
-    storage (a tied matrix) need no clone, unlike safetensors' save_file."""
+    """Write {name: tensor} as safetensors (the header's length, its
+    JSON, the raw bytes) one tensor at a time; unlike save_file, a tied
+    matrix needs no clone."""
     header = {"__metadata__": metadata}
     offset = 0
     for name, t in weights.items():
@@ -219,7 +215,7 @@ def write_safetensors(weights, path, metadata):
                         "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)  # the tensors start 8-byte aligned, as in safetensors
+    encoded += b" " * (-len(encoded) % 8)  # the tensors 8-byte aligned
     with open(path, "wb") as f:
         f.write(len(encoded).to_bytes(8, "little") + encoded)
         for t in weights.values():
@@ -227,8 +223,7 @@ def write_safetensors(weights, path, metadata):
 
 
 def edit_json(path, **values):
-    """Set keys of a JSON file the installed transformers wrote, for readers of other
-    versions (docs/export.md)."""
+    """Set keys of a JSON file transformers wrote, for other versions."""
     with open(path, encoding="utf-8") as f:
         content = json.load(f)
     content.update(values)
@@ -238,8 +233,8 @@ def edit_json(path, **values):
 
 
 def prepare_out_dir(out_dir, overwrite):
-    """Refuse an out_dir that is a file, or not empty without --overwrite, or that holds a
-    training run (a run file or run.lock in it or below it), whatever --overwrite."""
+    """Refuse an out_dir that is a file, not empty without --overwrite,
+    or holds a training run (a run file or run.lock in it or below)."""
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ExportError(f"{out_dir} exists and is not a directory")
     if not os.path.isdir(out_dir):
@@ -257,8 +252,8 @@ def prepare_out_dir(out_dir, overwrite):
 
 
 def move_into_place(tmp, out_dir):
-    """Rename the finished tmp directory to out_dir; a previous out_dir is moved aside first
-    and deleted only after the rename, so a failure leaves the old or the new one, whole."""
+    """Rename tmp to out_dir; a previous out_dir is moved aside and
+    deleted after, so a failure leaves the old or the new one whole."""
     old = None
     if os.path.exists(out_dir):
         old = tmp + ".old"
@@ -269,12 +264,12 @@ def move_into_place(tmp, out_dir):
 
 
 def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=True):
-    """Write the HF directory of checkpoint `path` to out_dir. Returns a summary dict (class,
-    tokenizer, max |Δlogit| of the check, params)."""
+    """Write the HF directory of checkpoint `path` to out_dir. Returns
+    {class, tokenizer, max_abs_logit_diff, params}."""
     require_hf()
     prepare_out_dir(out_dir, overwrite)
     config, ckpt = read_checkpoint(path)
-    with torch.device("meta"):  # no memory, no random init: the model takes the file's tensors
+    with torch.device("meta"):  # no init: the model takes the file's tensors
         model = GPT(config)
     try:
         model.load_state_dict(ckpt["model"], assign=True)
@@ -285,7 +280,6 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
     model.eval()
     params = model.num_params()
     sd = model.state_dict()  # our own key set, whatever extra keys the file had
-    # views of the memory-mapped tensors, made contiguous only as each is written
     weights = (gpt2_weights if config.arch == "gpt2" else llama_weights)(sd, config)
     if not config.tie_weights:
         weights["lm_head.weight"] = sd["lm_head.weight"]
@@ -297,12 +291,12 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
         os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        kind, tok = make_tokenizer(meta, config)
+        tok = make_tokenizer(meta, config)
         if tok is not None:
             tok.save_pretrained(tmp)
             edit_json(os.path.join(tmp, "tokenizer_config.json"),
                       tokenizer_class="PreTrainedTokenizerFast")
-            note = f"{kind} tokenizer from {source}"
+            note = f"{hf_tokenizer.vocabulary(meta)} tokenizer from {source}"
         elif meta is not None:
             note = f"no tokenizer: unknown tokenizer {meta.get('tokenizer')!r} in {source}"
         else:
@@ -319,7 +313,7 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
             idx = torch.randint(0, config.vocab_size, shape, generator=generator)
             with torch.no_grad():
                 ours = model.float()(idx)
-            # our model and the memory-mapped checkpoint go before transformers loads its copy
+            # ours released before transformers loads its copy
             del model, sd, weights, ckpt
             gc.collect()
             diff = check_logits(tmp, idx, ours)
@@ -327,7 +321,7 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
         move_into_place(tmp, out_dir)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):  # a full disk, no permission: nothing of the export is left
+        if isinstance(e, OSError):  # a full disk, no permission
             raise ExportError(f"could not write {out_dir}: {e}") from None
         raise
     return {"class": cfg.architectures[0], "tokenizer": note, "max_abs_logit_diff": diff,
@@ -365,7 +359,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # the one place a problem the user can fix ends the process
-        end_with(e)
+    run_script(main)

@@ -1,9 +1,8 @@
 """
-Figures of a grid's runs, so the geometry the papers talk about can be looked at, not only read
-as numbers. matplotlib is an optional extra (`pip install matplotlib`): without it every
-function here returns None and nothing else in the repo changes. Each function takes plain data
-(lists, numpy arrays) and a path, and writes one PNG atomically; tools/grid_figures.py reads a
-grid's archived runs and draws its figures with them.
+Figures of a grid's runs: each function takes plain data (lists, numpy
+arrays) and a path and writes one PNG atomically, or returns None
+without matplotlib (an optional extra). tools/grid_figures.py draws a
+grid's with them. Notes: docs/grids.md.
 """
 
 import numpy as np
@@ -31,7 +30,8 @@ def method_colours(methods):
     """One fixed, distinct colour per method (tab10, then Dark2: 18 in all), the same in every
     figure of a grid."""
     plt = _pyplot()
-    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + [plt.get_cmap("Dark2")(i) for i in range(8)]
+    palette = ([plt.get_cmap("tab10")(i) for i in range(10)]
+               + [plt.get_cmap("Dark2")(i) for i in range(8)])
     return {m: palette[i % len(palette)] for i, m in enumerate(methods)}
 
 
@@ -67,16 +67,14 @@ def forest_plot(panels, path, baseline="baseline", colours=None):
     plt, fig, axes = drawn
     colours = colours or method_colours(methods)
     for k, (ax, (metric, rows)) in enumerate(zip(axes, panels.items())):
-        for y, method in enumerate(methods):
-            row = next((r for r in rows if r[0] == method), None)
-            if row is None:
-                continue
-            _, mean, low, high, n = row
+        for method, mean, low, high, _ in rows:
+            y = methods.index(method)
             if low is not None:
                 ax.plot([low, high], [y, y], color=colours[method], lw=2)
             ax.plot([mean], [y], "o", color=colours[method], ms=4)
         ax.axvline(0, color="k", lw=0.8)
-        ax.set_yticks(range(len(methods)), methods if k % 3 == 0 else [""] * len(methods), fontsize=7)
+        labels = methods if k % 3 == 0 else [""] * len(methods)
+        ax.set_yticks(range(len(methods)), labels, fontsize=7)
         ax.invert_yaxis()
         ax.set_title(f"{metric}, method − {baseline}", fontsize=8)
         ax.tick_params(axis="x", labelsize=7)
@@ -99,8 +97,8 @@ def strip_plot(panels, path, references=None, colours=None):
             values = np.asarray(per_method.get(method, []), dtype=float)
             if values.size == 0:
                 continue
-            ax.scatter(x + jitter.uniform(-0.15, 0.15, values.size), values, s=14, color=colours[method],
-                       zorder=2)
+            ax.scatter(x + jitter.uniform(-0.15, 0.15, values.size), values, s=14,
+                       color=colours[method], zorder=2)
             ax.plot([x - 0.3, x + 0.3], [values.mean()] * 2, color="k", lw=1.2, zorder=3)
         if references and metric in references:
             label, value = references[metric]
@@ -124,7 +122,8 @@ def val_loss_differences(differences, path, baseline="baseline", ylabel="val los
         d = np.asarray(per_seed, dtype=float)
         mean = d.mean(axis=0)
         se = d.std(axis=0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else np.zeros_like(mean)
-        ax.fill_between(steps, mean - 2 * se, mean + 2 * se, color=colours[method], alpha=0.25, lw=0)
+        ax.fill_between(steps, mean - 2 * se, mean + 2 * se, color=colours[method],
+                        alpha=0.25, lw=0)
         ax.plot(steps, mean, color=colours[method], lw=1.2)
         ax.axhline(0, color="k", lw=0.7)
         _titled(ax, f"{method} ({len(d)} seeds)")
@@ -178,13 +177,14 @@ def condensation_heatmaps(histograms, path):
     plt, fig, axes = drawn
     for k, (ax, (method, hist)) in enumerate(zip(axes, histograms.items())):
         hist = np.asarray(hist)
-        image = ax.imshow(hist, aspect="auto", origin="lower", extent=(-1, 1, -0.5, hist.shape[0] - 0.5),
-                          cmap="magma")
+        image = ax.imshow(hist, aspect="auto", origin="lower",
+                          extent=(-1, 1, -0.5, hist.shape[0] - 0.5), cmap="magma")
         ax.set_title(method, fontsize=9)
         ax.set_xlabel("pairwise cosine")
         if k % 4 == 0:
             ax.set_ylabel("depth (0 = embedding)")
-        fig.colorbar(image, ax=ax, fraction=0.046, label="fraction of pairs" if k % 4 == 3 else None)
+        label = "fraction of pairs" if k % 4 == 3 else None
+        fig.colorbar(image, ax=ax, fraction=0.046, label=label)
     return _save(fig, plt, path)
 
 
@@ -195,26 +195,26 @@ def letter_order(itos, shift):
     return ids + [i + shift for i in ids], letters
 
 
-def _embedding_panels(embeddings):
-    """(plt, figure, [(axis, method, (V, C) float64 rows)]) one panel per method, or None."""
-    plt = _pyplot()
-    if plt is None:
+def _embedding_panels(embeddings, itos):
+    """(plt, figure, [(axis, method, (V, C) float64 rows)], letter_order's
+    rows and letters), one panel per method in a row; None without matplotlib."""
+    drawn = _panels(len(embeddings), 5, 4.6, ncols=len(embeddings))
+    if drawn is None:
         return None
-    fig, axes = plt.subplots(1, len(embeddings), figsize=(5 * len(embeddings), 4.6), squeeze=False,
-                             layout="constrained")
-    return plt, fig, [(ax, method, np.asarray(E, dtype=np.float64))
-                      for ax, (method, E) in zip(axes[0], embeddings.items())]
+    plt, fig, axes = drawn
+    panels = [(ax, method, np.asarray(E, dtype=np.float64))
+              for ax, (method, E) in zip(axes, embeddings.items())]
+    return plt, fig, panels, *letter_order(itos, len(itos))
 
 
 def embedding_similarity(embeddings, itos, path):
     """embeddings: {method: (V, C) array with V = 2 * len(itos) (HR rows, then LR rows)} ->
     the cosine of every pair of rows, letters sorted, HR block then LR (Stop Jostling Fig. 5):
     twins show up as the off-diagonal stripes."""
-    drawn = _embedding_panels(embeddings)
+    drawn = _embedding_panels(embeddings, itos)
     if drawn is None:
         return None
-    plt, fig, panels = drawn
-    order, letters = letter_order(itos, len(itos))
+    plt, fig, panels, order, letters = drawn
     n = len(letters)
     for ax, method, W in panels:
         W = W[order]
@@ -232,18 +232,18 @@ def embedding_similarity(embeddings, itos, path):
 def embedding_pca(embeddings, itos, path):
     """Every letter's HR and LR row on the first two principal components of all rows, joined
     (Stop Jostling Fig. 6)."""
-    drawn = _embedding_panels(embeddings)
+    drawn = _embedding_panels(embeddings, itos)
     if drawn is None:
         return None
-    plt, fig, panels = drawn
-    order, letters = letter_order(itos, len(itos))
+    plt, fig, panels, order, letters = drawn
     n = len(letters)
     for ax, method, W in panels:
         centred = W - W.mean(axis=0)
         _, _, vt = np.linalg.svd(centred, full_matrices=False)
         xy = centred[order] @ vt[:2].T
         for i in range(n):
-            ax.plot([xy[i, 0], xy[n + i, 0]], [xy[i, 1], xy[n + i, 1]], color="0.75", lw=0.6, zorder=1)
+            ax.plot([xy[i, 0], xy[n + i, 0]], [xy[i, 1], xy[n + i, 1]], color="0.75", lw=0.6,
+                    zorder=1)
         ax.scatter(xy[:n, 0], xy[:n, 1], s=12, label="HR", zorder=2)
         ax.scatter(xy[n:, 0], xy[n:, 1], s=12, label="LR", zorder=2)
         for i, ch in enumerate(letters):

@@ -6,36 +6,10 @@ section, each figure printed beside what plan.py predicts for it.
     python -m tools.gpu_check --smoke              # the same code at tiny sizes on the CPU (< 1 min)
     python -m tools.gpu_check --sections 3,5       # only these sections (a rerun after a fix)
 
-Sections, in order (each one time-boxed; one that fails or runs out of time writes its figures
-so far and its one-line error, and the next one runs):
-
-    1 machine       bf16 matmul TFLOP/s (8192^3) against the datasheet dense peak
-    2 correctness   each loss and the model under bf16 autocast against float64 on the CPU; each
-                    kind of block compiled with fullgraph=True; fused AdamW; float16 skipping an
-                    overflowing step; the attention kernel SDPA runs
-    3 350M          config/baseline_350m.py, batch_size='auto', compiled: ms per step, MFU (goal
-                    >= 0.45 of 989 TFLOP/s), peak memory; each speed-up switched back in turn
-    4 loss cost     each loss's step at 350M against the CE step of section 3's model
-    5 7B width      config/simreg_7b.py at 2 and 4 blocks (FSDP on one process): peak memory and
-                    time against the plan, extrapolated to 32 blocks; the CE's transient
-    6 MoE 8x1B      config/baseline_moe_8x1b.py at 2 blocks: step time, router loss, slots dropped
-    7 checkpoint    DCP save and load at the 1.3B width: GB/s, the states read back bit for bit
-    8 end to end    train.py config/c4_tiny.py for 200 steps on prepared data, then sample.py
-
-On a lent GPU machine (which reaches nothing outside): prepare the data and tiktoken's cache here
-first, in a folder .git/info/exclude ignores so that it travels only when carried,
-
-    TIKTOKEN_CACHE_DIR=<tiktoken's cache> python prepare_c4.py --from_text input.txt \\
-        --out_dir .gpu_data/c4_tiny
-    cp -r <tiktoken's cache> .gpu_data/tiktoken
-
-then run, carrying .gpu_data (timeout about 400 s; the check stops itself at --budget seconds):
-
-    TIKTOKEN_CACHE_DIR=.gpu_data/tiktoken PYTHONUNBUFFERED=1 python -m tools.gpu_check \\
-        --data_dir .gpu_data/c4_tiny --out $OUT/gpu.md
-
-and copy $OUT/gpu.md to results/gpu.md. tests/test_gpu_check.py runs --smoke, so the code stays
-working between GPU windows; --smoke writes nowhere unless --out is given.
+Each section is time-boxed: one that fails or runs out of time writes its figures so far and its
+one-line error, and the next one runs. --smoke writes nowhere unless --out is given;
+tests/test_gpu_check.py runs it, so the code stays working between GPU windows. What each section
+measures, and how to run the check on a lent GPU machine: docs/devices.md, "The GPU check".
 """
 
 import argparse
@@ -145,8 +119,8 @@ def header(check, argv):
     check.save()
 
 
-def main(argv=None):
-    argv = sys.argv[1:] if argv is None else argv
+def main():
+    argv = sys.argv[1:]
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on the CPU, nothing written unless --out")

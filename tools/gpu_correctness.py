@@ -4,26 +4,22 @@ on the device, fused AdamW, the float16 path and the attention kernel.
 """
 
 import math
-import statistics
 
 import torch
 import torch.nn.functional as F
 
 import losses
 from model import GPTConfig, build_model
-from optim import apply_gradients, configure_optimizers
-from tools.gpu_steps import build, random_batches, timed, train_step
+from optim import apply_gradients
+from tools.gpu_steps import build, time_step
 
 LOSS_TOLERANCE = 2e-2  # relative, value and gradient, bf16 autocast on the device vs float64 on the CPU
 
 # each kind of block, the MoE's static and dropless routings (on a GPU the dropless one runs
 # torch._grouped_mm, moe.py)
-MODELS = (("gpt2", {}), ("llama", {}), ("llama", {"n_expert": 4}),
-          ("llama", {"n_expert": 4, "moe_routing": "dropless"}))
-
-
-def model_name(arch, extra):
-    return f"{arch}{' MoE' if extra else ''}{' dropless' if 'moe_routing' in extra else ''}"
+MODELS = {"gpt2": {"arch": "gpt2"}, "llama": {"arch": "llama"},
+          "llama MoE": {"arch": "llama", "n_expert": 4},
+          "llama MoE dropless": {"arch": "llama", "n_expert": 4, "moe_routing": "dropless"}}
 
 
 def verdict(ok):
@@ -92,11 +88,11 @@ def correctness(check):
     # each of MODELS forward and backward against float64 on the CPU, then compiled whole
     rows = []
     compiled = []
-    for arch, extra in MODELS:
-        config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "arch": arch, "n_layer": 2,
-                  **extra, "tie_weights": arch == "gpt2", "compile": False}
-        rows.append((model_name(arch, extra), *against_float64(check, config)))
-        compiled.append((model_name(arch, extra), *compiled_steps(check, {**config, "compile": True})))
+    for name, keys in MODELS.items():
+        config = check.config("config/c4_tiny.py", **check.sizes["small"], n_layer=2, **keys,
+                              tie_weights=keys["arch"] == "gpt2", compile=False)
+        rows.append((name, *against_float64(check, config)))
+        compiled.append((name, *compiled_steps(check, {**config, "compile": True})))
     check.line(f"\nThe model (2 blocks, width {check.sizes['small']['n_embd']}): CE forward and backward "
                "under bf16 autocast against float64 on the CPU, same weights; tolerance 5e-2 on the loss and "
                "on all the gradients together (a router's gradient alone can move more: bf16 may flip a "
@@ -128,9 +124,9 @@ def correctness(check):
                f"{verdict(difference <= 1e-6)}")
 
     # float16 with loss scaling: an overflowing step is skipped and the scale halves (optim.apply_gradients)
-    config = {**check.config("config/c4_tiny.py"), **check.sizes["small"], "n_layer": 1, "compile": False}
-    model = build_model(GPTConfig.from_config(config, config["vocab_size"]), check.device)
-    optimizers = configure_optimizers(model, 1e-3, 0.1, (0.9, 0.95))
+    config = check.config("config/c4_tiny.py", **check.sizes["small"], n_layer=1, compile=False)
+    trained, optimizers = build(check, config)
+    model = trained.model
     scaler = torch.amp.GradScaler(torch.device(check.device).type, init_scale=2.0 ** 16)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randint(0, config["vocab_size"], (2, 8), device=check.device)
@@ -151,14 +147,12 @@ def attention_kernels(check):
     heads, T = (16, 2048) if check.cuda else (2, 32)
     q, k, v = (torch.randn(1, heads, T, 64, device=check.device, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
-    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-    with check.profile() as prof:
+    def attention():
         F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
-        check.synchronize()
+    attention()  # the profile is of a second run
     words = ("flash", "fmha", "attention", "cudnn", "efficient", "attn")
-    names = [e.key for e in prof.key_averages() if any(w in e.key.lower() for w in words)]
+    names = [e.key for e in check.profiled(attention) if any(w in e.key.lower() for w in words)]
     return ", ".join(f"`{n[:90]}`" for n in names[:4]) or "no attention kernel found in the profile"
-
 
 
 def against_float64(check, config):
@@ -195,15 +189,10 @@ def compiled_steps(check, config):
     row of its first step's graphs and graph breaks, 3 later steps' recompiles, their times."""
     torch._dynamo.reset()
     graphs0, breaks0 = dynamo_graphs()
-    model, objective, optimizers, scaler = build(check, config)
-    batches = random_batches(config, 2, 1, check.device)
-
-    def step():
-        return train_step(model, objective, optimizers, scaler, batches, check.autocast)
-    first = timed(check, step)[0]
+    run = time_step(check, config, 2, 1, 0, 1)
     graphs1, _ = dynamo_graphs()
-    later = statistics.median(timed(check, step)[0] for _ in range(3))
+    later = check.step_times(run.step, 0, 3)[1]
     graphs2, breaks2 = dynamo_graphs()
     ok = breaks2 == breaks0 and graphs2 == graphs1 and graphs1 > graphs0
-    return (graphs1 - graphs0, breaks2 - breaks0, graphs2 - graphs1, f"{first:.1f}", f"{1000 * later:.1f}",
-            verdict(ok))
+    return (graphs1 - graphs0, breaks2 - breaks0, graphs2 - graphs1, f"{run.first:.1f}",
+            f"{1000 * later:.1f}", verdict(ok))

@@ -3,27 +3,27 @@ The GPU check's (tools/gpu_check.py) sections 1 and 3-8, its measurements: each 
 beside what plan.py predicts for it.
 """
 
-import json
 import math
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
-from types import SimpleNamespace
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 import checkpoint
 import losses
 import memory
 import plan
 from model import GPT
-from objective import Objective
+from objective import Objective, Trained
 from optim import configure_optimizers
-from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, random_batches, step_times, timed,
+from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, random_batches, time_step,
                              train_step)
-from utils import measure_matmul_flops
+from utils import measure_matmul_flops, read_log, seconds
 
 
 def machine(check):
@@ -38,25 +38,9 @@ def plan_gib(config):
     return memory.process_gib({**config, "device": "cuda"}, 1, config["vocab_size"])[0]
 
 
-def time_step(check, config, batch, micro_steps, warmup, steps, fsdp=False):
-    """config's step built afresh (FSDP: weights kept gathered), timed on random micro-batches of
-    `batch` sequences: model, scaler, batches, step, first and s (step_times), each step's terms,
-    peak GiB allocated and reserved, and a micro-step's flops as train.py counts them."""
-    check.reset_memory()
-    model, objective, optimizers, scaler = build(check, config, fsdp)
-    batches = random_batches(config, batch, micro_steps, check.device)
-    terms = []
-
-    def step():
-        _, last = train_step(model, objective, optimizers, scaler, batches, check.autocast,
-                             keep_gathered=fsdp)
-        terms.append({k: v.detach() for k, v in last.items()})
-    first, s = step_times(check, step, warmup, steps)
-    allocated, reserved = check.peak_gib()
-    tokens = batch * config["block_size"]
-    flops = plan.training_flops_per_token(model, objective, tokens) * tokens
-    return SimpleNamespace(model=model, scaler=scaler, batches=batches, step=step, first=first, s=s,
-                           terms=terms, allocated=allocated, reserved=reserved, flops=flops)
+def plan_ms(check, flops):
+    """The plan's milliseconds for `flops` at its assumed MFU."""
+    return 1000 * flops / (PLAN_MFU * check.peak)
 
 
 # Issue 62's changes to the 350M step, each switched back in turn to measure its gain on the same
@@ -80,7 +64,7 @@ def throughput_350m(check):
     if check.cuda:
         config["batch_size"] = memory.device_batch_size(config, 1, config["vocab_size"], check.device)
     else:
-        config["global_batch_size"], config["batch_size"] = 2, 2
+        config.update(global_batch_size=2, batch_size=2)
     B, T = config["batch_size"], config["block_size"]
     rows = []
     losses_seen = []
@@ -98,23 +82,21 @@ def throughput_350m(check):
         if divisor == 1:
             losses_seen.append(loss)
         rows.append((name, f"{b} x {T}", f"{1000 * run.s:.1f}", f"{b * T / run.s:,.0f}",
-                     f"{run.flops / run.s / check.peak:.3f}", f"{loss:.4f}", f"{run.allocated:.1f}"))
-    ms = run.s  # the config as it is: the last row
-    mfu = run.flops / ms / check.peak
-    planned = plan_gib(config)
+                     f"{run.mfu:.3f}", f"{loss:.4f}", f"{run.allocated:.1f}"))
+    # the config as it is: the last row
     kernels = top_kernels(check, run.step)
-    check.shared["350m"] = (config, run.model, run.scaler, run.batches, ms)
+    check.shared["350m"] = (config, run)
     check.line(f"baseline_350m.py, one {check.device}, batch_size='auto' -> {B} x {T} tokens per step, bf16 "
                f"autocast, blocks compiled; {check.sizes['steps']} timed steps after "
                f"{check.sizes['warmup']}.\n")
     check.table(["figure", "measured", "plan"], [
-        ("ms per step", f"{1000 * ms:.1f}",
-         f"{1000 * run.flops / (PLAN_MFU * check.peak):.1f} (at MFU {PLAN_MFU})"),
-        ("tokens/s", f"{B * T / ms:,.0f}", ""),
-        (f"MFU of {check.peak / 1e12:.0f} TFLOP/s (goal >= {MFU_GOAL})", f"**{mfu:.3f}**"
-         + ("" if mfu >= MFU_GOAL else " (below the goal)"), f"{PLAN_MFU}"),
+        ("ms per step", f"{1000 * run.s:.1f}", f"{plan_ms(check, run.flops):.1f} (at MFU {PLAN_MFU})"),
+        ("tokens/s", f"{B * T / run.s:,.0f}", ""),
+        (f"MFU of {check.peak / 1e12:.0f} TFLOP/s (goal >= {MFU_GOAL})", f"**{run.mfu:.3f}**"
+         + ("" if run.mfu >= MFU_GOAL else " (below the goal)"), f"{PLAN_MFU}"),
         ("first step (compilation included), s", f"{run.first:.1f}", ""),
-        ("max_memory_allocated, GiB", f"{run.allocated:.1f}", f"{planned:.1f} (activations in bf16)"),
+        ("max_memory_allocated, GiB", f"{run.allocated:.1f}",
+         f"{plan_gib(config):.1f} (activations in bf16)"),
         ("max_memory_reserved, GiB", f"{check.peak_gib()[1]:.1f}", "")])
     spread = max(losses_seen) - min(losses_seen)
     check.line(f"\nEach change's gain: the step built and compiled afresh with the changes above it, on the "
@@ -137,27 +119,24 @@ KERNEL_KINDS = (
                                     "aten::bmm")))
 
 
-def top_kernels(check, step, top=8):
-    """[(kernel, share of the device time, calls)] of two steps: the top kernels, then each kind's
-    total."""
-    with check.profile() as prof:
+def top_kernels(check, step):
+    """[(kernel, share of the device time, calls)] of two steps: the top 8 kernels, then each
+    kind's total."""
+    def two_steps():
         for _ in range(2):
             step()
-        check.synchronize()
 
     def own_time(e):
-        if not check.cuda:
-            return e.self_cpu_time_total
-        return getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-    events = [e for e in prof.key_averages()
-              if own_time(e) > 0 and (check.cuda or e.key.startswith("aten::"))]
-    total = sum(own_time(e) for e in events) or 1
-    events.sort(key=own_time, reverse=True)
-    rows = [(f"`{e.key[:80]}`", f"{own_time(e) / total:.3f}", e.count) for e in events[:top]]
+        return e.self_device_time_total if check.cuda else e.self_cpu_time_total
 
     def kind_of(e):
         return next((kind for kind, words in KERNEL_KINDS if any(w in e.key.lower() for w in words)),
                     "other")
+    events = [e for e in check.profiled(two_steps)
+              if own_time(e) > 0 and (check.cuda or e.key.startswith("aten::"))]
+    total = sum(own_time(e) for e in events) or 1
+    events.sort(key=own_time, reverse=True)
+    rows = [(f"`{e.key[:80]}`", f"{own_time(e) / total:.3f}", e.count) for e in events[:8]]
     for kind in [k for k, _ in KERNEL_KINDS] + ["other"]:
         share = sum(own_time(e) for e in events if kind_of(e) == kind) / total
         rows.append((f"all {kind}", f"{share:.3f}", ""))
@@ -178,27 +157,28 @@ LOSS_COSTS = {  # name -> config keys on top of the CE baseline (the papers' wei
 def loss_costs(check):
     if "350m" not in check.shared:
         raise RuntimeError("needs section 3's model (run sections 3 and 4 together)")
-    config, model, scaler, batches, base = check.shared.pop("350m")
+    config, run = check.shared.pop("350m")
+    model = run.trained.model
     B, T = config["batch_size"], config["block_size"]
-    base_flops = plan.training_flops_per_token(model, Objective.from_config(config), B * T)
-    rows = [("CE", f"{1000 * base:.1f}", "1.000", "1.000", "")]
+    base_flops = plan.training_flops_per_token(model, run.trained.objective, B * T)
+    rows = [("CE", f"{1000 * run.s:.1f}", "1.000", "1.000", "")]
     for name, keys in LOSS_COSTS.items():
         keys = {k: (min(v, T // 2) if k in ("simreg_chunk_size", "dispersion_positions") else v)
                 for k, v in keys.items()}
-        objective = Objective.from_config({**config, **keys}).to(check.device)
-        objective.init_weights()
-        optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
-        ratio = f"{plan.training_flops_per_token(model, objective, B * T) / base_flops:.3f}"
+        trained = Trained(model, Objective.from_config({**config, **keys}).to(check.device))
+        trained.objective.init_weights()
+        optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95),
+                                          extra_modules=[trained.objective])
+        ratio = f"{plan.training_flops_per_token(model, trained.objective, B * T) / base_flops:.3f}"
         check.reset_memory()
-
-        def step():
-            return train_step(model, objective, optimizers, scaler, batches, check.autocast)
         try:
-            _, ms = step_times(check, step, 2, check.sizes["loss_steps"])
-            rows.append((name, f"{1000 * ms:.1f}", f"{ms / base:.3f}", ratio, f"{check.peak_gib()[0]:.1f}"))
+            _, s = check.step_times(lambda: train_step(check, trained, optimizers, run.batches), 2,
+                                    check.sizes["loss_steps"])
+            rows.append((name, f"{1000 * s:.1f}", f"{s / run.s:.3f}", ratio,
+                         f"{check.peak_gib()[0]:.1f}"))
         except torch.OutOfMemoryError:
             rows.append((name, "out of memory", "", ratio, ""))
-        objective = optimizers = None
+        trained = optimizers = None
     check.line(f"Each loss's training step on section 3's model and batch ({B} x {T}), against the CE step; "
                "the plan's FLOP ratio counts the matmul FLOPs train.py counts for MFU (not the losses' "
                "similarity products). The papers: SimReg 2.296 against 2.295 s/iter at 7B (SimReg paper, "
@@ -217,21 +197,19 @@ def wide_7b(check):
         run = time_step(check, config, B, micro, 1, 2, fsdp=True)
         measured[layers] = {"allocated": run.allocated, "reserved": run.reserved,
                             "micro_s": run.s / micro, "first": run.first, "plan": plan_gib(config),
-                            "flops": run.flops}
+                            "flops": run.flops, "mfu": run.mfu}
         run = None  # freed before the next depth is built
-    two, four = measured[2], measured[4]
-    per_block = {k: (four[k] - two[k]) / 2 for k in ("allocated", "plan", "micro_s", "flops")}
-    at_32 = {k: two[k] + 30 * per_block[k] for k in per_block}
+    per_block = {k: (measured[4][k] - measured[2][k]) / 2
+                 for k in ("allocated", "plan", "micro_s", "flops")}
+    at_32 = {k: measured[2][k] + 30 * per_block[k] for k in per_block}
     p7b = plan.make_plan(check.config("config/simreg_7b.py"), processes=64, gpu="H100")
     check.line(f"simreg_7b.py's width (4096, 32 heads, SwiGLU 11008, V 50304) at 2 and 4 blocks: batch {B} x "
                f"{T}, {micro} micro-steps, bf16, blocks compiled, activation checkpointing, SimReg, FSDP on "
                "one process with the weights kept gathered. Plan: train.py's memory check for the same "
                "config on one process.\n")
-    rows = []
-    for layers, m in measured.items():
-        rows.append((f"{layers} blocks", f"{m['allocated']:.2f}", f"{m['reserved']:.2f}", f"{m['plan']:.2f}",
-                     f"{1000 * m['micro_s']:.1f}", f"{m['flops'] / m['micro_s'] / check.peak:.3f}",
-                     f"{m['first']:.1f}"))
+    rows = [(f"{layers} blocks", f"{m['allocated']:.2f}", f"{m['reserved']:.2f}", f"{m['plan']:.2f}",
+             f"{1000 * m['micro_s']:.1f}", f"{m['mfu']:.3f}", f"{m['first']:.1f}")
+            for layers, m in measured.items()]
     rows.append(("per block (4 - 2)", f"{per_block['allocated']:.3f}", "", f"{per_block['plan']:.3f}",
                  f"{1000 * per_block['micro_s']:.1f}", "", ""))
     rows.append(("32 blocks, extrapolated", f"{at_32['allocated']:.1f}", "", f"{at_32['plan']:.1f}",
@@ -274,7 +252,6 @@ def cross_entropy_transient(check):
             h, w = (torch.empty(*shape, device="meta", dtype=torch.bfloat16, requires_grad=True)
                     for shape in ((B, T, C), (V, C)))
             loss(h, w, torch.zeros(B, T, dtype=torch.long, device="meta")).backward()
-        del h, w
         planned = counter.peak / GiB
         check.line(f"- LM head and cross-entropy, {name}, on {B} x {T} bf16 states (C {C}, V {V}), forward + "
                    f"backward: {device_gib:.2f} GiB above the inputs on {check.device}; the plan counts "
@@ -282,7 +259,8 @@ def cross_entropy_transient(check):
 
 
 def moe_figures(check, B, routing):
-    """One routing of baseline_moe_8x1b.py at 2 blocks: its step time, MFU, router loss and memory."""
+    """One routing of baseline_moe_8x1b.py at 2 blocks: (ms per step, the plan's, the report's
+    (measured, plan) cells of each of MOE_FIGURES)."""
     torch._dynamo.reset()
     config = check.config("config/baseline_moe_8x1b.py", n_layer=2, batch_size=B, global_batch_size=B,
                           parallel="none", compile=True, dtype=check.dtype, moe_routing=routing,
@@ -291,106 +269,92 @@ def moe_figures(check, B, routing):
     aux = float(run.terms[-1]["moe_aux"])
     if not math.isfinite(aux):
         raise RuntimeError(f"the router's loss is not finite ({routing})")
-    return dict(ms=1000 * run.s, plan_ms=1000 * run.flops / (PLAN_MFU * check.peak),
-                mfu=run.flops / run.s / check.peak, aux=aux, dropped=float(run.model.dropped_fraction),
-                gib=run.allocated, plan_gib=plan_gib(config), first=run.first, T=config["block_size"])
+    ms = 1000 * run.s
+    planned = plan_ms(check, run.flops)
+    return ms, planned, [(f"{ms:.1f}", f"{planned:.1f} (MFU {PLAN_MFU})"),
+                         (f"{run.mfu:.3f}", ""),
+                         (f"{aux:.4f}", ""),
+                         (f"{float(run.trained.model.dropped_fraction):.4f}", "0"),
+                         (f"{run.allocated:.1f}", f"{plan_gib(config):.1f}"),
+                         (f"{run.first:.1f}", "")]
+
+
+MOE_FIGURES = ("ms per step", "MFU (the work each path does)",
+               "router load-balancing loss (1 = balanced, 8 = one expert)",
+               "share of routed slots dropped", "max allocated GiB",
+               "first step (compilation included), s")
 
 
 def moe_8x1b(check):
     """The config's dropless routing against the static path at capacity N (every expert computes
     every token: nothing dropped either), the same model and batch, measured one after the other."""
     B = check.sizes["moe_batch"]
-    d = moe_figures(check, B, "dropless")
-    c = moe_figures(check, B, "capacity")
+    T = check.config("config/baseline_moe_8x1b.py")["block_size"]
+    d_ms, d_plan, dropless = moe_figures(check, B, "dropless")
+    c_ms, c_plan, capacity = moe_figures(check, B, "capacity")
     check.line(f"baseline_moe_8x1b.py at 2 blocks (8 experts of 2048 -> 5632, top 2), batch {B} x "
-               f"{d['T']}, bf16, compiled, activation checkpointing, one process. Two routings, "
+               f"{T}, bf16, compiled, activation checkpointing, one process. Two routings, "
                "one after the other: the config's 'dropless' (each token through its 2 experts, "
                "torch._grouped_mm where this torch has it) and 'capacity' at capacity_factor 0 (every "
                "expert computes every token, the padded work counted in its plan and MFU).\n")
-    check.table(["figure", "dropless", "plan", "capacity N", "plan"], [
-        ("ms per step", f"{d['ms']:.1f}", f"{d['plan_ms']:.1f} (MFU {PLAN_MFU})", f"{c['ms']:.1f}",
-         f"{c['plan_ms']:.1f} (MFU {PLAN_MFU})"),
-        ("MFU (the work each path does)", f"{d['mfu']:.3f}", "", f"{c['mfu']:.3f}", ""),
-        ("router load-balancing loss (1 = balanced, 8 = one expert)", f"{d['aux']:.4f}", "",
-         f"{c['aux']:.4f}", ""),
-        ("share of routed slots dropped", f"{d['dropped']:.4f}", "0", f"{c['dropped']:.4f}", "0"),
-        ("max allocated GiB", f"{d['gib']:.1f}", f"{d['plan_gib']:.1f}", f"{c['gib']:.1f}",
-         f"{c['plan_gib']:.1f}"),
-        ("first step (compilation included), s", f"{d['first']:.1f}", "", f"{c['first']:.1f}", "")])
-    check.line(f"\ndropless / capacity N, ms per step: {d['ms'] / c['ms']:.2f} "
-               f"(the plan: {d['plan_ms'] / c['plan_ms']:.2f})")
+    check.table(["figure", "dropless", "plan", "capacity N", "plan"],
+                [(name, *d, *c) for name, d, c in zip(MOE_FIGURES, dropless, capacity)])
+    check.line(f"\ndropless / capacity N, ms per step: {d_ms / c_ms:.2f} "
+               f"(the plan: {d_plan / c_plan:.2f})")
 
 
-def full_state(modules, optimizers):
-    """Every tensor and number of the model's and optimizers' states, by DCP's own keys, gathered
-    whole and copied (so that it survives the run that produced it)."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict
+def whole_copy(state):
+    """state (nests of dicts, lists and tuples) with each tensor gathered whole and copied (so
+    that it survives the run that produced it)."""
     from torch.distributed.tensor import DTensor
-    flat = {}
 
-    def walk(prefix, value):
-        if isinstance(value, dict):
-            for key, item in value.items():
-                walk(f"{prefix}.{key}", item)
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                walk(f"{prefix}.{i}", item)
-        elif isinstance(value, torch.Tensor):
-            flat[prefix] = (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
-        else:
-            flat[prefix] = value
-    model_state, optimizer_state = get_state_dict(modules, optimizers)
-    walk("model", model_state)
-    walk("optimizers", optimizer_state)
-    return flat
+    def whole(tensor):
+        return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+    return tree_map_only(torch.Tensor, whole, state)
 
 
 def largest_difference(a, b):
-    """max |a - b| over the tensors of two flat states ({key: tensor or number}, as full_state
-    gives); inf where their keys or their numbers differ."""
-    if a.keys() != b.keys() or any(a[k] != b[k] for k in a if not isinstance(a[k], torch.Tensor)):
+    """max |a - b| over the tensors of two states (nests of dicts, lists and tuples); inf where
+    their structure or their numbers differ."""
+    a, a_spec = tree_flatten(a)
+    b, b_spec = tree_flatten(b)
+    pairs = list(zip(a, b))
+    if a_spec != b_spec or any(x != y for x, y in pairs if not isinstance(x, torch.Tensor)):
         return math.inf
-    return max(((a[k].float() - b[k].float()).abs().max().item() for k in a
-                if isinstance(a[k], torch.Tensor)), default=0.0)
+    return max(((x.float() - y.float()).abs().max().item() for x, y in pairs
+                if isinstance(x, torch.Tensor)), default=0.0)
 
 
 def checkpoint_dcp(check):
-    """Save and load through DCP. The section's test is the checkpoint's own exact property: the
-    states read back equal the states written, bit for bit. Three steps with a save and load after
-    the first against three uninterrupted ones is reported beside two uninterrupted runs'
-    difference, not judged: on a device whose kernels are not deterministic even those differ."""
+    """Save and load through DCP; what is judged: docs/devices.md, "The GPU check"."""
     layers = check.sizes["ckpt_layers"]
     config = check.config("config/baseline_1b3.py", n_layer=layers, batch_size=2, global_batch_size=2,
                           compile=False)
     config["block_size"] = min(512, config["block_size"])
     batches = [random_batches(config, 2, 1, check.device, seed=s) for s in range(3)]
 
-    def fresh():
-        model, objective, optimizers, scaler = build(check, config, fsdp=True)
-        return torch.nn.ModuleDict({"model": model, "objective": objective}), optimizers, scaler
-
-    def train(modules, optimizers, scaler, steps):
+    def weights_after(trained, optimizers, steps):
+        """The model's weights, gathered, after a step on each of `steps`."""
         for b in steps:
-            train_step(modules["model"], modules["objective"], optimizers, scaler, b, check.autocast)
-        return modules
+            train_step(check, trained, optimizers, b)
+        return whole_copy(trained.model.state_dict())
+    uninterrupted = weights_after(*build(check, config, fsdp=True), batches)
+    again = weights_after(*build(check, config, fsdp=True), batches)
 
-    def weights(modules):
-        return {k: v.full_tensor().detach().clone() for k, v in modules["model"].state_dict().items()}
-    uninterrupted = weights(train(*fresh(), batches))
-    again = weights(train(*fresh(), batches))
-
-    modules, optimizers, scaler = fresh()
-    train(modules, optimizers, scaler, batches[:1])
-    written = full_state(modules, optimizers)
+    trained, optimizers = build(check, config, fsdp=True)
+    train_step(check, trained, optimizers, batches[0])
+    written = whole_copy(get_state_dict(trained, optimizers))
     with tempfile.TemporaryDirectory() as directory:
-        save_s = timed(check, lambda: checkpoint.save_sharded(directory, modules, optimizers))[0]
+        save_s = seconds(lambda: checkpoint.save_sharded(directory, trained, optimizers),
+                         check.device)
         size = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
-        del modules, optimizers
-        modules, optimizers, scaler = fresh()
-        load_s = timed(check, lambda: checkpoint.load_sharded(directory, modules, optimizers))[0]
-    read_back = largest_difference(written, full_state(modules, optimizers))
+        del trained, optimizers
+        trained, optimizers = build(check, config, fsdp=True)
+        load_s = seconds(lambda: checkpoint.load_sharded(directory, trained, optimizers),
+                         check.device)
+    read_back = largest_difference(written, whole_copy(get_state_dict(trained, optimizers)))
     del written
-    resumed = weights(train(modules, optimizers, scaler, batches[1:]))
+    resumed = weights_after(trained, optimizers, batches[1:])
     noise = largest_difference(again, uninterrupted)
     difference = largest_difference(resumed, uninterrupted)
 
@@ -426,12 +390,12 @@ def end_to_end(check):
                            "says how)")
     iters = check.sizes["e2e_iters"]
     with tempfile.TemporaryDirectory() as out_dir:
-        seconds = timed(check, lambda: script(
+        wall = seconds(lambda: script(
             "train.py", "config/c4_tiny.py", f"--data_dir={check.data_dir}", f"--out_dir={out_dir}",
             f"--max_iters={iters}", f"--lr_decay_iters={iters}", f"--eval_interval={max(iters // 2, 1)}",
             f"--warmup_iters={min(100, iters // 2)}", f"--compile={check.sizes['e2e_compile']}",
-            f"--device={check.device}", *check.sizes["e2e_args"]))[0]
-        log = [json.loads(line) for line in open(os.path.join(out_dir, "log.jsonl")) if line.strip()]
+            f"--device={check.device}", *check.sizes["e2e_args"]), check.device)
+        log = read_log(os.path.join(out_dir, "log.jsonl"))
         evals = [r for r in log if "val" in r]
         steps = [r for r in log if "ms_per_iter" in r]
         sample = script("sample.py", os.path.join(out_dir, "best.pt"), "--max_new_tokens=40",
@@ -442,7 +406,7 @@ def end_to_end(check):
                "prepare_c4.py --from_text (tiny Shakespeare as C4-format shards), then `sample.py "
                "best.pt`.\n")
     check.table(["figure", "measured"], [
-        ("wall time of train.py, s (start, compilation, evaluations included)", f"{seconds:.1f}"),
+        ("wall time of train.py, s (start, compilation, evaluations included)", f"{wall:.1f}"),
         ("validation loss at step 0 -> last", f"{evals[0]['val']:.3f} -> {evals[-1]['val']:.3f}"),
         ("median ms per step (logged)", f"{statistics.median(r['ms_per_iter'] for r in steps):.1f}"),
         ("sample.py", f"`{text}`")])

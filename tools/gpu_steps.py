@@ -1,27 +1,32 @@
 """
 What every section of the GPU check (tools/gpu_check.py) shares: Check, the device, the sizes and
-the report so far; and train.py's step built (build), run (train_step) and timed (timed,
-step_times) on the device.
+the report so far; and train.py's step built (build), run (train_step) and timed (time_step) on
+the device.
 """
 
 import gc
 import os
 import statistics
 import time
+from types import SimpleNamespace
 
 import torch
 
 import parallelism
+import plan
 from configurator import parse_config, train_defaults
 from model import GPT, GPTConfig
 from objective import Objective, Trained
 from optim import apply_gradients, configure_optimizers
-from utils import GPU_PEAK_BF16_FLOPS, autocast_context, measure_matmul_flops, save_text
+from utils import (GPU_PEAK_BF16_FLOPS, autocast_context, markdown_table, measure_matmul_flops,
+                   save_text, seconds)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GiB = 2 ** 30
 MFU_GOAL = 0.45
 PLAN_MFU = 0.4  # the plan's assumed MFU for its step times (plan.py's default)
+# the check trains in bf16: the loss is never scaled (apply_gradients' pass-through)
+NO_SCALING = torch.amp.GradScaler("cpu", enabled=False)
 
 
 class SectionSkipped(Exception):
@@ -45,17 +50,15 @@ class Check:
             self.peak = measure_matmul_flops(device, torch.bfloat16)
         self.deadline = time.monotonic() + budget
         self.text = []
-        self.shared = {}  # what a later section reuses (section 3's model for section 4)
+        self.shared = {}  # what a later section reuses (section 3's run for section 4)
 
-    def line(self, text=""):
+    def line(self, text):
         print(text, flush=True)
         self.text.append(text)
 
     def table(self, header, rows):
-        self.line("| " + " | ".join(header) + " |")
-        self.line("|" + "---|" * len(header))
-        for row in rows:
-            self.line("| " + " | ".join(str(c) for c in row) + " |")
+        for line in markdown_table(header, rows):
+            self.line(line)
 
     def save(self):
         if self.out:
@@ -64,6 +67,11 @@ class Check:
     def synchronize(self):
         if self.cuda:
             torch.cuda.synchronize()
+
+    def step_times(self, step, warmup, steps):
+        """(first step's seconds: compilation included, median of the `steps` after `warmup`)."""
+        times = [seconds(step, self.device) for _ in range(warmup + steps)]
+        return times[0], statistics.median(times[warmup:])
 
     def reset_memory(self):
         gc.collect()
@@ -77,10 +85,15 @@ class Check:
             return float("nan"), float("nan")
         return torch.cuda.max_memory_allocated() / GiB, torch.cuda.max_memory_reserved() / GiB
 
-    def profile(self):
-        """torch.profiler over the device's kernels (the CPU's operators off CUDA)."""
+    def profiled(self, work):
+        """torch.profiler's events of work(): the device's kernels (the CPU's operators off
+        CUDA)."""
         from torch.profiler import ProfilerActivity, profile
-        return profile(activities=[ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU])
+        activity = ProfilerActivity.CUDA if self.cuda else ProfilerActivity.CPU
+        with profile(activities=[activity]) as p:
+            work()
+            self.synchronize()
+        return p.key_averages()
 
     def config(self, path, **overrides):
         """A config file as train.py reads it, at --smoke's tiny width, with overrides."""
@@ -88,31 +101,17 @@ class Check:
         return {**config, **self.sizes["shrink"], **overrides}
 
 
-def timed(check, work):
-    """Seconds of work(), the device synchronized before and after."""
-    check.synchronize()
-    t0 = time.perf_counter()
-    result = work()
-    check.synchronize()
-    return time.perf_counter() - t0, result
-
-
-def step_times(check, step, warmup, steps):
-    """(first step's seconds: compilation included, median of the `steps` after `warmup`)."""
-    seconds = [timed(check, step)[0] for _ in range(warmup + steps)]
-    return seconds[0], statistics.median(seconds[warmup:])
-
-
-def train_step(model, objective, optimizers, scaler, batches, autocast, keep_gathered=False):
-    """One optimizer step over the micro-batches [(x, y), ...] as train.py takes it; -> (stepped, terms)."""
-    trained = Trained(model, objective)  # FSDP2 (or none): its own wrapper
+def train_step(check, trained, optimizers, batches, keep_gathered=False):
+    """One optimizer step over the micro-batches [(x, y), ...] as train.py takes it; -> the last
+    micro-batch's terms."""
     for i, (x, y) in enumerate(batches):
         with parallelism.gradient_sync(trained, i == len(batches) - 1, keep_gathered):
-            with autocast:
+            with check.autocast:
                 loss, terms, logits, hidden = trained(x, y)
-            scaler.scale(loss / len(batches)).backward()
+            (loss / len(batches)).backward()
             del logits, hidden, loss
-    return apply_gradients(optimizers, scaler), terms
+    apply_gradients(optimizers, NO_SCALING)
+    return terms
 
 
 def random_batches(config, batch, micro_steps, device, seed=0):
@@ -123,24 +122,46 @@ def random_batches(config, batch, micro_steps, device, seed=0):
 
 
 def build(check, config, fsdp=False):
-    """(model, objective, optimizers, scaler) of a config on the device as train.py builds them
+    """(objective.Trained, optimizers) of a config on the device as train.py builds them
     (activation checkpointing, compile, FSDP on this one process if asked)."""
     torch.manual_seed(config["seed"])
     with torch.device("meta"):
-        model = GPT(GPTConfig.from_config(config, config["vocab_size"]))
-        objective = Objective.from_config(config)
+        trained = Trained(GPT(GPTConfig.from_config(config, config["vocab_size"])),
+                          Objective.from_config(config))
     if config["compile"] is True:  # in train.py's order: compile, checkpointing, FSDP
-        parallelism.compile_blocks(model, backend=check.sizes["compile_backend"], fullgraph=True)
+        parallelism.compile_blocks(trained.model, backend=check.sizes["compile_backend"],
+                                   fullgraph=True)
     if config["activation_checkpointing"]:
-        parallelism.apply_activation_checkpointing(model)
+        parallelism.apply_activation_checkpointing(trained.model)
     if fsdp:
         if reason := parallelism.fsdp_unavailable(check.device):
             raise SectionSkipped(reason)
         if not torch.distributed.is_initialized():
             parallelism.init_distributed("cuda" if check.cuda else "cpu")
-    parallelism.parallelize(Trained(model, objective), "fsdp" if fsdp else "none", check.device,
-                            param_dtype=torch.bfloat16 if fsdp else None,
-                            keep_gathered=config["fsdp_keep_gathered"])
-    optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95), extra_modules=[objective])
-    scaler = torch.amp.GradScaler(torch.device(check.device).type, enabled=False)
-    return model, objective, optimizers, scaler
+    # FSDP2 shards `trained` in place: no other wrapper here
+    parallelism.parallelize(trained, "fsdp" if fsdp else "none", check.device,
+                            param_dtype=torch.bfloat16, keep_gathered=config["fsdp_keep_gathered"])
+    optimizers = configure_optimizers(trained.model, 1e-4, 0.1, (0.9, 0.95),
+                                      extra_modules=[trained.objective])
+    return trained, optimizers
+
+
+def time_step(check, config, batch, micro_steps, warmup, steps, fsdp=False):
+    """config's step built afresh (FSDP: weights kept gathered), timed on random micro-batches of
+    `batch` sequences: trained, batches, step, first and s (step_times), each step's terms, peak
+    GiB allocated and reserved, a micro-step's flops as train.py counts them and the step's MFU."""
+    check.reset_memory()
+    trained, optimizers = build(check, config, fsdp)
+    batches = random_batches(config, batch, micro_steps, check.device)
+    terms = []
+
+    def step():
+        last = train_step(check, trained, optimizers, batches, keep_gathered=fsdp)
+        terms.append({k: v.detach() for k, v in last.items()})
+    first, s = check.step_times(step, warmup, steps)
+    allocated, reserved = check.peak_gib()
+    tokens = batch * config["block_size"]
+    flops = plan.training_flops_per_token(trained.model, trained.objective, tokens) * tokens
+    return SimpleNamespace(trained=trained, batches=batches, step=step, first=first, s=s,
+                           terms=terms, allocated=allocated, reserved=reserved, flops=flops,
+                           mfu=flops * micro_steps / s / check.peak)

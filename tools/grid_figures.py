@@ -1,7 +1,7 @@
 """
 The figures of a grid's archived runs (tools/compare.py draws them after
 tools/report.py has written the grid's table), drawn with
-tools/figures.py's functions.
+tools/figures.py's functions. Notes: docs/grids.md.
 """
 
 import os
@@ -11,7 +11,6 @@ import numpy as np
 from tools import claims, figures, preregistered, stats, transition
 from tools.grid_runs import Grid, paired_columns
 from tools.grids import PAPER_SE_LR_ACCURACY, SEEDS
-from utils import read_log
 
 # the grids with a twin figure: the transition's, and issue 40's T3 and T5
 TWIN_FIGURES = {"jostling": transition, "jostling_prereg": preregistered,
@@ -39,22 +38,17 @@ def make_figures(grid, root, out_dir):
         if path:
             written.append((title, os.path.relpath(path, out_dir)))
 
-    def shared(method):
-        return sorted(set(results[method]) & set(results[baseline]))
-
     forest = {}
     for title, lang, key in paired_columns(results):
         # perplexities in the hundreds (BPE) vary by orders of magnitude: relative changes
         baseline_mean = np.mean([r[lang][key] for r in results[baseline].values()])
         relative = "ppl" in key and baseline_mean > 100
+        kind = "relative" if relative else "difference"
         rows = []
         for method in methods[1:]:
-            seeds = shared(method)
-            if seeds:
-                mine, theirs = ([results[m][s][lang][key] for s in seeds]
-                                for m in (method, baseline))
-                r = stats.paired([100 * (a / b - 1) if relative else a - b
-                                  for a, b in zip(mine, theirs)])
+            change = g.paired(method, lang, key, kind, baseline)
+            if change:
+                r = stats.paired(change)
                 rows.append((method, r["mean"], r["low"], r["high"], r["n"]))
         forest[f"{title} (%)" if relative else title] = rows
     add(f"Paired differences to {baseline} (same seeds), mean and 95 % t interval",
@@ -80,14 +74,11 @@ def make_figures(grid, root, out_dir):
     for method in methods[1:]:
         if isinstance(g.methods[method][0], tuple):
             continue  # a chained run's log holds its last stage (the fine-tune): not on one axis
-        steps = None
-        rows = []
-        for seed in shared(method):
-            mine, theirs = (dict(claims.val_curve(g.runs[m][seed]["dir"]))
-                            for m in (method, baseline))
-            common = sorted(set(mine) & set(theirs))
-            steps = common if steps is None else [s for s in steps if s in common]
-            rows.append((mine, theirs))
+        rows = [[dict(claims.val_curve(g.runs[m][seed]["dir"])) for m in (method, baseline)]
+                for seed in sorted(set(results[method]) & set(results[baseline]))]
+        if not rows:
+            continue
+        steps = sorted(set.intersection(*(mine.keys() & theirs.keys() for mine, theirs in rows)))
         if steps:
             differences[method] = (steps, [[mine[s] - theirs[s] for s in steps]
                                            for mine, theirs in rows])
@@ -98,25 +89,21 @@ def make_figures(grid, root, out_dir):
             "mixed HR/LR val loss" if g.low_resource else "val loss", colours))
 
     if g.low_resource:  # the LR val loss of every seed of the Stop Jostling trio: does any depart?
-        curves = {}
-        for method in [m for m in methods if m in (baseline, "margin 0.6", "margin 0.6 + SE")]:
-            for seed, run in g.runs[method].items():
-                evals = [r for r in read_log(os.path.join(run["dir"], "log.jsonl"))
-                         if "val_low" in r]
-                curves.setdefault(method, {})[seed] = ([r["iter"] for r in evals],
-                                                       [r["val_low"] for r in evals])
+        trio = (baseline, "margin 0.6", "margin 0.6 + SE")
+        curves = {m: {seed: tuple(zip(*claims.val_curve(run["dir"], "val_low")))
+                      for seed, run in g.runs[m].items()}
+                  for m in methods if m in trio}
         add("LR val loss (20 batches, never thresholded) of every seed",
             figures.seed_curves(curves, png("lr_val_per_seed"), "LR val loss (nats)", colours))
 
     histograms = {}
-    split = "val"
     for method in methods:
-        geometries = [r["geometry"] for r in results[method].values() if r.get("geometry")]
+        geometries = [r["geometry"][g.langs[0]] for r in results[method].values()
+                      if r.get("geometry")]
         if geometries:
-            split = "HR val" if "high" in geometries[0] else "val"  # char grids: the HR language
             histograms[method] = np.mean(
-                [np.asarray(geo.get("high", geo.get("val"))["cosine_histograms"])
-                 for geo in geometries], axis=0)
+                [np.asarray(geo["cosine_histograms"]) for geo in geometries], axis=0)
+    split = "HR val" if g.low_resource else "val"  # char grids: the HR language
     if histograms:
         add(f"Condensation: pairwise-cosine histogram per depth ({split}, mean over seeds)",
             figures.condensation_heatmaps(histograms, png("condensation")))

@@ -1,11 +1,12 @@
 """
 A grid's archived runs as every part of its report reads them
 (tools/report.py's tables, tools/grid_figures.py's figures,
-tools/preregistered.py's tests).
+tools/preregistered.py's tests). Notes: docs/grids.md.
 """
 
 import os
 
+from tools import claims
 from tools.grids import GRIDS, runs_of
 from tools.identity import read_json
 
@@ -54,3 +55,10 @@ class Grid:
 
     def shared_with_baseline(self, method):
         return sorted(set(self.results.get(method, {})) & set(self.results.get(self.baseline, {})))
+
+    def paired(self, method, lang, key, kind="difference", baseline=None):
+        """Metric [lang][key] of method minus that of the baseline (kind
+        "relative": in %) on each seed both ran (claims.paired_values)."""
+        claim = {"method": method, "baseline": baseline, "kind": kind,
+                 "value": lambda run: run["metrics"][lang][key]}
+        return claims.paired_values(claim, self.runs, self.baseline)

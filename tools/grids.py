@@ -11,12 +11,12 @@ import os
 SEEDS = list(range(1337, 1367))  # 30 seeds; a method uses the first n
 # issue 40's fresh seeds, never run before results/preregistration.md was committed
 FRESH_SEEDS = list(range(1367, 1391))
-# issue 40's embedding swap: the blocks' seed -> the seed whose embeddings the run starts from
-# (init_embeddings_from_seed); a crossing and a non-crossing seed each way
+# issue 40's embedding swap: the blocks' seed -> the seed whose embeddings
+# the run starts from; a crossing and a non-crossing seed each way
 EMBEDDING_SWAPS = {1342: 1337, 1337: 1342, 1346: 1338, 1338: 1346}
 
-# method -> (config file(s), the first n of SEEDS or a list of seeds); the first is the
-# baseline. A run with the same command as another grid's is copied, not trained twice.
+# method -> (config file(s), the first n of SEEDS or a list of seeds); the
+# first is the baseline
 GRIDS = {
     "jostling": {
         "baseline": ("config/lowres_ce.py", 30),
@@ -25,7 +25,7 @@ GRIDS = {
         "margin 0.6": ("config/lowres_margin_0.6.py", 30),
         "margin 0.6 + SE": ("config/lowres_margin_0.6_se.py", 10),
         "monolingual": ("config/lowres_monolingual.py", 5),
-        # measures weight decay on the rows under SE as the paper's text means it (docs/fidelity.md)
+        # weight decay on the rows under SE as the paper's text means it (docs/fidelity.md)
         "margin 0.6 + SE, rows not decayed": ("config/lowres_margin_0.6_se_rows_no_decay.py", 5),
     },
     "lowres": {
@@ -38,8 +38,8 @@ GRIDS = {
         "dispersion decorrelation": ("config/lowres_dispersion_decorrelation.py", 5),
         "dispersion l2_repel": ("config/lowres_dispersion_l2_repel.py", 5),
         "dispersion orthogonalization": ("config/lowres_dispersion_orthogonalization.py", 5),
-        # the same three as the authors' released code has them (docs/fidelity.md); decorrelation
-        # is the same in both forms, so it has no second row
+        # the three as the authors' released code has them (docs/fidelity.md);
+        # decorrelation is the same in both forms
         "dispersion, authors' form": ("config/lowres_dispersion_authors.py", 5),
         "dispersion l2_repel, authors' form": ("config/lowres_dispersion_l2_repel_authors.py", 5),
         "dispersion orthogonalization, authors' form":
@@ -70,65 +70,68 @@ GRIDS = {
         "SimReg": ("config/bpe_simreg_1600.py", 5),
         "SimReg chunk 32": ("config/bpe_simreg_chunk_1600.py", 5),
     },
-    # issue 44: the bpe grid's CE and margin 0.6 + SE again with later code, which measures the
-    # rare targets' PPL at the best temperature (Stop Jostling's PPL_best rule)
+    # issue 44: bpe's CE and margin 0.6 + SE again with later code, which measures
+    # the rare targets' PPL at the best temperature (Stop Jostling's PPL_best rule)
     "bpe_rare": {
         "CE": ("config/bpe_baseline.py", 5),
         "margin 0.6 + SE": ("config/bpe_margin_0.6_se.py", 5),
     },
-    # issue 40, pre-registered: margin 0.6 and CE on 24 fresh seeds, margin 0.6 also with the
-    # next seed's data order (EXTRA_RUNS)
+    # issue 40, pre-registered: margin 0.6 and CE on 24 fresh seeds, margin 0.6
+    # also with the next seed's data order (EXTRA_RUNS)
     "jostling_prereg": {
         "baseline": ("config/lowres_ce.py", FRESH_SEEDS),
         "margin 0.6": ("config/lowres_margin_0.6.py", FRESH_SEEDS),
     },
-    # issue 40: the blocks of one initialisation with the embeddings of another (EXTRA_RUNS),
-    # against the unswapped margin 0.6 on the blocks' seeds
+    # issue 40: the blocks of one initialisation with the embeddings of another
+    # (EXTRA_RUNS), against the unswapped margin 0.6 on the blocks' seeds
     "jostling_swap": {
         "margin 0.6": ("config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS)),
     },
 }
 
-# Runs of a grid that are not methods of its tables: name -> (config file(s), seeds, extra
-# train.py arguments or a function of the seed giving them). jostling's factorial of margin 0.6
-# takes the initialisation (`seed`) and the data order (`data_seed`) from two seeds, one that
-# makes the LR transition and one that does not (or the other crossing seed), so that
-# tools/transition.py can tell which of the two decides it.
+# Runs of a grid that are not methods of its tables: name -> (config file(s),
+# seeds, extra train.py arguments or a function of the seed giving them).
+# jostling's factorial of margin 0.6 takes the initialisation (`seed`) and
+# the data order (`data_seed`) from two seeds, at least one of them a
+# crossing one (it makes the LR transition): tools/transition.py tells
+# which of the two decides it.
 CROSSING_SEEDS = (1342, 1346)
 NON_CROSSING_SEEDS = (1337, 1338, 1339)
+MARGIN_0_6 = "config/lowres_margin_0.6.py"
+FACTORIAL_SEEDS = sorted(CROSSING_SEEDS + NON_CROSSING_SEEDS)
 EXTRA_RUNS = {
     "jostling": {
         f"margin 0.6, data order of {data}": (
-            "config/lowres_margin_0.6.py",
-            [s for s in SEEDS if s != data and (s in CROSSING_SEEDS or data in CROSSING_SEEDS)
-             and s in CROSSING_SEEDS + NON_CROSSING_SEEDS],
+            MARGIN_0_6,
+            [s for s in FACTORIAL_SEEDS
+             if s != data and (s in CROSSING_SEEDS or data in CROSSING_SEEDS)],
             (f"--data_seed={data}",))
         for data in CROSSING_SEEDS + NON_CROSSING_SEEDS
     },
     "jostling_prereg": {
         "margin 0.6, data order of the next seed": (
-            "config/lowres_margin_0.6.py", FRESH_SEEDS, lambda seed: (f"--data_seed={seed + 1}",)),
+            MARGIN_0_6, FRESH_SEEDS, lambda seed: (f"--data_seed={seed + 1}",)),
     },
     "jostling_swap": {
         "margin 0.6, embeddings swapped": (
-            "config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS),
+            MARGIN_0_6, sorted(EMBEDDING_SWAPS),
             lambda seed: (f"--init_embeddings_from_seed={EMBEDDING_SWAPS[seed]}",)),
         "margin 0.6, embeddings swapped, data order of the embeddings' seed": (
-            "config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS),
+            MARGIN_0_6, sorted(EMBEDDING_SWAPS),
             lambda seed: (f"--init_embeddings_from_seed={EMBEDDING_SWAPS[seed]}",
                           f"--data_seed={EMBEDDING_SWAPS[seed]}")),
     },
 }
 
-# Finished runs archived without a run.json (its write was lost): grid -> {(method, seed)}.
-# A comparison refuses any other run without one; these are named in their grid's table.
+# Finished runs archived without a run.json (its write was lost): grid ->
+# {(method, seed)}; a comparison refuses any other run without one.
 UNRECORDED_RUNS = {
     "jostling": {("baseline", 1339), ("baseline", 1340)},
     "jostling_prereg": {("margin 0.6, data order of the next seed", 1368)},
 }
 
-# A comparison pairs two runs on one seed only when both ran the same code on the same CPU
-# model, unless their grid is declared here, with why its runs pool (the report prints it).
+# A comparison pairs two runs on one seed only when both ran the same code on
+# the same CPU model, unless their grid is here, with why its runs pool.
 _NO_COMMIT = "archived before run.json recorded the commit"
 _TWO_CPUS = f"{_NO_COMMIT}; trained on an Intel Xeon and an AMD EPYC machine"
 POOLABLE = {
@@ -139,12 +142,11 @@ POOLABLE = {
                        "the fresh seeds on an uncommitted tree whose changes were not hashed",
     "jostling_swap": _NO_COMMIT,
 }
-# a grid that trains another's configs and seeds again: its report says how far the numbers moved
+# a grid that trains another's runs again: its report says how far they moved
 RERUN_OF = {"bpe_rare": "bpe"}
 
-# train.py arguments every run of a grid gets. bpe_1600 ran on one GPU, TF32 off
-# (NVIDIA_TF32_OVERRIDE=0), a deviation results/README.md names; without CUDA, --device=cpu to a
-# separate --archive runs it on the CPU.
+# train.py arguments every run of a grid gets. bpe_1600 ran on one GPU, TF32
+# off (NVIDIA_TF32_OVERRIDE=0), a deviation results/README.md names.
 GRID_ARGS = {
     "bpe_1600": ("--device=cuda", "--dtype=float32", "--compile=False"),
 }
@@ -167,8 +169,8 @@ PAPER = {
 }
 METRICS = ["ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotropy"]
 
-# the LR accuracy of the authors' single notebook run (the strip plots mark it), and the one
-# from which we say a seed made the jump towards it
+# the LR accuracy of the authors' single notebook run, and the one from which
+# we say a seed made the jump towards it
 PAPER_SE_LR_ACCURACY = 0.487
 TRANSITION_LR_ACCURACY = 0.43
 

@@ -1,8 +1,8 @@
 """
-Hugging Face tokenizers that give exactly our token ids, for tools/export_hf.py: a character
-vocabulary's (meta.json's itos; a character outside it is an error, never dropped; the newline
-is eos and pad) and GPT-2's byte-level BPE rebuilt from tiktoken's r50k_base ranks. transformers
-and tokenizers are imported inside the functions. Design notes: docs/export.md
+Hugging Face tokenizers that give exactly our token ids, for
+tools/export_hf.py: a character vocabulary's (meta.json's itos) and
+GPT-2's byte-level BPE rebuilt from tiktoken's r50k_base ranks.
+Design notes: docs/export.md
 """
 
 from data import BPE_EOT, BPE_TOKENS, gpt2_encoding
@@ -10,10 +10,21 @@ from data import BPE_EOT, BPE_TOKENS, gpt2_encoding
 EOT = "<|endoftext|>"  # GPT-2's end-of-text token, id BPE_EOT
 
 
+def vocabulary(meta):
+    """'char' (meta.json's itos), 'bpe' (GPT-2's) or None: the one
+    place that tells a dataset's vocabulary."""
+    if "itos" in meta:
+        return "char"
+    if meta.get("tokenizer") in ("r50k_base", "gpt2"):
+        return "bpe"
+    return None
+
+
 def char_tokenizer(itos, max_length):
-    """A PreTrainedTokenizerFast giving each character of itos its index: a pre-tokenizer
-    isolating every character ([\\s\\S] matches newlines too), a WordLevel lookup, and a
-    Fuse decoder joining them back without spaces."""
+    """Each character of itos its index: a pre-tokenizer isolating every
+    character ([\\s\\S] matches newlines too), a WordLevel lookup without
+    an unknown token (an unknown character is an error), a Fuse decoder;
+    the newline is eos and pad."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -28,19 +39,10 @@ def char_tokenizer(itos, max_length):
                                    clean_up_tokenization_spaces=False, **special)
 
 
-def byte_symbols():
-    """GPT-2's byte-level BPE spells every byte as one printable character: bytes that print
-    (and are not a space) stand for themselves, each of the others takes the next unused code
-    point from 256 up, in byte order. Returns the list indexed by byte value."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    others = [byte for byte in range(256) if byte not in printable]
-    return [chr(b if b in printable else 256 + others.index(b)) for b in range(256)]
-
-
 def merges_from_ranks(ranks):
-    """The merge list a BPE tokenizer needs, recovered from tiktoken's ranks ({token bytes:
-    rank}): a token of rank r was made by merging the two pieces that BPE, using only ranks
-    below r, ends with on its bytes. Returned in rank order, as (left bytes, right bytes)."""
+    """The BPE merges, in rank order as (left bytes, right bytes), from
+    tiktoken's {token bytes: rank}: a token of rank r merges the two
+    pieces that BPE with the ranks below r ends with on its bytes."""
     merges = []
     for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
         if len(token) < 2:
@@ -60,10 +62,12 @@ def merges_from_ranks(ranks):
 
 
 def bpe_tokenizer(max_length):
-    """GPT-2's tokenizer, rebuilt offline from the r50k_base ranks the data was encoded with:
-    byte-level BPE over byte_symbols(), GPT-2's pre-tokenizer, <|endoftext|> its one special."""
+    """GPT-2's tokenizer, rebuilt offline from the r50k_base ranks:
+    byte-level BPE (each byte spelt as GPT-2's printable character),
+    GPT-2's pre-tokenizer, <|endoftext|> its one special token."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     encoding = gpt2_encoding()
     if encoding.n_vocab != BPE_TOKENS or encoding.eot_token != BPE_EOT:
@@ -71,7 +75,7 @@ def bpe_tokenizer(max_length):
                          f"{encoding.eot_token}), expected {BPE_TOKENS} (eot {BPE_EOT})")
     ranks = {encoding.decode_single_token_bytes(i): i
              for i in range(encoding.n_vocab) if i != BPE_EOT}
-    symbols = byte_symbols()
+    symbols = bytes_to_unicode()
     spell = lambda token: "".join(symbols[b] for b in token)  # noqa: E731
     vocab = {spell(token): rank for token, rank in ranks.items()}
     vocab[EOT] = BPE_EOT
@@ -86,17 +90,16 @@ def bpe_tokenizer(max_length):
 
 
 def build(meta, max_length):
-    """(kind, tokenizer) for a dataset's meta.json: kind 'char' or 'bpe'; (None, None) for a
-    meta.json this module cannot rebuild a tokenizer for."""
-    if "itos" in meta:
-        return "char", char_tokenizer(meta["itos"], max_length)
-    if meta.get("tokenizer") in ("r50k_base", "gpt2"):
-        return "bpe", bpe_tokenizer(max_length)
-    return None, None
+    """The tokenizer of a dataset's meta.json; None where vocabulary()
+    is None."""
+    kind = vocabulary(meta)
+    if kind == "char":
+        return char_tokenizer(meta["itos"], max_length)
+    return bpe_tokenizer(max_length) if kind else None
 
 
 def special_ids(tokenizer):
-    """bos / eos / pad ids for the model's config.json (None without a tokenizer): HF's
-    defaults (GPT-2's 50256, LLaMA's 1 and 2) would name ordinary tokens of our vocabularies."""
+    """bos / eos / pad ids for config.json (None without a tokenizer):
+    HF's defaults would name ordinary tokens of our vocabularies."""
     return {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None)
             for name in ("bos", "eos", "pad")}

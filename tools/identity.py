@@ -5,8 +5,7 @@ A run's identity is recorded in its run.json when it finishes (its
 `identity`): the training keys of each stage (train.py's config after
 its config files and overrides, less NOT_TRAINING: where and how it
 runs), the code's version (the git commit, "+dirty" with uncommitted
-changes) and the CPU model. tools/compare.py refuses to pair runs whose
-identities differ (tools/runner.check_like, check_pooled_call).
+changes) and the CPU model (docs/runs.md#which-runs-a-table-may-pair).
 
 Runs archived before the record existed are read by one rule (`of_run`):
 their training keys are their run.json commands resolved against today's
@@ -60,44 +59,53 @@ def training_keys(commands):
             config = parse_config(argv, defaults)
         except ConfigError:
             return None
-        config = json.loads(json.dumps(config))
-        stages.append({k: v for k, v in config.items() if k not in NOT_TRAINING})
+        stages.append(training(json.loads(json.dumps(config))))
     return stages
 
 
-def cpu_name():
+def training(config):
+    """A train.py config less its NOT_TRAINING keys."""
+    return {k: v for k, v in config.items() if k not in NOT_TRAINING}
+
+
+def cpuinfo():
+    """/proc/cpuinfo's text ('' where there is none)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+            return f.read()
     except OSError:
-        pass
+        return ""
+
+
+def cpu_name():
+    for line in cpuinfo().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
 
 
 def git(*args):
-    """What a git command in the repository printed (bytes)."""
-    return subprocess.run(["git", "-C", REPO, *args], capture_output=True, check=True).stdout
+    """What a git command in the repository printed (bytes), None outside git."""
+    try:
+        return subprocess.run(["git", "-C", REPO, *args], capture_output=True,
+                              check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
 
 
 def commit():
     """The repository's HEAD, '+dirty' when tracked files differ from it; 'unknown' outside git."""
-    try:
-        head = git("rev-parse", "HEAD").decode().strip()
-        dirty = git("status", "--porcelain", "--untracked-files=no").strip()
-        return head + ("+dirty" if dirty else "")
-    except (OSError, subprocess.CalledProcessError):
+    head = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+    if head is None or dirty is None:
         return UNKNOWN
+    return head.decode().strip() + ("+dirty" if dirty.strip() else "")
 
 
 def git_diff_sha256():
     """sha256 of `git diff HEAD` (tracked files): which uncommitted changes a dirty run ran with."""
-    try:
-        diff = git("diff", "HEAD")
-    except (OSError, subprocess.CalledProcessError):
-        return UNKNOWN
-    return hashlib.sha256(diff).hexdigest()
+    diff = git("diff", "HEAD")
+    return UNKNOWN if diff is None else hashlib.sha256(diff).hexdigest()
 
 
 def utc(seconds):

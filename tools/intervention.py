@@ -7,20 +7,15 @@ Each seed trains a trunk to step 1000 (margin 0.6; the first 8 seeds also under 
 continue the trunk's checkpoint to step 8000 exactly; only the LR rows of the tied embedding
 change (`rotate_twins`):
 
-    untouched  nothing changed
-    raised     each LR row turned towards its HR twin by one common angle, norm kept, until
-               the mean twin cosine is RAISED_COS
-    sham       each LR row moved by the angle it moved in `raised`, orthogonally to its twin,
-               so its twin cosine does not change
-    lowered    (trunks read above the cut-off) turned away from the twin down to LOWERED_COS
+    untouched, raised, sham, lowered: as the pre-registration defines them
 
-One branch by hand, then its training (the resume continues the trunk's run exactly):
+One branch by hand, then its training:
 
     python -m tools.intervention branch out/trunk out/raised --arm=raised --seed=1391
     python train.py config/lowres_margin_0.6.py --seed=1391 --out_dir=out/raised --init_from=resume
 
-The whole study, resumable (Ctrl-C stops it at a checkpoint; the next call goes on from there),
-and its registered tests from the archive (tools/intervention_tests.py):
+The whole study (Ctrl-C stops it at a checkpoint; the next call goes
+on from there), and its registered tests (tools/intervention_tests.py):
 
     python -m tools.intervention run --root out/intervention --workers 2
     python -m tools.intervention_tests
@@ -45,39 +40,39 @@ from tools.grids import run_dir
 from utils import read_log, save_json, torch_save
 
 GRID = "jostling_intervention"
-SEEDS = list(range(1391, 1407))  # the 16 seeds after issue 40's fresh ones (1367-1390)
+SEEDS = list(range(1391, 1407))
 CE_SEEDS = SEEDS[:8]
 TRUNK_STEP = 1000
-RAISED_COS = 0.20   # about the step-1000 reading of the runs that crossed (0.195 in the archive)
-LOWERED_COS = 0.05  # about that of the runs that did not (0.050)
-CUTOFF = 0.1224     # the registered predictor's cut-off (results/preregistration.md)
+RAISED_COS = 0.20
+LOWERED_COS = 0.05
+CUTOFF = 0.1224  # the registered predictor's (results/preregistration.md)
 CONFIGS = {"margin 0.6": "config/lowres_margin_0.6.py", "CE": "config/lowres_ce.py"}
 ARMS = {"margin 0.6": ("untouched", "raised", "sham", "lowered"), "CE": ("untouched", "raised")}
 TARGETS = {"untouched": None, "raised": RAISED_COS, "sham": RAISED_COS, "lowered": LOWERED_COS}
 
 
 def _turned(phi, theta, arm):
-    """Each row's angle to its twin after turning by theta towards it or away from it (stopping
-    on it or opposite it)."""
+    """Each row's angle to its twin after turning by theta towards it
+    or away from it (stopping on it or opposite it)."""
     return (phi - theta).clamp(min=0) if arm in ("raised", "sham") else (phi + theta).clamp(max=math.pi)
 
 
 def rotate_twins(E, shift, arm, target=None, generator=None):
-    """E with its LR rows shift..2*shift-1 rotated relative to their HR twins 0..shift-1 (arm
-    and target as the module says; generator draws the sham's directions), every other row and
-    every norm kept. The common angle theta is found by bisection on the mean twin cosine, which
-    is monotone in it; a mean already past the target leaves E as it is. Returns (E, theta)."""
+    """(E, theta): E with its LR rows shift..2*shift-1 turned by the
+    common angle theta relative to their HR twins 0..shift-1 (generator
+    draws the sham's directions); theta is bisected on the mean twin
+    cosine, monotone in it; a mean already past the target is kept."""
     if arm == "untouched":
         return E.clone(), 0.0
     X = E.double()
     h = torch.nn.functional.normalize(X[:shift], dim=1)
     e = X[shift:2 * shift]
     norm = e.norm(dim=1, keepdim=True)
-    a = (e * h).sum(dim=1, keepdim=True)          # the component along the twin
+    a = (e * h).sum(dim=1, keepdim=True)  # along the twin
     rest = e - a * h
-    b = rest.norm(dim=1, keepdim=True)            # and its size orthogonal to it
+    b = rest.norm(dim=1, keepdim=True)  # orthogonal to it
     u = rest / b.clamp(min=1e-30)
-    phi = torch.atan2(b, a)                       # each row's angle to its twin, in [0, pi]
+    phi = torch.atan2(b, a)  # the angle to the twin, in [0, pi]
     towards = arm in ("raised", "sham")
     mean = torch.cos(phi).mean().item()
     if (mean >= target) if towards else (mean <= target):
@@ -93,8 +88,9 @@ def rotate_twins(E, shift, arm, target=None, generator=None):
     theta = high
     new_phi = _turned(phi, theta, arm)
     if arm == "sham":
-        # a unit w orthogonal to the twin and to u; turning u towards w by beta keeps the twin
-        # component a, so the twin cosine; beta is set so that the row moves by the raised angle
+        # a unit w orthogonal to the twin and to u: turning u towards w
+        # by beta keeps the twin cosine; beta moves the row by the
+        # raised angle
         w = torch.randn(e.shape, generator=generator, dtype=torch.float64)
         w = w - (w * h).sum(dim=1, keepdim=True) * h
         w = torch.nn.functional.normalize(w - (w * u).sum(dim=1, keepdim=True) * u, dim=1)
@@ -111,10 +107,9 @@ def rotate_twins(E, shift, arm, target=None, generator=None):
 
 
 def make_branch(trunk_dir, out_dir, arm, seed):
-    """A copy of the trunk's checkpoint (ckpt.pt) and log in out_dir, its LR rows rotated by
-    arm (the sham's directions seeded with seed); the optimizer, data and RNG states kept. The
-    best validation loss is reset so that best.pt can only be a branch's own weights. Written to
-    out_dir.tmp, then renamed: out_dir exists only complete. Returns the intervention record."""
+    """The trunk's ckpt.pt and log copied to out_dir, its LR rows
+    rotated by arm, its best validation loss reset; out_dir appears
+    only complete. Returns the intervention record."""
     if os.path.exists(out_dir):
         raise UsageError(f"{out_dir} already exists: a branch is made once (remove it to make it again)")
     path = os.path.join(trunk_dir, "ckpt.pt")
@@ -130,7 +125,7 @@ def make_branch(trunk_dir, out_dir, arm, seed):
     rotated, theta = rotate_twins(weights["wte.weight"], shift, arm, TARGETS[arm], generator)
     weights["wte.weight"] = rotated
     if "lm_head.weight" in weights and checkpoint["model_config"].get("tie_weights", True):
-        weights["lm_head.weight"] = rotated  # the tied head is the same tensor
+        weights["lm_head.weight"] = rotated  # tied: the same tensor
     checkpoint["best_val_loss"] = float("inf")
     record = {"arm": arm, "target": TARGETS[arm], "theta": theta, "seed": seed,
               "step": checkpoint["iter_num"], "twin_cos_before": before,
@@ -153,10 +148,9 @@ def step_reading(run_directory, step):
 
 
 def job(loss, arm, seed, root, archive, trunk=None):
-    """The seed's trunk (arm "trunk", trained to TRUNK_STEP) or a branch of it (made, trained
-    to the config's max_iters, after the future trunk), archived with its provenance; returns
-    the archive's folder if this call archived it. The lowered arm is made only where the
-    trunk's reading is above the cut-off."""
+    """Train and archive the seed's trunk (arm "trunk") or, after the
+    future trunk, a branch of it (lowered only above the cut-off).
+    Returns the archive's folder if this call archived it."""
     if trunk is not None:
         trunk.result()
     out, dest = (run_dir(d, GRID, f"{loss} {arm}", seed) for d in (root, archive))
@@ -200,9 +194,10 @@ def jobs():
 
 
 def run_study(root, archive, workers):
-    """Every trunk and branch not yet archived, `workers` train.py processes at a time. A branch
-    waits for its trunk, which was queued before it, so a worker never waits on unstarted work.
-    The call's record in the study's wall.json names every run it archived."""
+    """Every trunk and branch not yet archived, `workers` train.py
+    processes at a time; a branch's trunk is queued before it, so no
+    worker waits on unstarted work. The call's record in the study's
+    wall.json names the runs it archived."""
     t0 = time.time()
     wall_path = os.path.join(archive, GRID, "wall.json")
     record = {"call": f"pid {os.getpid()} on {socket.gethostname()}, started {identity.utc(t0)}",

@@ -6,13 +6,13 @@ partial and it gives no verdict.
 """
 
 import argparse
-import json
 import os
 
 from tools import stats
 from tools.grids import run_dir
+from tools.identity import read_json
 from tools.intervention import ARMS, CE_SEEDS, CUTOFF, GRID, SEEDS, TRUNK_STEP, step_reading
-from utils import save_text
+from utils import markdown_table, save_text
 
 THRESHOLDS = (0.43, 0.40, 0.38)  # primary, then the two secondary ones
 
@@ -23,8 +23,7 @@ def accuracies(archive, loss, arm, seeds):
     for seed in seeds:
         path = os.path.join(run_dir(archive, GRID, f"{loss} {arm}", seed), "metrics.json")
         if os.path.exists(path):
-            with open(path) as f:
-                out[seed] = json.load(f)["low"]["accuracy"]
+            out[seed] = read_json(path)["low"]["accuracy"]
     return out
 
 
@@ -71,7 +70,8 @@ def registered_seeds(name, trunk_readings):
 def test_lines(archive, threshold):
     """One line per registered test at one threshold, and {name: verdict or None}."""
     trunk_readings = readings(archive, "margin 0.6", SEEDS)
-    lines, verdicts = [], {}
+    lines = []
+    verdicts = {}
     for name, first, second, yes, no in TESTS:
         registered = registered_seeds(name, trunk_readings)
         arms = [accuracies(archive, loss, arm, registered or []) for loss, arm in (first, second)]
@@ -111,19 +111,20 @@ def causal_line(verdicts):
 
 def per_seed_lines(archive):
     """The trunks' readings and every arm's LR accuracy, seed by seed."""
-    margin_readings = readings(archive, "margin 0.6", SEEDS)
-    ce_readings = readings(archive, "CE", CE_SEEDS)
     arms = [(loss, arm) for loss in ARMS for arm in ARMS[loss]]
-    values = {arm: accuracies(archive, *arm, SEEDS) for arm in arms}
-    lines = ["| seed | margin trunk twin_cos | CE trunk twin_cos | "
-             + " | ".join(f"{loss} {arm}" for loss, arm in arms) + " |",
-             "|---" * (3 + len(arms)) + "|"]
-    for seed in SEEDS:
-        def cell(table, digits=3):
-            return f"{table[seed]:.{digits}f}" if seed in table and table[seed] is not None else "—"
-        lines.append(f"| {seed} | {cell(margin_readings, 4)} | {cell(ce_readings, 4)} | "
-                     + " | ".join(cell(values[arm]) for arm in arms) + " |")
-    return lines
+    columns = [(readings(archive, "margin 0.6", SEEDS), 4),
+               (readings(archive, "CE", CE_SEEDS), 4)]
+    columns += [(accuracies(archive, *arm, SEEDS), 3) for arm in arms]
+    header = ["seed", "margin trunk twin_cos", "CE trunk twin_cos",
+              *(f"{loss} {arm}" for loss, arm in arms)]
+
+    def cell(table, digits, seed):
+        value = table.get(seed)
+        return "—" if value is None else f"{value:.{digits}f}"
+
+    rows = [[seed, *(cell(table, digits, seed) for table, digits in columns)]
+            for seed in SEEDS]
+    return markdown_table(header, rows)
 
 
 def provenance_line(archive):
@@ -133,8 +134,7 @@ def provenance_line(archive):
     runs = 0
     for root, _, files in os.walk(os.path.join(archive, GRID)):
         if "run.json" in files:
-            with open(os.path.join(root, "run.json")) as f:
-                record = json.load(f).get("provenance", {})
+            record = read_json(os.path.join(root, "run.json")).get("provenance", {})
             runs += 1
             cpus.add(record.get("cpu", "not recorded"))
             changed = " (with changes)" if record.get("dirty") else ""

@@ -18,7 +18,8 @@ import os
 import re
 
 from data import DataError, gpt2_encoding, load_tokens, read_meta
-from errors import UserError, end_with
+from errors import UserError, run_script
+from tools.hf_tokenizer import vocabulary
 from utils import check_arguments, check_writable, save_text
 
 # a line whose last word (letters, inner apostrophes) may be followed by punctuation and spaces
@@ -49,31 +50,32 @@ metadata:
 
 
 def validation_text(data_dir):
-    """The val split of a prepared dataset, decoded back to text (char itos or GPT-2 BPE)."""
+    """The val split of a prepared dataset, decoded back to text."""
     meta = read_meta(data_dir)
     ids = load_tokens(data_dir, "val", 1, meta["vocab_size"]).tolist()
-    if "itos" in meta:
+    kind = vocabulary(meta)
+    if kind is None:
+        raise DataError(f"{os.path.join(data_dir, 'meta.json')}: neither 'itos' nor a "
+                        "GPT-2 'tokenizer': cannot decode val.bin to text")
+    if kind == "char":
         return "".join(meta["itos"][i] for i in ids)
-    if meta.get("tokenizer") in ("r50k_base", "gpt2"):
-        return gpt2_encoding().decode(ids)
-    raise DataError(f"{os.path.join(data_dir, 'meta.json')}: neither 'itos' nor a GPT-2 "
-                    "'tokenizer': cannot decode val.bin to text")
+    return gpt2_encoding().decode(ids)
 
 
 def make_items(text, limit=500, context_chars=256, min_words=4):
-    """[{context, target}]: one item per line of at least min_words words that ends in a word,
-    the context being the line up to that word, preceded by the text before it, at most
-    context_chars characters in all and, when cut, starting at a line start; at most limit
-    items, spread evenly over the text."""
+    """[{context, target}]: an item per line of >= min_words words that
+    ends in a word, the context the text up to that word (at most
+    context_chars, cut at a line start); at most limit items, spread
+    evenly over the text."""
     items = []
     offset = 0
     for line in text.split("\n"):
         match = LAST_WORD.match(line)
         if match and len(line.split()) >= min_words:
-            end = offset + len(match.group(1))  # just before the space and the word
+            end = offset + len(match.group(1))  # before the space and the word
             start = max(0, end - context_chars)
             newline = text.find("\n", start, end) if start else -1
-            start = newline + 1 if newline >= 0 else start  # a cut context starts a line
+            start = newline + 1 if newline >= 0 else start
             items.append({"context": text[start:end], "target": " " + match.group(2)})
         offset += len(line) + 1
     if len(items) > limit:
@@ -127,7 +129,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # the one place a problem the user can fix ends the process
-        end_with(e)
+    run_script(main)

@@ -11,8 +11,13 @@ import argparse
 import os
 
 from configurator import parse_config, train_defaults
-from errors import UserError, end_with
+from errors import UserError, run_script
 from plan import make_plan
+from utils import markdown_table
+
+HEADER = ["config", "params", "parallel", "micro-batch x T x micro-steps",
+          "weights + grads + AdamW (+ FSDP's gathered unit and unsharded grads)",
+          "activations", "with activation checkpointing", "total"]
 
 
 def read_config(*args):
@@ -21,12 +26,7 @@ def read_config(*args):
 
 
 def table_lines(paths, gpus, measure=True):
-    lines = [f"GiB per GPU on {gpus} GPU(s), the config's own parallelism; activations of one micro-batch, "
-             "in the compute dtype", "",
-             "| config | params | parallel | micro-batch x T x micro-steps | weights + grads + AdamW (+ "
-             "FSDP's gathered unit and unsharded grads) | activations | with activation checkpointing | "
-             "total |",
-             "|---|---|---|---|---|---|---|---|"]
+    rows = []
     for path in paths:
         config = read_config(path)
         if config["parallel"] == "none":  # a one-process config, counted as DDP on gpus
@@ -35,10 +35,11 @@ def table_lines(paths, gpus, measure=True):
         mode = "fsdp" if p["parallel"] == "fsdp" else "ddp"
         parts = p["memory_parts"]
         total = p["memory"][mode]["checkpointed" if p["activation_checkpointing"] else "plain"]
-        lines.append(f"| {os.path.basename(path)} | {p['params'] / 1e9:.2f}B | {p['parallel']} | "
-                     f"{p['micro_batch']} x {p['seq_len']} x {p['micro_steps']} | {parts[mode]:.1f} | "
-                     f"{parts['act']:.1f} | {parts['act_ckpt']:.1f} | {total:.1f} |")
-    return lines
+        rows.append((os.path.basename(path), f"{p['params'] / 1e9:.2f}B", p["parallel"],
+                     f"{p['micro_batch']} x {p['seq_len']} x {p['micro_steps']}",
+                     *(f"{x:.1f}" for x in (parts[mode], parts["act"], parts["act_ckpt"], total))))
+    return [f"GiB per GPU on {gpus} GPU(s), the config's own parallelism; activations of one "
+            "micro-batch, in the compute dtype", "", *markdown_table(HEADER, rows)]
 
 
 def main():
@@ -53,7 +54,4 @@ def main():
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # the one place a problem the user can fix ends the process
-        end_with(e)
+    run_script(main)

@@ -10,14 +10,13 @@ Its panels, each line labelled with its log.jsonl key: docs/tracking.md. Needs m
 import argparse
 import os
 
-from errors import UserError, end_with
+from errors import UserError, run_script
 from tools.figures import _panels, _pyplot, _save
 from utils import check_writable, read_log
 
-# what a training record holds besides its loss terms (train.py's log); speed is not drawn
+# a training record's keys that are not loss terms; speed is not drawn
 NOT_TERMS = ("iter", "loss", "lr", "ms_per_iter", "tokens_per_s", "mfu", "loss_scale")
-# an evaluation's measures of the embedding (two-language runs), one panel
-TWINS = ("twin_cos", "twin_top3")
+TWINS = ("twin_cos", "twin_top3")  # the embedding's measures, one panel
 
 
 def panels(records):
@@ -33,8 +32,7 @@ def panels(records):
 
 
 def draw(records, title=""):
-    """The matplotlib Figure, for a caller to look into or save; None without matplotlib
-    (or without panels)."""
+    """The matplotlib Figure; None without matplotlib or panels."""
     grouped = panels(records)
     drawn = _panels(len(grouped), 3.8, 2.6)
     if drawn is None:
@@ -74,7 +72,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # the one place a problem the user can fix ends the process
-        end_with(e)
+    run_script(main)

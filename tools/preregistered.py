@@ -1,29 +1,29 @@
 """
-Issue 40's pre-registered tests (results/preregistration.md, T1-T7), computed from the archived
-runs of the grids jostling (30 seeds), jostling_prereg (24 fresh seeds) and jostling_swap (the
-embedding swap); tools/report.py puts them into results/jostling.md. Each test follows its
-registered rule word for word; while a grid is incomplete its counts are labelled partial and
-no verdict is given.
+Issue 40's pre-registered tests (results/preregistration.md, T1-T7: each follows its rule there)
+from the archived grids jostling, jostling_prereg (24 fresh seeds) and jostling_swap (the
+embedding swap); tools/report.py puts them into results/jostling.md. While a grid is incomplete
+its counts are labelled partial and no verdict is given. The tests: docs/statistics.md.
 """
 
+import collections
 import os
 
 from tools import stats
+from tools.claims import val_curve
+from tools.grid_runs import Grid
 from tools.grids import EMBEDDING_SWAPS, CROSSING_SEEDS, FRESH_SEEDS
-from tools.transition import (RAISES, crosses, fisher_exact, fisher_verdict, marked_figure,
-                              rate_cell, twin_curves)
+from tools.stats import fisher_exact, fisher_verdict, rate_cell
+from tools.transition import RAISES, count, crosses, marked_figure, tally, twin_curves
 
 THRESHOLDS = (0.43, 0.40, 0.38)   # primary, then the two secondary ones
-PREDICTOR_STEP, PREDICTOR_CUTOFF = 1000, 0.1224   # twin_cos at step 1000 above the cut-off: called
+# T3's predictor: twin_cos at step 1000 above the cut-off calls a crossing
+PREDICTOR_STEP = 1000
+PREDICTOR_CUTOFF = 0.1224
 EXPECTED_RATE = 0.10              # the earlier claim T1 checks: about one seed in ten
-FRESH, NEXT = "margin 0.6", "margin 0.6, data order of the next seed"
+FRESH = "margin 0.6"
+NEXT = "margin 0.6, data order of the next seed"
 SWAPPED = ("margin 0.6, embeddings swapped",
            "margin 0.6, embeddings swapped, data order of the embeddings' seed")
-
-
-def count(runs, threshold):
-    """(k, n): how many of the runs {key: metrics} cross the threshold, of how many."""
-    return sum(crosses(m, threshold) for m in runs.values()), len(runs)
 
 
 def joined(first, second, tags=("old", "new")):
@@ -35,9 +35,13 @@ def partial_note(n, registered, unit="runs"):
     return "" if n == registered else f" (partial: {n} of {registered} {unit}; no verdict until all are in)"
 
 
+def ending(n, registered, word):
+    """A line's end: the verdict word once all registered runs are in."""
+    return f": **{word}**." if n == registered else "."
+
+
 def rate_test(archive, fresh, threshold):
-    """T1: the fresh own-order margin-0.6 rate, the pooled rate and the archive against the
-    fresh seeds. archive, fresh: {seed: metrics}."""
+    """T1. archive, fresh: {seed: metrics}."""
     k_old, n_old = count(archive, threshold)
     k_new, n_new = count(fresh, threshold)
     if not n_new:
@@ -58,58 +62,45 @@ def rate_test(archive, fresh, threshold):
 
 
 def concordance_test(own, other, threshold):
-    """T2: the 2 x 2 of the fresh pairs, crossing with the seed's own data order x with the
-    next seed's, against what independence predicts, by Fisher's exact test."""
+    """T2: the 2 x 2 of the fresh pairs (crossing with the own order x the next seed's)."""
     seeds = sorted(set(own) & set(other))
     if not seeds:
         return ["T2: no fresh seed has both of its runs yet."]
-    a = [crosses(own[s], threshold) for s in seeds]
-    b = [crosses(other[s], threshold) for s in seeds]
+    pairs = collections.Counter((crosses(own[s], threshold), crosses(other[s], threshold))
+                                for s in seeds)
+    both, only_own, only_next, neither = (pairs[x, y] for x in (True, False)
+                                          for y in (True, False))
     n = len(seeds)
-    both = sum(x and y for x, y in zip(a, b))
-    only_own = sum(x and not y for x, y in zip(a, b))
-    only_next = sum(y and not x for x, y in zip(a, b))
-    neither = n - both - only_own - only_next
-    p_own = sum(a) / n
-    p_next = sum(b) / n
-    expected = [n * p_own * p_next, n * p_own * (1 - p_next), n * (1 - p_own) * p_next,
-                n * (1 - p_own) * (1 - p_next)]
+    k_own = both + only_own
+    k_next = both + only_next
+    expected = [n * p * q for p in (k_own / n, 1 - k_own / n)
+                for q in (k_next / n, 1 - k_next / n)]
     line = (f"T2, the same initialisation under two data orders{partial_note(n, len(FRESH_SEEDS), 'pairs')}: "
             f"both cross {both}, only own order {only_own}, only the next seed's {only_next}, neither "
             f"{neither} (independence predicts {expected[0]:.2f}, {expected[1]:.2f}, {expected[2]:.2f}, "
             f"{expected[3]:.2f})")
-    if not sum(a) or not sum(b):
+    if not k_own or not k_next:
         return [line + ". **Not testable**: no seed crosses under one of the two orders."]
-    p = fisher_exact(both, sum(a), sum(b) - both, n - sum(a))
-    line += f"; Fisher's exact p = {p:.3g}"
-    if n == len(FRESH_SEEDS):
-        line += (": **crossing follows the initialisation**." if p < 0.05 and both > expected[0] else
-                 ": **the two orders push apart**." if p < 0.05 else ": **not shown**.")
-    return [line + ("" if n == len(FRESH_SEEDS) else ".")]
+    p = fisher_exact(both, k_own, k_next - both, n - k_own)
+    word = ("crossing follows the initialisation" if p < 0.05 and both > expected[0] else
+            "the two orders push apart" if p < 0.05 else "not shown")
+    return [line + f"; Fisher's exact p = {p:.3g}" + ending(n, len(FRESH_SEEDS), word)]
 
 
 def predictor_counts(runs, curves, threshold):
-    """(hits, crossing runs, false alarms, other runs, runs without a step-1000 reading) of the
-    registered predictor over runs {key: metrics} with curves {key: (steps, twin_cos)}."""
-    hits = n_yes = alarms = n_no = unread = 0
+    """transition.tally of the registered predictor over runs {key: metrics} with curves
+    {key: (steps, twin_cos)}, then how many runs lack a step-1000 reading."""
+    calls = []
     for seed, metrics in runs.items():
         steps, values = curves.get(seed, ([], []))
-        if PREDICTOR_STEP not in steps:
-            unread += 1
-            continue
-        called = values[steps.index(PREDICTOR_STEP)] > PREDICTOR_CUTOFF
-        if crosses(metrics, threshold):
-            n_yes += 1
-            hits += called
-        else:
-            n_no += 1
-            alarms += called
-    return hits, n_yes, alarms, n_no, unread
+        if PREDICTOR_STEP in steps:
+            calls.append((values[steps.index(PREDICTOR_STEP)] > PREDICTOR_CUTOFF,
+                          crosses(metrics, threshold)))
+    return *tally(calls), len(runs) - len(calls)
 
 
 def predictor_test(own, next_order, ce, curves):
-    """T3 at the primary threshold: the 24 own-order runs (independent initialisations)
-    primary, all fresh margin-0.6 runs and the fresh CE runs secondary."""
+    """T3 at the primary threshold, on the own-order runs; then its secondary counts."""
     threshold = THRESHOLDS[0]
     hits, n_yes, alarms, n_no, unread = predictor_counts(own, curves.get(FRESH, {}), threshold)
     n = n_yes + n_no
@@ -124,7 +115,7 @@ def predictor_test(own, next_order, ce, curves):
     else:
         p, word = fisher_verdict(hits, n_yes, alarms, n_no, (
             "the step-1000 reading predicts the transition on new seeds", "not shown", "not shown"))
-        line += f"; Fisher's exact p = {p:.3g}" + (f": **{word}**." if n == len(FRESH_SEEDS) else ".")
+        line += f"; Fisher's exact p = {p:.3g}" + ending(n, len(FRESH_SEEDS), word)
     tags = ("own", "next")
     both = joined(own, next_order, tags)
     both_curves = joined(curves.get(FRESH, {}), curves.get(NEXT, {}), tags)
@@ -136,7 +127,7 @@ def predictor_test(own, next_order, ce, curves):
 
 
 def rates_test(ce, margin, threshold, label):
-    """T4: CE against margin 0.6, rate difference and Fisher's exact test."""
+    """T4: CE against margin 0.6."""
     k1, n1 = count(margin, threshold)
     k2, n2 = count(ce, threshold)
     if not n1 or not n2:
@@ -146,12 +137,12 @@ def rates_test(ce, margin, threshold, label):
     line = (f"T4, CE against margin 0.6, {label}{partial_note(n1 + n2, registered)}: "
             f"margin {rate_cell(k1, n1)}, CE {rate_cell(k2, n2)}; difference {k1 / n1 - k2 / n2:+.2f}, "
             f"Fisher's exact p = {p:.3g}")
-    return [line + (f": **{word}**." if n1 + n2 == registered else ".")]
+    return [line + ending(n1 + n2, registered, word)]
 
 
 def swap_test(swap, threshold):
     """T5: the runs whose embeddings come from a crossing initialisation against those whose
-    blocks do, by the registered rule; Fisher's p beside it."""
+    blocks do."""
     runs = []  # (blocks, embeddings, data order, LR accuracy, crossed)
     for method, data_of in ((SWAPPED[0], lambda s: s), (SWAPPED[1], lambda s: EMBEDDING_SWAPS[s])):
         for seed, metrics in sorted(swap.get(method, {}).items()):
@@ -161,7 +152,8 @@ def swap_test(swap, threshold):
         return ["T5: no swapped run yet."]
     emb_arm = [r for r in runs if r[1] in CROSSING_SEEDS]
     block_arm = [r for r in runs if r[0] in CROSSING_SEEDS]
-    k1, k2 = sum(r[4] for r in emb_arm), sum(r[4] for r in block_arm)
+    k1 = sum(r[4] for r in emb_arm)
+    k2 = sum(r[4] for r in block_arm)
     listing = ", ".join(f"blocks {b} / embeddings {e} / data {d}: {acc:.3f}" for b, e, d, acc, _ in runs)
     line = (f"T5, embeddings or blocks{partial_note(len(runs), 2 * len(EMBEDDING_SWAPS))}: embeddings from a "
             f"crossing initialisation {k1} of {len(emb_arm)} cross, blocks from one {k2} of {len(block_arm)} "
@@ -169,16 +161,12 @@ def swap_test(swap, threshold):
     if emb_arm and block_arm:
         line += (f"; Fisher's exact p = {fisher_exact(k1, len(emb_arm), k2, len(block_arm)):.3g} "
                  "(2 initialisations per arm)")
-    if len(runs) == 2 * len(EMBEDDING_SWAPS):
-        n = len(emb_arm)
-        outcome = ("follows the embeddings" if (k1, k2) == (n, 0) else
-                   "follows the blocks" if (k1, k2) == (0, n) else
-                   "needs both" if k1 + k2 == 0 else
-                   "either part suffices" if k1 + k2 == 2 * n else "neither cleanly")
-        line += f": **{outcome}**."
-    else:
-        line += "."
-    return [line]
+    n = len(emb_arm)
+    outcome = ("follows the embeddings" if (k1, k2) == (n, 0) else
+               "follows the blocks" if (k1, k2) == (0, n) else
+               "needs both" if k1 + k2 == 0 else
+               "either part suffices" if k1 + k2 == 2 * n else "neither cleanly")
+    return [line + ending(len(runs), 2 * len(EMBEDDING_SWAPS), outcome)]
 
 
 def findings(archive, fresh, swap, curves):
@@ -208,7 +196,6 @@ def findings(archive, fresh, swap, curves):
 
 def section(root):
     """findings() from the archive under root, or [] while no issue-40 run is archived."""
-    from tools.grid_runs import Grid
     if not any(os.path.isdir(os.path.join(root, g)) for g in ("jostling_prereg", "jostling_swap")):
         return []
     fresh = Grid("jostling_prereg", root)
@@ -222,9 +209,8 @@ NORM_MARGIN = 0.04  # T6: a third of the released l2_repel's -0.12 HR PPL agains
 
 
 def norm_term_outcome(evaluated, registered_seeds=5):
-    """T6's rule on claims.evaluate_claims(..., claims.NORM_CLAIMS): [(claim, paired result,
-    Holm p, verdict)] of the norm term alone (a) against CE, (b) against the released
-    l2_repel. None until both rows have every registered seed."""
+    """T6's outcome from claims.evaluate_claims of claims.NORM_CLAIMS (the norm term alone
+    (a) against CE, (b) against the released l2_repel); None until both have every seed."""
     (_, vs_ce, _, verdict_ce), (_, vs_released, p_released, _) = evaluated
     if vs_ce is None or vs_released is None or min(vs_ce["n"], vs_released["n"]) < registered_seeds:
         return None
@@ -236,21 +222,21 @@ def norm_term_outcome(evaluated, registered_seeds=5):
     return "not decided"
 
 
-# T7: best checkpoint before this step, or mean fall per 50 steps
-CONVERGED_BEFORE, CONVERGED_FALL = 1400, 0.01
+# T7: converged when the best checkpoint comes before this step, or when the
+# mean val loss falls less than this per 50 steps from then on
+CONVERGED_BEFORE = 1400
+CONVERGED_FALL = 0.01
 
 
 def convergence_lines(runs, registered_seeds=5):
-    """T7's convergence rule for CE on the BPE toy at 1600 steps. runs: {seed: {"dir",
-    "metrics"}} of the CE row (each log.jsonl holds its val loss every 50 steps)."""
-    from utils import read_log
+    """T7's convergence rule. runs: {seed: {"dir", "metrics"}} of bpe_1600's CE row (each
+    log.jsonl holds its val loss every 50 steps)."""
     if not runs:
         return []
     best = {seed: run["metrics"]["checkpoint"]["iter"] for seed, run in sorted(runs.items())}
-    curves = {seed: {r["iter"]: r["val"] for r in read_log(os.path.join(run["dir"], "log.jsonl"))
-                     if "val" in r}
-              for seed, run in runs.items()}
-    start, end = CONVERGED_BEFORE, max(max(c) for c in curves.values())
+    curves = {seed: dict(val_curve(run["dir"])) for seed, run in runs.items()}
+    start = CONVERGED_BEFORE
+    end = max(max(c) for c in curves.values())
     have = [c for c in curves.values() if start in c and end in c]
     fall = sum(c[start] - c[end] for c in have) / len(have) / ((end - start) / 50) if have else None
     line = ("Convergence (results/preregistration.md, T7): CE's best checkpoint per seed at step "
@@ -266,8 +252,8 @@ def convergence_lines(runs, registered_seeds=5):
 
 
 def twin_figure(g, results_dir):
-    """transition.marked_figure of every twin_cos curve of the grid g (jostling_prereg or
-    jostling_swap), a panel per method."""
+    """marked_figure of every twin_cos curve of jostling_prereg or jostling_swap, a panel per
+    method."""
     panels = {method: {str(seed): (steps, values, crosses(g.results[method][seed], THRESHOLDS[0]))
                        for seed, (steps, values) in per_seed.items()}
               for method, per_seed in twin_curves(g).items()}

@@ -1,11 +1,10 @@
 """
 results/<grid>.md from a grid's archived runs (results/runs/<grid>/): the claims (claims.py),
 mean ± std over seeds, paired differences to the baseline, speed and efficiency. The pages:
-results/README.md; their figures: grid_figures.py.
+results/README.md; their figures: grid_figures.py; notes: docs/grids.md.
 """
 
 import collections
-import json
 import os
 import statistics
 
@@ -16,8 +15,9 @@ import scoring
 from tools import claims, identity, preregistered, stats, transition
 from tools.grid_runs import Grid, paired_columns
 from tools.grids import METRICS, PAPER, POOLABLE, RERUN_OF, runs_of
+from tools.identity import read_json
 from tools.runner import UnpooledRuns, grid_calls
-from utils import read_log, save_json
+from utils import markdown_table, read_log, save_json
 
 FORM_INTRO = (
     "The rows marked *authors' form* train with `dispersion_form = \"authors\"`: the constants of "
@@ -48,12 +48,6 @@ def fmt(values, digits=3, style="f"):
 def column(runs, key, digits=3):
     """fmt of one key over runs (dicts)."""
     return fmt([r[key] for r in runs], digits)
-
-
-def table_lines(header, rows):
-    """A Markdown table: its header, the rule under it and a line per row of cells."""
-    return (["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-            + ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows])
 
 
 def build_table(grid, root):
@@ -164,7 +158,7 @@ def provenance_lines(g, identities):
                          counted(cpus)))
     lines = ["Code and machines: the commit each run trained at (+ the hash of its uncommitted "
              "changes; +dirty where they were not recorded) and its CPU model, per method.", ""]
-    lines += table_lines(["method", "runs", "code", "CPU"], rows) + [""]
+    lines += markdown_table(["method", "runs", "code", "CPU"], rows) + [""]
     if g.name in POOLABLE:
         lines += ["This grid's pairs may mix code and machines, by declaration (tools/grids.py, "
                   f"POOLABLE): {POOLABLE[g.name]}.", ""]
@@ -209,7 +203,7 @@ def metric_tables(g):
                 rows.append((f"*paper: {method}*", 1, *values))
         title = {"high": "HR validation", "low": "LR validation"}.get(lang, "Validation")
         lines += [f"## {title}", ""]
-        lines += table_lines(["method", "seeds", *header], rows) + [""]
+        lines += markdown_table(["method", "seeds", *header], rows) + [""]
     return lines
 
 
@@ -235,7 +229,7 @@ def rare_target_table(g):
              "The val positions whose target token occurs at most "
              f"{scoring.RARE_MAX_COUNT} times in the training split (the long tail; Stop "
              "Jostling's low-resource tokens on a natural vocabulary).", ""]
-            + table_lines(["method", "seeds", *(title for title, *_ in columns)], rows) + [""])
+            + markdown_table(["method", "seeds", *(title for title, *_ in columns)], rows) + [""])
 
 
 def paired_table(g):
@@ -245,7 +239,6 @@ def paired_table(g):
     rows = []
     for method in list(g.methods)[1:]:
         shared = g.shared_with_baseline(method)
-        runs = g.results.get(method, {})
         if not shared:
             continue
         cells = []
@@ -253,14 +246,14 @@ def paired_table(g):
             digits = 3  # rates; perplexities with as many decimals as their size needs
             if key.startswith("ppl"):
                 digits = 2 if mean_std([base[s][lang][key] for s in shared])[0] < 100 else 0
-            change = [runs[s][lang][key] - base[s][lang][key] for s in shared]
+            change = g.paired(method, lang, key)
             cells.append(claims.paired_cell(stats.paired(change), digits))
         rows.append((method, len(shared), *cells))
     return ([f"## Paired difference to {g.baseline} (same seeds, method − {g.baseline})", "",
              "Each cell: the mean of the per-seed differences, its 95 % t interval (n − 1 degrees "
              "of freedom, not adjusted for multiple comparisons) and how many of the n seeds go "
              "the way of the mean.", ""]
-            + table_lines(["method", "seeds", *(title for title, _, _ in columns)], rows))
+            + markdown_table(["method", "seeds", *(title for title, _, _ in columns)], rows))
 
 
 def rerun_table(g):
@@ -283,20 +276,17 @@ def rerun_table(g):
         if moved:
             rows.append((title, len(moved), f"{100 * statistics.median(moved):.1f} %",
                          f"{100 * max(moved):.1f} %"))
-    lines += table_lines(["metric", "runs", "median |difference|", "largest"], rows) + [""]
+    lines += markdown_table(["metric", "runs", "median |difference|", "largest"], rows) + [""]
     rows = []
     for method in list(g.methods)[1:]:
         cells = []
         for grid in (first, g):
-            base = grid.results[grid.baseline]
-            runs = grid.results.get(method, {})
-            change = [100 * (runs[s][lang][key] / base[s][lang][key] - 1)
-                      for s in grid.shared_with_baseline(method)
-                      for _, lang, key in columns if key == "ppl_best"]
+            change = [v for _, lang, key in columns if key == "ppl_best"
+                      for v in grid.paired(method, lang, key, "relative")]
             cells.append(claims.paired_cell(stats.paired(change), 1) if len(change) > 1 else "—")
         rows.append((method, *cells))
     header = ["method", f"PPL_best (%) in `{first.name}`", f"in `{g.name}`"]
-    return lines + table_lines(header, rows)
+    return lines + markdown_table(header, rows)
 
 
 def speed_up_table(g):
@@ -323,7 +313,7 @@ def speed_up_table(g):
             "between evaluations (every eval_interval steps), and a run that never reaches it "
             f"counts as 0. {g.baseline}'s own row is the noise floor: its curve can dip below its "
             "final value before the end. Chained methods (CWT + FT) are left out: their log holds "
-            "the fine-tune only.", ""] + table_lines(header, rows)
+            "the fine-tune only.", ""] + markdown_table(header, rows)
 
 
 def embedding_geometry_table(g):
@@ -337,7 +327,7 @@ def embedding_geometry_table(g):
                          column(t, "cases_12", 1), column(t, "cases_letters", 1)))
     header = ["method", "I(W) all rows", "twin in top-3 (of 130 rows)", "12 cases (A/a, HR/LR)",
               "all letters (of 312)"]
-    return ["", "## Embedding geometry", ""] + table_lines(header, rows)
+    return ["", "## Embedding geometry", ""] + markdown_table(header, rows)
 
 
 def hidden_geometry_table(g):
@@ -357,10 +347,11 @@ def hidden_geometry_table(g):
                          fmt([x["simreg_final"] for x in runs], 1, "e")))
     header = ["method", "mu(last block)", "Spearman rho", "Kendall tau", "final-state cosine",
               "SimReg(final)"]
-    return ["", "## Hidden-state geometry" + (" (HR val)" if g.low_resource else " (val)"), "",
-            "mu(l): mean pairwise cosine of a sequence's states after block l; rho / tau: "
-            "Spearman and Kendall correlation of mu(l) with depth (positive = condensing with "
-            "depth); SimReg value of the final states at tau 0.01.", ""] + table_lines(header, rows)
+    return (["", "## Hidden-state geometry" + (" (HR val)" if g.low_resource else " (val)"), "",
+             "mu(l): mean pairwise cosine of a sequence's states after block l; rho / tau: "
+             "Spearman and Kendall correlation of mu(l) with depth (positive = condensing with "
+             "depth); SimReg value of the final states at tau 0.01.", ""]
+            + markdown_table(header, rows))
 
 
 def marginalization_table(g):
@@ -370,8 +361,7 @@ def marginalization_table(g):
     for method, seed, *_, out in runs_of(g.name, g.root):
         path = os.path.join(out, "marginalization.json")
         if os.path.exists(path):
-            with open(path) as f:
-                per_seed.setdefault(method, {})[seed] = json.load(f)
+            per_seed.setdefault(method, {})[seed] = read_json(path)
     if not per_seed:
         return []
     header = ["method", "seeds", "mean Ratio of Average", "mean Average of Ratio",
@@ -386,7 +376,7 @@ def marginalization_table(g):
              "Jostling Sec. 4.2). Means over the 65 LR tokens, then mean ± std over seeds. Paper: "
              "baseline has the 14 rarest tokens below 1 in Ratio of Average and all 65 below 1 in "
              "Average of Ratio; thresholding raises them by 12 % and 45 %.", ""]
-    lines += table_lines(header, rows)
+    lines += markdown_table(header, rows)
     if len(per_seed) >= 2:
         (name_a, a), (name_b, b) = list(per_seed.items())[:2]
         shared = sorted(set(a) & set(b))
@@ -413,8 +403,7 @@ def speed_table(g):
             path = os.path.join(run["dir"], "run.json")
             if not os.path.exists(path):
                 continue
-            with open(path) as f:
-                record = json.load(f)
+            record = read_json(path)
             walls.append(record["wall_s"])
             if "reused_from" not in record:  # a run copied from another grid took none of its time
                 seconds["runs"] += record["wall_s"]
@@ -433,7 +422,7 @@ def speed_table(g):
                          f"{sum(walls) / len(walls) / 60:.1f} min" if walls else "n/a"))
     header = ["method", "runs", "median tokens/s per run", "median ms/iter", "median MFU",
               "mean wall time per run"]
-    return ["", "## Speed", ""] + table_lines(header, rows), seconds
+    return ["", "## Speed", ""] + markdown_table(header, rows), seconds
 
 
 def peak_range(calls):

@@ -1,13 +1,11 @@
 """
 How much the released l2_repel's repulsion pushes on a checkpoint's states (issue 40, T6).
 
-The released l2_repel (losses.dispersion, variant "l2_repel", form "authors") is a log-sum-exp of
--|z_i - z_j|^2 over the pairs of one sequence's states, plus the norm term 0.1 * mean(z^2). The
-squared distances are not divided by C, so on states as spread as unit-variance 128-channel ones
-every off-diagonal exp(-|z_i - z_j|^2) is 0 in float32 and the gradient is the norm term's alone.
-This measures, on a checkpoint's states over the first val blocks, whether that holds: per block
-output, the median squared distance between two states of a sequence, the share of pairs closer
-than CLOSE, and |gradient of the repulsion| / |gradient of the norm term|.
+Per block output, over the first val blocks: the median squared
+distance between two states of a sequence, the share of pairs closer
+than CLOSE, and |gradient of the repulsion| / |gradient of the norm
+term|. Why (far apart, only the norm term would act: docs/losses.md)
+and what it found: results/README.md, T6.
 
     python -m tools.repulsion out/compare/lowres/<method>/seed1337/best.pt [more checkpoints]
 """
@@ -18,15 +16,16 @@ import torch
 
 import losses
 from checkpoint import data_dir_of, load_model
-from errors import UserError, end_with
+from errors import run_script
 from scoring import val_blocks
+from utils import markdown_table
 
-CLOSE = 10.0  # a squared distance whose exp(-d) (4.5e-5) is still seen beside the diagonal's 1
+CLOSE = 10.0  # exp(-10) = 4.5e-5 still counts beside the diagonal's 1
 
 
 def repulsion_to_norm(z):
-    """|d repulsion / dz| / |d norm term / dz| for one layer's states z (B,T,C), where repulsion
-    is the released l2_repel less its norm term (losses._dispersion_l2_repel, form "authors")."""
+    """|d repulsion / dz| / |d norm term / dz| of one layer's states z
+    (B,T,C); the repulsion is the released l2_repel less its norm term."""
     z = z.detach().requires_grad_()
     full, = torch.autograd.grad(losses._dispersion_l2_repel(z, 1.0, "authors"), z)
     norm, = torch.autograd.grad(losses._dispersion_l2_repel_norm(z, 1.0, "authors"), z)
@@ -34,8 +33,8 @@ def repulsion_to_norm(z):
 
 
 def layer_rows(model, x):
-    """[(block, median squared distance, share of pairs closer than CLOSE, repulsion / norm)] of
-    every block's output on the token blocks x (B,T), the layers the dispersion losses read."""
+    """[(block, median squared distance, share closer than CLOSE,
+    repulsion / norm)] of every block's output on the tokens x (B,T)."""
     with torch.no_grad():
         _, hidden_states = model(x, return_hidden_states=True)
     off_diagonal = ~torch.eye(x.size(1), dtype=torch.bool)
@@ -58,15 +57,12 @@ def main(argv=None):
         data_dir = data_dir_of(checkpoint, path, args.data_dir)
         x, _ = val_blocks(data_dir, model.config.block_size)
         print(f"{path} (first {min(args.blocks, len(x))} val blocks)\n")
-        print("| block | median squared distance | pairs closer than 10 | repulsion / norm term (gradient) |")
-        print("|---|---|---|---|")
-        for block, median, close, ratio in layer_rows(model, x[:args.blocks]):
-            print(f"| {block} | {median:.0f} | {100 * close:.2f} % | {ratio:.3g} |")
-        print()
+        header = ["block", "median squared distance", "pairs closer than 10",
+                  "repulsion / norm term (gradient)"]
+        rows = [(block, f"{median:.0f}", f"{100 * close:.2f} %", f"{ratio:.3g}")
+                for block, median, close, ratio in layer_rows(model, x[:args.blocks])]
+        print("\n".join(markdown_table(header, rows)) + "\n")
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # the one place a problem the user can fix ends the process
-        end_with(e)
+    run_script(main)

@@ -1,9 +1,8 @@
 """
-Runs a grid's training runs for tools/compare.py (whose docstring says
-what a call does): train.py processes, `workers` at a time on
-cores/workers threads each. wall.json keeps one record per call, from
-which tools/report.py computes the grid's efficiency
-(docs/performance.md).
+Runs a grid's training runs for tools/compare.py: train.py processes,
+`workers` at a time on cores/workers threads each, each run archived as
+it finishes; wall.json keeps one record per call. How a call runs,
+reuses, refuses and records its runs: docs/runs.md#a-grids-runs.
 """
 
 import json
@@ -20,7 +19,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-import checkpoint as checkpoints
+from checkpoint import load_with_weights
 from errors import UsageError, UserError
 from tools import identity
 from tools.grids import GRID_ARGS, POOLABLE, UNRECORDED_RUNS, run_dir, runs_of, stages
@@ -28,7 +27,6 @@ from tools.identity import read_json
 from utils import (atomic_write, choose_device, measure_matmul_flops, read_log, save_json,
                    save_text)
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECORD_EVERY_S = 60  # how often a running call rewrites its wall.json record
 
 
@@ -43,21 +41,33 @@ def stage_dir(out_dir, stage, stages):
 
 
 def launch(config, seed, out_dir, threads, overrides):
-    """One run (a train.py process per stage); returns its wall time. A
+    """One run (a train.py process per stage); returns its wall time,
+    the time earlier calls spent on it (stopped_wall.json) included. A
     run finished meanwhile is skipped; one an earlier call stopped goes on
     from its last checkpoint, a chain from its first unfinished stage."""
     if has_metrics(out_dir):
         return 0.0
     t0 = time.time()
-    # the time earlier calls spent on this run before they were stopped: its wall time is the sum
     stopped_path = os.path.join(out_dir, "stopped_wall.json")
-    earlier = 0.0
-    if os.path.exists(stopped_path):
-        earlier = read_json(stopped_path)["wall_s"]
+    earlier = read_json(stopped_path)["wall_s"] if os.path.exists(stopped_path) else 0.0
     os.makedirs(out_dir, exist_ok=True)
     identity.mark_start(out_dir)
+    planned = planned_commands(config, seed, overrides)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    commands = []
+    flops = 0
     try:
-        commands, flops = run_stages(planned_commands(config, seed, overrides), out_dir, threads)
+        for stage, cmd in enumerate(planned):
+            directory = stage_dir(out_dir, stage, len(planned))
+            os.makedirs(directory, exist_ok=True)
+            cmd = cmd + [f"--out_dir={directory}", f"--num_threads={threads}"]
+            if stage:
+                previous = os.path.join(out_dir, f"stage{stage - 1}", "best.pt")
+                cmd.append(f"--init_from={previous}")
+            commands.append(cmd)
+            if not has_metrics(directory):
+                run_stage(cmd, directory, env)
+            flops += run_flops(directory) or 0
     except BaseException:
         os.makedirs(out_dir, exist_ok=True)
         save_json({"wall_s": earlier + time.time() - t0}, stopped_path)
@@ -70,43 +80,7 @@ def launch(config, seed, out_dir, threads, overrides):
     return wall
 
 
-def run_stages(planned, out_dir, threads):
-    """launch's stages not yet finished: returns (their commands, FLOPs)."""
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    commands = []
-    flops = 0
-    for stage, cmd in enumerate(planned):
-        directory = stage_dir(out_dir, stage, len(planned))
-        os.makedirs(directory, exist_ok=True)
-        cmd = cmd + [f"--out_dir={directory}", f"--num_threads={threads}"]
-        if stage:
-            cmd.append(f"--init_from={os.path.join(out_dir, f'stage{stage - 1}', 'best.pt')}")
-        commands.append(cmd)
-        if not has_metrics(directory):
-            run_stage(cmd, directory, env)
-        flops += run_flops(directory) or 0
-    return commands, flops
-
-
-def run_stage(cmd, directory, env):
-    """Run a stage's train.py (output in train.out), from its checkpoint if any."""
-    resume = os.path.exists(os.path.join(directory, "ckpt.pt"))
-    if resume:
-        cmd = [a for a in cmd if not a.startswith("--init_from=")] + ["--init_from=resume"]
-    else:  # without a checkpoint, whatever an earlier attempt left here (a log) is replaced
-        cmd = cmd + ["--overwrite=True"]
-    train_out = os.path.join(directory, "train.out")
-    with open(train_out, "a" if resume else "w") as f:
-        code = run_process(cmd, f, env)
-    if code != 0:
-        raise RunFailed(
-            f"run {directory} failed (train.py exit status {code}): {last_line(train_out)}; "
-            f"its whole output: {train_out}. The grid's other runs were stopped at a "
-            "checkpoint; the next call goes on from there.")
-
-
-# The train.py processes of this call. On Ctrl-C or SIGTERM, run_grid stops them and starts
-# no new one; each goes on from its last checkpoint in the next call.
+# The train.py processes of this call, which run_grid stops on Ctrl-C or SIGTERM
 _running = set()
 _running_lock = threading.Lock()
 _stopping = threading.Event()
@@ -120,6 +94,37 @@ class RunFailed(UserError):
     """A train.py process of the grid ended with an error (its own line is in its train.out)."""
 
 
+def run_stage(cmd, directory, env):
+    """Run a stage's train.py (output in train.out), from its checkpoint
+    if any; Stopped when this call stopped it."""
+    resume = os.path.exists(os.path.join(directory, "ckpt.pt"))
+    if resume:
+        cmd = [a for a in cmd if not a.startswith("--init_from=")] + ["--init_from=resume"]
+    else:  # without a checkpoint, whatever an earlier attempt left here (a log) is replaced
+        cmd = cmd + ["--overwrite=True"]
+    train_out = os.path.join(directory, "train.out")
+    with open(train_out, "a" if resume else "w") as out:
+        with _running_lock:  # so a process is either never started or stopped
+            if _stopping.is_set():
+                raise Stopped()
+            # its own session: a terminal's Ctrl-C reaches compare.py only, which stops the runs
+            process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                       start_new_session=True)
+            _running.add(process)
+        try:
+            code = process.wait()
+        finally:
+            with _running_lock:
+                _running.discard(process)
+    if code != 0 and _stopping.is_set():  # it saved a checkpoint to go on from
+        raise Stopped()
+    if code != 0:
+        raise RunFailed(
+            f"run {directory} failed (train.py exit status {code}): {last_line(train_out)}; "
+            f"its whole output: {train_out}. The grid's other runs were stopped at a "
+            "checkpoint; the next call goes on from there.")
+
+
 def last_line(path):
     """The last line train.py wrote: for a UserError, its one-line error."""
     try:
@@ -128,25 +133,6 @@ def last_line(path):
     except OSError:
         return "(no train.out)"
     return next((line for line in reversed(lines) if line), "(train.out is empty)")
-
-
-def run_process(cmd, out, env):
-    """Run cmd to its end; its exit status, or Stopped when this call stopped it."""
-    with _running_lock:  # checked under the lock: a process is either never started or stopped
-        if _stopping.is_set():
-            raise Stopped()
-        # its own session: a terminal's Ctrl-C reaches compare.py only, which stops the runs
-        process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                   start_new_session=True)
-        _running.add(process)
-    try:
-        code = process.wait()
-    finally:
-        with _running_lock:
-            _running.discard(process)
-    if code != 0 and _stopping.is_set():  # it saved a checkpoint to go on from
-        raise Stopped()
-    return code
 
 
 def stop_runs():
@@ -184,14 +170,19 @@ def finished_runs(root, needed):
     return finished
 
 
-def copy_run(source, dest, prepare=None):
-    """Copy a finished run's folder to dest (through dest.tmp, which
-    prepare may rework), run.json recording where it came from."""
+def copy_run(source, dest, reevaluate=False):
+    """Copy a finished run's folder to dest (through dest.tmp), run.json
+    recording where it came from; reevaluate: score its best.pt with
+    today's evaluate.py, so that its metrics.json has every metric."""
     tmp = dest + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
-    if prepare is not None:
-        prepare(tmp)
+    if reevaluate:
+        subprocess.run([sys.executable, os.path.join(identity.REPO, "evaluate.py"),
+                        os.path.join(tmp, "best.pt"),
+                        f"--out={os.path.join(tmp, 'metrics.json')}", "--overwrite"],
+                       check=True, stdout=subprocess.DEVNULL,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
     record = read_json(os.path.join(tmp, "run.json"))
     save_json({**record, "reused_from": source}, os.path.join(tmp, "run.json"))
     shutil.rmtree(dest, ignore_errors=True)
@@ -199,39 +190,30 @@ def copy_run(source, dest, prepare=None):
     os.rename(tmp, dest)
 
 
-def reevaluate(directory):
-    """Today's evaluate.py on a copied run's best.pt, so its metrics.json has every metric."""
-    subprocess.run([sys.executable, os.path.join(REPO, "evaluate.py"),
-                    os.path.join(directory, "best.pt"),
-                    f"--out={os.path.join(directory, 'metrics.json')}", "--overwrite"],
-                   check=True, stdout=subprocess.DEVNULL,
-                   env=dict(os.environ, OMP_NUM_THREADS="1"))
-
-
 def evaluated_today(directory):
-    """Whether an archived run's metrics.json has what today's evaluate.py
-    writes: an older one, its checkpoint gone, is trained again."""
+    """Whether a run's metrics.json has what today's evaluate.py writes."""
     metrics = read_json(os.path.join(directory, "metrics.json"))
     return all(key in metrics for key in ("geometry", "flops"))
 
 
 def reuse_identical(grid, todo, root, archive, overrides):
     """Copy rather than train a run another grid already made (the same
-    commands): from root, re-evaluated with today's evaluate.py, or, in a
-    fresh checkout, its archived files. Returns the pairs reused."""
+    commands): from root, re-evaluated, or, in a fresh checkout, its
+    archived files if evaluated_today (an older one, its checkpoint gone,
+    is trained again). Returns the pairs reused."""
     with_checkpoints = finished_runs(root, ("best.pt", "metrics.json"))
     archived = finished_runs(archive, ("metrics.json",))
     reused = []
     for method, seed, config, args, out in todo:
         same = run_identity(planned_commands(config, seed, [*args, *overrides]))
         source = with_checkpoints.get(same)
+        old = archived.get(same)
         dest = run_dir(archive, grid, method, seed)
         if (source is not None and os.path.abspath(source) != os.path.abspath(out)
                 and not has_metrics(out)):
-            copy_run(source, out, prepare=reevaluate)
-        elif (archived.get(same) is not None and not has_metrics(dest)
-                and evaluated_today(archived[same])):
-            copy_run(archived[same], dest)
+            copy_run(source, out, reevaluate=True)
+        elif old is not None and not has_metrics(dest) and evaluated_today(old):
+            copy_run(old, dest)
         else:
             continue
         reused.append((method, seed))
@@ -255,11 +237,7 @@ def run_flops(out_dir):
 def bf16_matrix_units():
     """Whether the CPU has bf16 units (AMX, AVX512-BF16): on AVX2 bf16
     runs ~100x slower than fp32."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
+    flags = identity.cpuinfo()
     return "amx_bf16" in flags or "avx512_bf16" in flags
 
 
@@ -277,11 +255,11 @@ def runs_device(overrides):
 
 
 def machine_peak():
-    """The all-core 2048^2 matmul peak, fp32 or (where faster) bf16."""
+    """The all-core 2048^2 matmul peak, fp32 or (where faster) bf16, the
+    best of 20 (docs/runs.md#the-wall-time-of-a-call)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
-        # best of 20 (~2 s): on a shared machine a best of 3 was seen 35 % below the idle peak
         peak = {"float32": measure_matmul_flops("cpu", torch.float32, repeats=20)}
         if bf16_matrix_units():
             peak["bfloat16"] = measure_matmul_flops("cpu", torch.bfloat16, repeats=20)
@@ -312,8 +290,7 @@ def archive_embedding(out_dir, dest):
     target = os.path.join(dest, "embedding.npz")
     if os.path.exists(target) or not os.path.exists(source):
         return
-    # an FSDP run's best.pt: read back from its shards
-    checkpoint = checkpoints.load_with_weights(source)
+    checkpoint = load_with_weights(source)  # an FSDP run's too, from its shards
     wte = checkpoint["model"]["wte.weight"].float().numpy()
     itos = checkpoint["meta"].get("itos")
     if itos is None or wte.size > 2 ** 16:
@@ -338,6 +315,11 @@ def sync_archive(grid, root, archive):
     return done
 
 
+def chosen_runs(grid, folder, only):
+    """runs_of, only the (method, seed) pairs in only (None: all)."""
+    return [r for r in runs_of(grid, folder) if only is None or (r[0], r[1]) in only]
+
+
 class UnlikeRuns(UsageError):
     """A grid's finished run trained with other keys than this call's: refused, one line."""
 
@@ -347,9 +329,7 @@ def check_like(grid, folder, overrides, only=None):
     trained with other keys than its config with these overrides gives,
     or has no run.json and is not in grids.UNRECORDED_RUNS."""
     cpu_of_grid = identity.grid_cpu(folder, grid)
-    for method, seed, config, args, directory in runs_of(grid, folder):
-        if only is not None and (method, seed) not in only:
-            continue
+    for method, seed, config, args, directory in chosen_runs(grid, folder, only):
         planned = identity.training_keys(planned_commands(config, seed, [*args, *overrides]))
         if not has_metrics(directory):  # a stopped run goes on from its checkpoint's config
             difference = stopped_difference(directory, planned)
@@ -376,8 +356,7 @@ def stopped_difference(out_dir, planned):
         directory = stage_dir(out_dir, stage, len(planned))
         path = os.path.join(directory, "ckpt.json")
         if os.path.exists(path) and not has_metrics(directory):
-            config = read_json(path)["config"]
-            trained = {k: v for k, v in config.items() if k not in identity.NOT_TRAINING}
+            trained = identity.training(read_json(path)["config"])
             return identity.first_difference([trained], [keys])
     return None
 
@@ -394,12 +373,11 @@ def check_pooled_call(grid, archive, only=None):
     if grid in POOLABLE:
         return
     here = (identity.current_code(), identity.cpu_name())
-    runs = list(runs_of(grid, archive))
     cpu_of_grid = identity.grid_cpu(archive, grid)
     machines = {(m, s): identity.machine(identity.of_run(d, cpu_of_grid))
-                for m, s, *_, d in runs if has_metrics(d)}  # the archived runs'
-    for method, seed, *_ in runs:
-        if (method, seed) in machines or (only is not None and (method, seed) not in only):
+                for m, s, *_, d in runs_of(grid, archive) if has_metrics(d)}  # the archived runs'
+    for method, seed, *_ in chosen_runs(grid, archive, only):
+        if (method, seed) in machines:
             continue
         for (other, other_seed), there in machines.items():
             if other_seed == seed and not identity.pools(here, there):
@@ -415,7 +393,7 @@ def check_pooled_call(grid, archive, only=None):
 def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
     """Train the grid's unfinished runs (only: the (method, seed) pairs
     to train), archiving each as it finishes; returns the wall time."""
-    chosen = [r for r in runs_of(grid, root) if only is None or (r[0], r[1]) in only]
+    chosen = chosen_runs(grid, root, only)
     done = sync_archive(grid, root, archive)
     todo = [r for r in chosen if (r[0], r[1]) not in done]
     reused = reuse_identical(grid, todo, root, archive, overrides)
@@ -443,8 +421,7 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
     def save():
         record.update(wall_s=time.time() - t0, runs=len(record["archived"]), flops=flops)
         record_call(wall_path, record)
-    # written now, then each minute and at each finished run, so a call killed without
-    # warning (SIGKILL, a machine's end) still counts all but its last minute
+    # written now, each minute and at each finished run: a killed call keeps its time
     record_call(wall_path, record)
     pool = ThreadPoolExecutor(workers)
     try:
@@ -472,8 +449,7 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
               "running one(s) go on from their last checkpoint in the next call",
               file=sys.stderr)
         raise
-    finally:  # every call's wall time counts, an interrupted one too (the steps since a
-        # run's last checkpoint are lost; those runs' FLOPs count when they finish)
+    finally:  # an interrupted call's wall time counts too
         pool.shutdown(wait=True)
         _stopping.clear()
         save()

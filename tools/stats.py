@@ -1,6 +1,8 @@
 """
-Paired statistics for the comparison grids: is a method's effect bigger than seed noise?
-No scipy: the t distribution comes from the regularized incomplete beta function.
+The grids' tests: the paired t-test with Holm's correction for the papers'
+claims, exact tests for rates and paired yes/no outcomes. No scipy: the t
+distribution comes from the regularized incomplete beta function.
+The tests, their rules and why exact: docs/statistics.md.
 """
 
 import math
@@ -11,9 +13,9 @@ def _nonzero(x):
 
 
 def _beta_continued_fraction(a, b, x):
-    """The continued fraction of I_x(a, b) (valid, and fast, for x < (a + 1) / (a + b + 2)),
-    by the modified Lentz method: x^a (1-x)^b / (a B(a,b)) times
-    1 / (1 + d1 / (1 + d2 / (1 + ...))), where
+    """The continued fraction of I_x(a, b) (valid, and fast, for
+    x < (a + 1) / (a + b + 2)), by the modified Lentz method:
+    x^a (1-x)^b / (a B(a,b)) times 1 / (1 + d1 / (1 + d2 / (1 + ...))), where
     d_{2m} = m(b-m)x / ((a+2m-1)(a+2m)),
     d_{2m+1} = -(a+m)(a+b+m)x / ((a+2m)(a+2m+1))."""
     c = 1.0
@@ -81,16 +83,15 @@ def t_quantile(q, df):
 
 
 def paired(differences):
-    """Paired t statistics of per-seed differences d_s = method_s - baseline_s (a seed
-    fixes the init and the data order of both):
+    """Paired t statistics of per-seed differences d_s = method_s - baseline_s:
 
         mean = sum(d) / n,   sd = sample std (n - 1),   se = sd / sqrt(n)
-        95 % CI = mean -+ t_{0.975, n-1} * se      (Student's t, n - 1 degrees of freedom)
-        p = two-sided p-value of the paired t-test, t = mean / se
+        95 % CI = mean -+ t_{0.975, n-1} * se
+        p = two-sided p of the paired t-test, t = mean / se
 
-    Returns n, mean, sd, low, high, p and how many seeds go up / down. With one seed sd,
-    low, high and p are None; with zero spread low = high = mean and p is 0 (1 when the
-    mean is 0)."""
+    Returns n, mean, sd, low, high, p and how many seeds go up / down. With
+    one seed sd, low, high and p are None; with zero spread low = high =
+    mean and p is 0 (1 when the mean is 0)."""
     d = [float(x) for x in differences]
     n = len(d)
     if n == 0:
@@ -111,9 +112,9 @@ def paired(differences):
 
 
 def clopper_pearson(k, n):
-    """Exact (Clopper-Pearson) 95 % interval of a rate seen k times in n trials: the 0.025
-    quantile of Beta(k, n - k + 1) and the 0.975 one of Beta(k + 1, n - k), 0 and 1 at the
-    edges. Unlike a normal approximation it never undercovers, even at k = 0 or k = n."""
+    """Exact (Clopper-Pearson) 95 % interval of a rate seen k times in n
+    trials: the 0.025 quantile of Beta(k, n - k + 1) and the 0.975 one of
+    Beta(k + 1, n - k), 0 and 1 at the edges."""
     if not 0 <= k <= n or n == 0:
         raise ValueError(f"clopper_pearson: need 0 <= k <= n and n > 0, got k={k}, n={n}")
 
@@ -124,10 +125,20 @@ def clopper_pearson(k, n):
     return low, high
 
 
+def rate_interval(k, n):
+    """'0.10 [0.02, 0.27]': the rate k / n and its clopper_pearson interval."""
+    low, high = clopper_pearson(k, n)
+    return f"{k / n:.2f} [{low:.2f}, {high:.2f}]"
+
+
+def rate_cell(k, n):
+    return f"{k} of {n}: {rate_interval(k, n)}"
+
+
 def holm(p_values):
-    """Holm's step-down correction, which controls the family-wise error rate of a grid's
-    claims: sort the m p-values, multiply the i-th smallest by (m - i + 1), make the
-    sequence non-decreasing. In the input's order; None stays None and is not counted."""
+    """Holm's step-down correction: sort the m p-values, multiply the i-th
+    smallest by (m - i + 1), make the sequence non-decreasing. In the
+    input's order; None stays None and is not counted."""
     indexed = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
     adjusted = [None] * len(p_values)
     running = 0.0
@@ -143,10 +154,10 @@ NOT_SHOWN = "not shown"
 
 
 def verdict(mean, p_adjusted, direction, alpha=0.05):
-    """The rule behind every claims table. direction: +1 if the paper says the method raises
-    the metric, -1 if it lowers it. Reproduces: Holm-adjusted p < alpha and the paired mean
-    goes the paper's way; contradicted: adjusted p < alpha and it goes the other way;
-    otherwise (too few seeds, too much spread, or no effect) not shown."""
+    """The claims tables' rule. direction: +1 if the paper says the method
+    raises the metric, -1 if it lowers it. Reproduces: Holm-adjusted
+    p < alpha and the paired mean goes the paper's way; contradicted:
+    adjusted p < alpha and it goes the other way; else not shown."""
     if direction not in (1, -1):
         raise ValueError(f"verdict: direction must be +1 or -1, got {direction}")
     if p_adjusted is None or p_adjusted >= alpha or mean == 0:
@@ -154,10 +165,35 @@ def verdict(mean, p_adjusted, direction, alpha=0.05):
     return REPRODUCES if (mean > 0) == (direction > 0) else CONTRADICTED
 
 
+def fisher_exact(k1, n1, k2, n2):
+    """Two-sided p of Fisher's exact test that k1 of n1 and k2 of n2 come
+    from one rate: the sum, over the tables with the same margins, of the
+    hypergeometric probabilities not above the observed table's (with a
+    relative tolerance of 1e-7 for ties)."""
+    total = n1 + n2
+    k = k1 + k2
+
+    def probability(a):  # a of the k successes in the first group
+        return math.comb(n1, a) * math.comb(n2, k - a) / math.comb(total, k)
+    observed = probability(k1)
+    return min(1.0, sum(p for a in range(max(0, k - n2), min(k, n1) + 1)
+                        if (p := probability(a)) <= observed * (1 + 1e-7)))
+
+
+def fisher_verdict(k1, n1, k2, n2, words):
+    """(fisher_exact's p, words[0] if p < 0.05 and k1 / n1 is the higher
+    rate, words[1] if it is the lower, words[2] if p >= 0.05)."""
+    p = fisher_exact(k1, n1, k2, n2)
+    if p >= 0.05:
+        return p, words[2]
+    return p, words[0] if k1 / n1 > k2 / n2 else words[1]
+
+
 def exact_paired_p(b, c):
-    """Two-sided exact McNemar test: b pairs where only the first arm says yes, c where
-    only the second does. p is the Binomial(b + c, 1/2) probability of a split at least as
-    uneven as min(b, c), both tails, at most 1."""
+    """Two-sided exact McNemar test: b pairs where only the first arm says
+    yes, c where only the second does. p is the Binomial(b + c, 1/2)
+    probability of a split at least as uneven as min(b, c), both tails, at
+    most 1."""
     n = b + c
     if n == 0:
         return 1.0
@@ -165,8 +201,9 @@ def exact_paired_p(b, c):
 
 
 def paired_power(n, p_first, p_second, alpha=0.05):
-    """P(exact_paired_p < alpha with the first arm ahead) over n pairs whose arms say yes
-    independently with probabilities p_first and p_second (exact, over every (b, c))."""
+    """P(exact_paired_p < alpha with the first arm ahead) over n pairs whose
+    arms say yes independently with probabilities p_first and p_second
+    (exact, over every (b, c))."""
     only_first = p_first * (1 - p_second)
     only_second = p_second * (1 - p_first)
     agree = 1 - only_first - only_second

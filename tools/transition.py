@@ -1,23 +1,25 @@
 """
 The Stop Jostling transition, from the jostling grid's archived runs: how often CE and margin 0.6
 make it, whether the initialisation or the data order decides it (the grid's factorial), and what
-the LR rows do while it happens (twin_cos). tools/report.py puts these sections at the top of
-results/jostling.md and writes transition.json (every run's values) beside the archived runs.
+the LR rows do meanwhile (twin_cos). tools/report.py puts these sections into results/jostling.md
+and writes transition.json (every run's values) beside the runs. The analysis: docs/statistics.md.
 """
 
 import math
 import os
 
-from tools import figures, stats
+from tools import figures
+from tools.claims import val_curve
 from tools.grids import (CROSSING_SEEDS, NON_CROSSING_SEEDS, PAPER_SE_LR_ACCURACY,
                          TRANSITION_LR_ACCURACY)
-from utils import read_log
+from tools.stats import fisher_exact, fisher_verdict, rate_cell, rate_interval
+from utils import markdown_table
 
 RATE_METHODS = ("baseline", "margin 0.6")   # CE and thresholding, 30 seeds each
 FACTORIAL_METHOD = "margin 0.6"             # the factorial's runs with data order = initialisation
 EARLY_STEPS = (0, 250, 500, 1000, 1500, 2000)  # the early readings tried as predictors
 POWER_RATE = 0.10
-THRESHOLDS = (0.38, 0.39, 0.40, 0.41, 0.42, 0.43, 0.44, 0.45)
+THRESHOLDS = (0.38, 0.39, 0.40, 0.41, 0.42, 0.43, 0.44, 0.45)  # the sweep beside the stated one
 DEPARTURE_NATS = 0.1
 OTHER_ORDER = ", data order of "  # the factorial's methods: f"{FACTORIAL_METHOD}{OTHER_ORDER}{seed}"
 RAISES = ("thresholding raises the rate", "thresholding lowers the rate", "no difference shown")
@@ -27,36 +29,9 @@ def crosses(metrics, threshold=TRANSITION_LR_ACCURACY):
     return metrics["low"]["accuracy"] >= threshold
 
 
-def fisher_exact(k1, n1, k2, n2):
-    """Two-sided p of Fisher's exact test that k1 of n1 and k2 of n2 come from one rate: the sum,
-    over the tables with the same margins, of the hypergeometric probabilities not above the
-    observed table's (with a relative tolerance of 1e-7 for ties)."""
-    total = n1 + n2
-    k = k1 + k2
-
-    def probability(a):  # a of the k successes in the first group
-        return math.comb(n1, a) * math.comb(n2, k - a) / math.comb(total, k)
-    observed = probability(k1)
-    return min(1.0, sum(p for a in range(max(0, k - n2), min(k, n1) + 1)
-                        if (p := probability(a)) <= observed * (1 + 1e-7)))
-
-
-def fisher_verdict(k1, n1, k2, n2, words):
-    """(Fisher's exact p, words[0] if p < 0.05 and k1 / n1 is the higher rate, words[1] if it is
-    the lower, words[2] if p >= 0.05)."""
-    p = fisher_exact(k1, n1, k2, n2)
-    if p >= 0.05:
-        return p, words[2]
-    return p, words[0] if k1 / n1 > k2 / n2 else words[1]
-
-
-def rate_interval(k, n):
-    low, high = stats.clopper_pearson(k, n)
-    return f"{k / n:.2f} [{low:.2f}, {high:.2f}]"
-
-
-def rate_cell(k, n):
-    return f"{k} of {n}: {rate_interval(k, n)}"
+def count(runs, threshold):
+    """(k, n): how many of the runs {key: metrics} cross the threshold, of how many."""
+    return sum(crosses(m, threshold) for m in runs.values()), len(runs)
 
 
 def factorial_runs(g):
@@ -85,8 +60,7 @@ def twin_curves(g):
     curves = {}
     for method, per_seed in g.runs.items():
         for seed, run in per_seed.items():
-            log = read_log(os.path.join(run["dir"], "log.jsonl"))
-            points = [(r["iter"], r["twin_cos"]) for r in log if "twin_cos" in r]
+            points = val_curve(run["dir"], "twin_cos")
             if points:
                 curves.setdefault(method, {})[seed] = tuple(map(list, zip(*points)))
     return curves
@@ -101,20 +75,25 @@ def parting_step(curve, others):
     return next((steps[i] for i in range(len(steps)) if all(above[i:])), None)
 
 
+def tally(calls):
+    """(hits, crossing runs, false alarms, other runs) of [(called, crossed)]."""
+    crossing = [called for called, crossed in calls if crossed]
+    other = [called for called, crossed in calls if not crossed]
+    return sum(crossing), len(crossing), sum(other), len(other)
+
+
 def leave_one_out(readings):
-    """readings: [(value, crossed)]. Each run is called a crossing when its value is above the
-    midpoint of the other runs' mean over crossing runs and mean over the rest (never when the
-    others hold no crossing run). Returns (hits, crossing runs, false alarms, other runs)."""
-    hits = false_alarms = 0
+    """tally of readings [(value, crossed)], each run called a crossing when its value is above
+    the midpoint of the other runs' crossing and non-crossing means (never when the others
+    lack either)."""
+    calls = []
     for i, (value, is_crossing) in enumerate(readings):
         others = readings[:i] + readings[i + 1:]
         yes = [v for v, c in others if c]
         no = [v for v, c in others if not c]
         called = bool(yes and no) and value > (sum(yes) / len(yes) + sum(no) / len(no)) / 2
-        hits += called and is_crossing
-        false_alarms += called and not is_crossing
-    crossing = sum(c for _, c in readings)
-    return hits, crossing, false_alarms, len(readings) - crossing
+        calls.append((called, is_crossing))
+    return tally(calls)
 
 
 def findings(g):
@@ -123,21 +102,22 @@ def findings(g):
              "A run makes the transition when its LR accuracy (best checkpoint) reaches "
              f"{TRANSITION_LR_ACCURACY}. Rates: k of n seeds, with the exact (Clopper-Pearson) 95 % "
              "interval; two rates are compared with Fisher's exact test (two-sided). Produced by "
-             "`python -m tools.compare jostling` (tools/transition.py).", "",
-             "| method | seeds | makes it: k of n, rate [95 % CI] | seeds that make it |",
-             "|---|---|---|---|"]
+             "`python -m tools.compare jostling` (tools/transition.py).", ""]
     record = {"threshold": TRANSITION_LR_ACCURACY, "runs": []}
     rates = {}
+    rows = []
     for method in RATE_METHODS:
         per_seed = g.results.get(method, {})
         made = sorted(seed for seed, m in per_seed.items() if crosses(m))
         if per_seed:
             rates[method] = (len(made), len(per_seed))
-            lines.append(f"| {method} | {len(per_seed)} | {rate_cell(*rates[method])} | "
-                         f"{', '.join(map(str, made)) or '—'} |")
+            rows.append((method, len(per_seed), rate_cell(*rates[method]),
+                         ", ".join(map(str, made)) or "—"))
         record["runs"] += [{"method": method, "seed": seed, "data_seed": seed,
                             "lr_accuracy": m["low"]["accuracy"], "crossed": crosses(m)}
                            for seed, m in sorted(per_seed.items())]
+    lines += markdown_table(("method", "seeds", "makes it: k of n, rate [95 % CI]",
+                             "seeds that make it"), rows)
     if len(rates) == 2:
         (k1, n1), (k2, n2) = rates[RATE_METHODS[1]], rates[RATE_METHODS[0]]
         p, word = fisher_verdict(k1, n1, k2, n2, RAISES)
@@ -158,25 +138,24 @@ def factorial_lines(runs):
     """The factorial's table (initialisation x data order), its rule, the count per init."""
     def kind(seed):
         return "C" if seed in CROSSING_SEEDS else "N"
-    cells = {(a, b): [0, 0] for a in "CN" for b in "CN"}
-    members = {key: [] for key in cells}
+    members = {(a, b): [] for a in "CN" for b in "CN"}
     for init, data, acc, is_crossing in runs:
-        cells[kind(init), kind(data)][0] += is_crossing
-        cells[kind(init), kind(data)][1] += 1
-        members[kind(init), kind(data)].append(f"{init}/{data}: {acc:.3f}")
-    p, verdict = factorial_verdict({key: tuple(v) for key, v in cells.items()})
+        members[kind(init), kind(data)].append((f"{init}/{data}: {acc:.3f}", is_crossing))
+    cells = {key: (sum(c for _, c in m), len(m)) for key, m in members.items()}
+    p, verdict = factorial_verdict(cells)
     names = {"C": f"a crossing seed ({', '.join(map(str, CROSSING_SEEDS))})",
              "N": f"a non-crossing seed ({', '.join(map(str, NON_CROSSING_SEEDS))})"}
     lines = ["", "### Initialisation or data order?", "",
              "Margin 0.6 with `seed` (the initialisation) and `data_seed` (the order of the training "
              "windows) taken from different seeds. Rule: the runs initialised from a crossing seed "
              "with a non-crossing seed's data order against the reverse, by Fisher's exact test; "
-             "p < 0.05 names the factor that decides.", "",
-             "| initialisation from | data order from | makes it: k of n, rate [95 % CI] | runs "
-             "(init/data: LR accuracy) |", "|---|---|---|---|"]
-    for (a, b), (k, n) in cells.items():
-        lines.append(f"| {names[a]} | {names[b]} | {rate_cell(k, n) if n else '—'} | "
-                     f"{', '.join(members[a, b]) or '—'} |")
+             "p < 0.05 names the factor that decides.", ""]
+    lines += markdown_table(
+        ("initialisation from", "data order from", "makes it: k of n, rate [95 % CI]",
+         "runs (init/data: LR accuracy)"),
+        [(names[a], names[b], rate_cell(k, n) if n else "—",
+          ", ".join(text for text, _ in members[a, b]) or "—")
+         for (a, b), (k, n) in cells.items()])
     lines += ["", f"Counted in runs, as the rule does: {verdict}"
               + (f" (Fisher's exact p = {p:.3g})." if p is not None else ".")
               + " Runs that share an initialisation are not independent: the count that is the sample "
@@ -214,13 +193,14 @@ def curve_lines(g):
                   f"twin_cos at that step). The crossing runs come from {len(inits)} initialisation(s) "
                   f"({', '.join(map(str, inits))}), and runs that share one are not independent calls: "
                   "the rates below hold for these runs; the registered T3 below tests the step-1000 "
-                  "reading on new seeds.", "", "| step | hits | false alarms |", "|---|---|---|"]
+                  "reading on new seeds.", ""]
+    rows = []
     for step in EARLY_STEPS:
         readings = [(values[steps.index(step)], is_crossing)
                     for (steps, values), is_crossing in thresholded.values() if step in steps]
         hits, n_yes, alarms, n_no = leave_one_out(readings)
-        lines.append(f"| {step} | {hits} of {n_yes} | {alarms} of {n_no} |")
-    return lines
+        rows.append((step, f"{hits} of {n_yes}", f"{alarms} of {n_no}"))
+    return lines + markdown_table(("step", "hits", "false alarms"), rows)
 
 
 def run_label(method, seed):
@@ -240,15 +220,13 @@ def seeds_for_power(rate=POWER_RATE, power=0.8):
 
 def threshold_lines(g):
     """How the rates and Fisher's p move with the threshold (the one stated is a choice)."""
-    lines = ["", f"The threshold {TRANSITION_LR_ACCURACY} is a choice; the same counts at others:", "",
-             "| LR accuracy threshold | " + " | ".join(RATE_METHODS) + " | Fisher's exact p |",
-             "|---|---|---|---|"]
+    rows = []
     for threshold in THRESHOLDS:
-        (k2, n2), (k1, n1) = ((sum(crosses(m, threshold) for m in g.results[method].values()),
-                               len(g.results[method])) for method in RATE_METHODS)
-        lines.append(f"| {threshold:.2f} | {k2} of {n2} | {k1} of {n1} | "
-                     f"{fisher_exact(k1, n1, k2, n2):.3g} |")
-    return lines
+        (k2, n2), (k1, n1) = (count(g.results[method], threshold) for method in RATE_METHODS)
+        rows.append((f"{threshold:.2f}", f"{k2} of {n2}", f"{k1} of {n1}",
+                     f"{fisher_exact(k1, n1, k2, n2):.3g}"))
+    return ["", f"The threshold {TRANSITION_LR_ACCURACY} is a choice; the same counts at others:",
+            "", *markdown_table(("LR accuracy threshold", *RATE_METHODS, "Fisher's exact p"), rows)]
 
 
 def per_initialisation_lines(runs):
@@ -304,10 +282,8 @@ def per_seed_table(g):
              "sorted, best checkpoint (best mixed val loss). The rate's interval is the exact "
              "(Clopper-Pearson) 95 % interval of k in n seeds. When: the first evaluation at which the "
              f"seed's LR val loss is {DEPARTURE_NATS} nats below that of every seed of the method that does "
-             "not make it.", "",
-             "| method | seeds | seeds at or above the threshold | rate [95 % CI] | seeds that make it "
-             "(when) |",
-             "|---|---|---|---|---|"]
+             "not make it.", ""]
+    rows = []
     every_seed = ["", "### Every seed, sorted", "",
                   "LR accuracy and the share of rows whose twin is among their 3 nearest (twin in top-3), "
                   "each sorted on its own.", ""]
@@ -321,12 +297,14 @@ def per_seed_table(g):
         when = departures(g, method, made)
         departed = ", ".join(f"{s} (step {when[s]})" if when[s] is not None
                              else f"{s} (never {DEPARTURE_NATS} nats below)" for s in made)
-        lines.append(f"| {method} | {len(acc)} | {len(made)} of {len(acc)} | "
-                     f"{rate_interval(len(made), len(acc))} | {departed or '—'} |")
+        rows.append((method, len(acc), f"{len(made)} of {len(acc)}",
+                     rate_interval(len(made), len(acc)), departed or "—"))
         every_seed.append(f"- **{method}** ({len(acc)} seeds): LR accuracy "
                           f"{' '.join(f'{a:.3f}' for a in acc)}; twin in top-3 "
                           f"{' '.join(f'{t:.3f}' for t in twins)}")
-    return lines + every_seed
+    header = ("method", "seeds", "seeds at or above the threshold", "rate [95 % CI]",
+              "seeds that make it (when)")
+    return lines + markdown_table(header, rows) + every_seed
 
 
 def departures(g, method, made):
@@ -334,8 +312,7 @@ def departures(g, method, made):
     every seed of the method not in made (None if never, or if every seed is in made)}."""
     curves = {}
     for seed, run in g.runs[method].items():
-        log = read_log(os.path.join(run["dir"], "log.jsonl"))
-        curves[seed] = {r["iter"]: r["val_low"] for r in log if "val_low" in r}
+        curves[seed] = dict(val_curve(run["dir"], "val_low"))
     others = [curves[s] for s in curves if s not in made]
     when = {}
     for seed in made:
