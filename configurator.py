@@ -149,16 +149,13 @@ def parse_config(argv, defaults, rules=None):
 # What each of train.py's keys must be, checked before a run touches
 # anything: `--eval_interval=0` costs one line, not a run.
 TRAIN_RULES = {
-    **dict.fromkeys(("eval_interval", "eval_iters", "log_interval", "block_size",
-                     "gradient_accumulation_steps", "n_layer", "n_head", "n_embd", "n_expert",
-                     "top_k", "lr_decay_iters"), POSITIVE),
+    **dict.fromkeys(("eval_interval", "eval_iters", "log_interval",
+                     "gradient_accumulation_steps", "lr_decay_iters"), POSITIVE),
     **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size",
-                     "vocab_size", "ffn_hidden", "num_threads", "adagc_warmup",
-                     "fsdp_shard_size"), NON_NEGATIVE),
-    **dict.fromkeys(("min_lr", "weight_decay", "grad_clip", "capacity_factor"),
-                    NON_NEGATIVE_NUMBER),
-    **dict.fromkeys(("rope_theta", "init_std", "learning_rate", "adagc_rel"), POSITIVE_NUMBER),
-    **dict.fromkeys(("dropout", "beta1", "beta2", "adagc_beta"), FRACTION),
+                     "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
+    **dict.fromkeys(("min_lr", "weight_decay", "grad_clip"), NON_NEGATIVE_NUMBER),
+    **dict.fromkeys(("learning_rate", "adagc_rel"), POSITIVE_NUMBER),
+    **dict.fromkeys(("beta1", "beta2", "adagc_beta"), FRACTION),
     "batch_size": ("a positive integer or 'auto'", lambda v: v == "auto" or v > 0),
     "low_resource_prob": ("a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1),
     "embedding_weight_decay": ("a finite number (< 0: weight_decay)", is_number),
@@ -166,9 +163,6 @@ TRAIN_RULES = {
         "None or an integer",
         lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)))),
     **dict.fromkeys(("out_dir", "data_dir", "init_from", "wandb_project"), NON_EMPTY),
-    "arch": one_of("gpt2", "llama"),
-    "moe_routing": one_of("capacity", "dropless"),
-    "rope_layout": one_of("half", "interleaved"),
     "lr_schedule": one_of("cosine", "constant"),
     "data_order": one_of("random", "epoch"),
     "grad_clip_mode": one_of("norm", "adagc"),
@@ -179,9 +173,11 @@ TRAIN_RULES = {
 
 
 def train_rules():
-    """TRAIN_RULES and the objective's (objective.ObjectiveConfig)."""
-    from objective import ObjectiveConfig  # imports torch: only if needed
-    return {**TRAIN_RULES, **ObjectiveConfig.rules()}
+    """TRAIN_RULES and the rules of the model's and the objective's keys
+    (model.GPTConfig, objective.ObjectiveConfig)."""
+    from model import GPTConfig  # imports torch: only if needed
+    from objective import ObjectiveConfig
+    return {**TRAIN_RULES, **GPTConfig.rules(), **ObjectiveConfig.rules()}
 
 
 def _importable(module):

@@ -8,6 +8,7 @@ Design notes: docs/runs.md
 
 import argparse
 import math
+from dataclasses import field, fields
 import os
 import sys
 
@@ -102,7 +103,7 @@ def end_on_user_error():
 
 
 # What a setting's value must be, as its error says it: (expected, test),
-# for configurator.TRAIN_RULES and objective.ObjectiveConfig.
+# for configurator.TRAIN_RULES and the keys declared by setting().
 def is_number(v):
     return (isinstance(v, (int, float)) and not isinstance(v, bool)
             and math.isfinite(v))
@@ -127,3 +128,27 @@ def broken_rule(config, rules):
         if key in config and not ok(config[key]):
             return f"key '{key}' must be {expected}, got {config[key]!r}"
     return None
+
+
+def setting(default, rule=None):
+    """A key's default and rule: (what is expected, test) as above, or
+    None (its type, which the config checks). A default of None is
+    allowed besides what the rule allows."""
+    if rule and default is None:
+        expected, ok = rule
+        rule = (f"None or {expected}", lambda v: v is None or ok(v))
+    return field(default=default, metadata={"rule": rule})
+
+
+class Settings:
+    """A dataclass's keys declared by setting(): their rules, checked
+    when one is made (ValueError, as the config words it)."""
+
+    @classmethod
+    def rules(cls):
+        return {f.name: f.metadata["rule"] for f in fields(cls)
+                if f.metadata["rule"]}
+
+    def __post_init__(self):
+        if problem := broken_rule(vars(self), self.rules()):
+            raise ValueError(problem)

@@ -27,32 +27,40 @@ import torch
 import torch.nn as nn
 from torch.nn import functional as F
 
+from errors import (FRACTION, NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE,
+                    POSITIVE_NUMBER, Settings, one_of, setting)
 from moe import MixtureOfExperts
 
 
 @dataclass
-class GPTConfig:
-    vocab_size: int = 130
-    block_size: int = 64
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    dropout: float = 0.0
-    bias: bool = False  # in Linear and LayerNorm (GPT-2: True)
-    tie_weights: bool = True  # the LM head is the token embedding
-    arch: str = "gpt2"  # gpt2 | llama
+class GPTConfig(Settings):
+    """Every key of the model, declared once with its default and rule."""
+    # 0 in train.py: the dataset's; more pads the table (GPT-2: 50304)
+    vocab_size: int = setting(130, NON_NEGATIVE)
+    block_size: int = setting(64, POSITIVE)
+    n_layer: int = setting(4, POSITIVE)
+    n_head: int = setting(4, POSITIVE)
+    n_embd: int = setting(128, POSITIVE)
+    dropout: float = setting(0.0, FRACTION)
+    bias: bool = setting(False)  # in Linear and LayerNorm (GPT-2: True)
+    # the LM head is the token embedding
+    tie_weights: bool = setting(True)
+    arch: str = setting("gpt2", one_of("gpt2", "llama"))
     # llama only
-    ffn_hidden: int = 0  # SwiGLU width; 0: 8/3 n_embd, up to x256
-    n_expert: int = 1  # > 1: a Mixtral mixture-of-experts MLP
-    top_k: int = 2  # experts per token
+    # SwiGLU width; 0: 8/3 n_embd, up to x256
+    ffn_hidden: int = setting(0, NON_NEGATIVE)
+    # > 1: a Mixtral mixture-of-experts MLP
+    n_expert: int = setting(1, POSITIVE)
+    top_k: int = setting(2, POSITIVE)  # experts per token
     # slots: x tokens * top_k / n_expert; 0: no token dropped
-    capacity_factor: float = 0.0
+    capacity_factor: float = setting(0.0, NON_NEGATIVE_NUMBER)
     # capacity: static shapes | dropless: only the routed FLOPs
-    moe_routing: str = "capacity"
-    rope_theta: float = 10000.0
+    moe_routing: str = setting("capacity", one_of("capacity", "dropless"))
+    rope_theta: float = setting(10000.0, POSITIVE_NUMBER)
     # RoPE's pairs: half (i, i + d/2) | interleaved (2i, 2i+1)
-    rope_layout: str = "half"
-    init_std: float = 0.01  # every matrix (LLaMA); gpt2 uses 0.02
+    rope_layout: str = setting("half", one_of("half", "interleaved"))
+    # every matrix (LLaMA); gpt2 uses 0.02
+    init_std: float = setting(0.01, POSITIVE_NUMBER)
 
     @classmethod
     def from_config(cls, config, vocab_size):
@@ -69,14 +77,8 @@ class GPTConfig:
         before = {"rope_layout": "interleaved"} if llama else {}
         return cls(**{**before, **model_config})
 
-    def _check_choice(self, key, allowed):
-        value = getattr(self, key)
-        if value not in allowed:
-            raise ValueError(f"{key} must be {allowed[0]!r} or "
-                             f"{allowed[1]!r}, got {value!r}")
-
     def __post_init__(self):
-        self._check_choice("arch", ("gpt2", "llama"))
+        super().__post_init__()  # each key's rule
         head_size = self.n_embd // self.n_head
         if self.n_embd % self.n_head:
             raise ValueError(f"n_embd ({self.n_embd}) must be divisible by "
@@ -84,15 +86,11 @@ class GPTConfig:
         if self.arch == "llama" and head_size % 2:
             raise ValueError(f"RoPE needs an even head size, "
                              f"got n_embd / n_head = {head_size}")
-        self._check_choice("rope_layout", ("half", "interleaved"))
         top_k_ok = 1 <= self.top_k <= self.n_expert
         if self.n_expert > 1 and not (self.arch == "llama" and top_k_ok):
             raise ValueError(f"n_expert > 1 needs arch='llama' and 1 <= top_k <= "
                              f"n_expert, got arch={self.arch!r}, top_k={self.top_k}, "
                              f"n_expert={self.n_expert}")
-        if not self.capacity_factor >= 0:
-            raise ValueError(f"capacity_factor must be >= 0, got {self.capacity_factor}")
-        self._check_choice("moe_routing", ("capacity", "dropless"))
         if self.moe_routing == "dropless" and self.capacity_factor:
             raise ValueError(f"moe_routing='dropless' has no capacity to set: "
                              f"capacity_factor must be 0, got {self.capacity_factor}")

@@ -4,7 +4,7 @@ model with its objective).
 Design notes: docs/losses.md.
 """
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
@@ -12,23 +12,13 @@ from torch import nn
 
 import losses
 from errors import (NON_NEGATIVE, NON_NEGATIVE_NUMBER, POSITIVE_NUMBER,
-                    broken_rule, one_of)
+                    Settings, one_of, setting)
 # NITP's head is the same C -> hidden -> C block as a LLaMA MLP
 from model import SwiGLU, fill_parameters
 
 
-def setting(default, rule=None):
-    """A key's default and rule: (what is expected, test) as errors.py
-    words it, or None (its type, which the config checks). A default of
-    None is allowed besides what the rule allows."""
-    if rule and default is None:
-        expected, ok = rule
-        rule = (f"None or {expected}", lambda v: v is None or ok(v))
-    return field(default=default, metadata={"rule": rule})
-
-
 @dataclass
-class ObjectiveConfig:
+class ObjectiveConfig(Settings):
     """Every key of the objective, declared once, read by name. A loss
     is on when its <name>_weight is > 0; losses.py has their papers
     and recommended weights."""
@@ -66,14 +56,6 @@ class ObjectiveConfig:
     cwt_tau: float = setting(1.0, POSITIVE_NUMBER)  # 1: the paper's
     # a mixture of experts' router load-balancing loss (Mixtral's)
     moe_aux_weight: float = setting(0.02, NON_NEGATIVE_NUMBER)
-
-    @classmethod
-    def rules(cls):
-        return {f.name: f.metadata["rule"] for f in fields(cls) if f.metadata["rule"]}
-
-    def __post_init__(self):
-        if problem := broken_rule(vars(self), self.rules()):
-            raise ValueError(problem)
 
 
 class Objective(nn.Module):

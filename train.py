@@ -78,8 +78,7 @@ global_batch_size = 0  # sequences per step, all processes; 0: batch x steps
 data_order = "random"
 low_resource = True  # add the low-resource language (Stop Jostling, 4.1)
 low_resource_prob = 0.02  # probability that a window is in that language
-# model: each key's default and comment: model.GPTConfig; vocab_size 0:
-# the dataset's, more pads the table (GPT-2 BPE: 50304)
+# model: each key's default, rule and comment: model.GPTConfig
 globals().update(vars(GPTConfig(vocab_size=0, block_size=block_size)))
 # loss: a weighted sum of losses.py's terms, each on when its <name>_weight
 # > 0; each key's default and rule: objective.ObjectiveConfig

@@ -250,7 +250,7 @@ def test_dropless_outputs_and_gradients_equal_capacity_n_and_the_token_by_token_
 
 
 def test_dropless_routing_is_validated_and_counts_the_routed_flops():
-    with pytest.raises(ValueError, match="moe_routing must be 'capacity' or 'dropless', got 'sorted'"):
+    with pytest.raises(ValueError, match="key 'moe_routing' must be one of capacity, dropless, got 'sorted'"):
         GPTConfig(**{**MOE.__dict__, "moe_routing": "sorted"})
     with pytest.raises(ValueError, match="moe_routing='dropless' has no capacity to set"):
         GPTConfig(**{**MOE.__dict__, "moe_routing": "dropless", "capacity_factor": 1.25})
