@@ -145,6 +145,7 @@ def _miscalibrated_logit_sets():
     return sets
 
 
+@pytest.mark.slow  # 8-10 CPU-seconds on an idle machine, up to 38 under load
 def test_best_temperature_agrees_with_the_archived_grid_within_its_step():
     """Archived char results were scored on the 0.01 grid of T in [0.01, 2.00]; today's t_best is
     the exact minimiser. Where the grid's minimum is inside the grid, the two T differ by less than
