@@ -369,11 +369,12 @@ def dispersion(hidden_states, tau=1.0, variant="angular",
     Needs T >= 2. Cost O(T^2 C) time, O(T^2) memory per layer and
     sequence.
     """
-    for key, value, valid in (("variant", variant, DISPERSION_VARIANTS),
-                              ("form", form, DISPERSION_FORMS)):
-        if value not in valid:
-            raise ValueError(f"unknown dispersion {key} {value!r}; "
-                             f"valid: {', '.join(valid)}")
+    if variant not in DISPERSION_VARIANTS:
+        raise ValueError(f"unknown dispersion variant {variant!r}; "
+                         f"valid: {', '.join(DISPERSION_VARIANTS)}")
+    if form not in DISPERSION_FORMS:
+        raise ValueError(f"unknown dispersion form {form!r}; "
+                         f"valid: {', '.join(DISPERSION_FORMS)}")
     if torch.is_tensor(hidden_states):
         hidden_states = [hidden_states]
     layers = list(hidden_states)
