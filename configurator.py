@@ -71,7 +71,7 @@ def read_config_file(path, _chain=()):
     except SystemExit as e:  # or a run that trained nothing exits 0
         raise ConfigError(f"config file '{path}' called sys.exit({e.code!r}); "
                           "a config file only assigns keys") from None
-    except Exception as e:
+    except (Exception, KeyboardInterrupt) as e:  # a raise is the file's, not a Ctrl-C's
         raise ConfigError(f"config file '{path}' failed to run: {type(e).__name__}: {e}") from None
     own = {key: value for key, value in namespace.items()
            if not key.startswith("_") and not callable(value) and type(value).__name__ != "module"}
@@ -153,8 +153,9 @@ TRAIN_RULES = {
                      "gradient_accumulation_steps", "lr_decay_iters"), POSITIVE),
     **dict.fromkeys(("max_iters", "warmup_iters", "checkpoint_interval", "global_batch_size",
                      "num_threads", "adagc_warmup", "fsdp_shard_size"), NON_NEGATIVE),
-    **dict.fromkeys(("min_lr", "weight_decay", "grad_clip"), NON_NEGATIVE_NUMBER),
-    **dict.fromkeys(("learning_rate", "adagc_rel"), POSITIVE_NUMBER),
+    **dict.fromkeys(("min_lr", "weight_decay", "grad_clip", "hang_factor"),
+                    NON_NEGATIVE_NUMBER),
+    **dict.fromkeys(("learning_rate", "adagc_rel", "collective_timeout"), POSITIVE_NUMBER),
     **dict.fromkeys(("beta1", "beta2", "adagc_beta"), FRACTION),
     "batch_size": ("a positive integer or 'auto'", lambda v: v == "auto" or v > 0),
     "low_resource_prob": ("a number in [0, 1]", lambda v: is_number(v) and 0 <= v <= 1),

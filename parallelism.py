@@ -5,10 +5,12 @@ the collectives train.py needs. Design notes: docs/parallelism.md.
 """
 
 import contextlib
+import datetime
 import functools
 import gc
 import math
 import os
+import socket
 
 import torch
 import torch.distributed as dist
@@ -19,10 +21,12 @@ from model import fill_parameters
 from utils import launched
 
 
-def init_distributed(device_type):
-    """Join torchrun's process group (nccl on CUDA, gloo on CPU);
-    returns (rank, local_rank, world_size). Without torchrun: a group of
-    one, so that `--parallel=fsdp` runs the same code."""
+def init_distributed(device_type, timeout_s=None):
+    """Join torchrun's process group (nccl on CUDA, gloo on CPU), whose
+    collectives give up after timeout_s (None: torch's 30 minutes);
+    returns (rank, local_rank, world_size). Without torchrun: a group
+    of one, so that `--parallel=fsdp` runs the same code."""
+    global _host_group
     backend = "nccl" if device_type == "cuda" else "gloo"
     if "WORLD_SIZE" not in os.environ:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0,
@@ -37,8 +41,27 @@ def init_distributed(device_type):
             f"{', '.join(missing)} not: start the processes with torchrun "
             f"(torchrun --nproc_per_node=N train.py ...), which sets them "
             f"all")
-    dist.init_process_group(backend)
+    check_rendezvous_address(os.environ["MASTER_ADDR"],
+                             os.environ["MASTER_PORT"])
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    dist.init_process_group(backend, timeout=timeout)
+    if backend != "gloo":  # the stop vote: on the host, no device sync
+        _host_group = dist.new_group(backend="gloo", timeout=timeout)
     return dist.get_rank(), launched("LOCAL_RANK", 0), dist.get_world_size()
+
+
+def check_rendezvous_address(host, port):
+    """One line for a MASTER_ADDR or MASTER_PORT set by hand to nonsense;
+    torch would retry the connection until its timeout."""
+    if not (port.isdigit() and 0 < int(port) < 65536):
+        raise UsageError(f"environment variable MASTER_PORT must be a port "
+                         f"number (1-65535; torchrun sets it), got {port!r}")
+    try:
+        socket.getaddrinfo(host, int(port))
+    except OSError as e:
+        raise UsageError(f"environment variable MASTER_ADDR={host!r} is no "
+                         f"address this machine can reach ({e.strerror}); "
+                         f"torchrun sets it") from None
 
 
 def apply_activation_checkpointing(model):
@@ -341,13 +364,7 @@ def mean_over_processes(values):
     return sum_over_processes(values) / world_size()
 
 
-@functools.cache
-def _host_group():
-    """A gloo group beside NCCL's, for votes on host values (None where
-    the default group is gloo)."""
-    if dist.get_backend() == "gloo":
-        return None
-    return dist.new_group(backend="gloo")
+_host_group = None  # a gloo group beside NCCL's, for votes on host values
 
 
 def max_over_processes(number):
@@ -357,7 +374,7 @@ def max_over_processes(number):
     if world_size() == 1:
         return int(number)
     vote = torch.tensor([int(number)])
-    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_host_group())
+    dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=_host_group)
     return int(vote.item())
 
 

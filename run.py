@@ -368,6 +368,7 @@ RESUME_MAY_CHANGE = (
     "checkpoint_interval", "log_interval", "final_eval", "dry_run",
     "check_memory", "device", "num_threads", "compile", "parallel",
     "activation_checkpointing", "fsdp_keep_gathered", "fsdp_shard_size",
+    "collective_timeout", "hang_factor",
     "wandb_log", "wandb_project", "wandb_run_name", "batch_size",
     "gradient_accumulation_steps", "global_batch_size", "ce_chunk_size")
 

@@ -37,6 +37,7 @@ from configurator import (ConfigError, check_train_config, parse_config,
 from data import (EpochWindows, load_tokens, read_meta, read_windows,
                   sample_windows)
 from errors import end_on_user_error
+from hang import Watchdog
 from model import GPT, GPTConfig, initial_weights
 from objective import Objective, ObjectiveConfig, Trained
 from optim import (AdaGC, apply_gradients, configure_optimizers,
@@ -107,6 +108,8 @@ parallel = "none"  # none | ddp | fsdp (FSDP2), under torchrun
 activation_checkpointing = False  # recompute in backward: ~1/3 more compute
 fsdp_keep_gathered = False  # gather each block once per step (more memory)
 fsdp_shard_size = 0  # fsdp: 0 shards over all; k within groups of k (HSDP)
+collective_timeout = 600.0  # s a rank may wait for the others; then exit 75
+hang_factor = 20.0  # a step this many median steps long: exit 75 (0: off)
 check_memory = True  # refuse a run the plan says the device cannot fit
 compile = "auto"  # torch.compile each block; auto: on CUDA | True | False
 dry_run = False  # print the run's plan (plan.py) and exit
@@ -153,12 +156,15 @@ train_data, val_data = (
 shift = base_vocab if low_resource else 0  # the low-resource language's ids
 rank = 0
 if parallel != "none":
+    # the watchdog (below) ends a rank before a collective times out
     rank, local_rank, world_size = parallelism.init_distributed(
-        "cuda" if "cuda" in device else device)
+        "cuda" if "cuda" in device else device, collective_timeout + 60)
     if device == "cuda":
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
 master = rank == 0  # the one process that prints and writes files
+# a rank that stops answering ends the others in minutes (a thread)
+watchdog = Watchdog(collective_timeout, hang_factor, rank, world_size)
 on_cuda = device.startswith("cuda")
 # TF32 on CUDA; a loss that needs full fp32 keeps it
 torch.set_float32_matmul_precision("high" if on_cuda else "highest")
@@ -267,6 +273,14 @@ if master:
                             dtype, tokens_per_iter, flops_per_iter,
                             flops_per_eval, peak, world_size), flush=True)
 
+
+def stop_pending():
+    """Asked before each evaluation batch; each gets the watchdog's
+    limit anew."""
+    watchdog.enter("evaluating", iter_num)
+    return stop.signum and iter_num < max_iters
+
+
 last_eval = None
 stopping = 0  # the signal of a stop every rank agreed on; 0: none
 bar = tqdm(total=max_iters, initial=iter_num, disable=not master,
@@ -287,8 +301,7 @@ while True:
         evaluation = scoring.validation_losses(
             trained.model, trained.objective, val_data, batch_size,
             block_size, eval_iters, shift, low_resource_prob, device,
-            autocast, rank, world_size,
-            lambda: stop.signum and iter_num < max_iters)
+            autocast, rank, world_size, stop_pending)
     best = False
     if evaluation is not None:
         last_eval = evaluation
@@ -300,6 +313,7 @@ while True:
         best_val_loss = min(best_val_loss, last_eval["val"])
 
     # a stop on any rank: the same step and signal on all
+    watchdog.enter("saving", iter_num)
     stopping = parallelism.max_over_processes(stop.signum or 0)
     # save (what a preempted run loses at most: checkpoint_interval steps)
     if (evaluating
@@ -314,6 +328,7 @@ while True:
         break
 
     # step: the global batch is drawn whole, the same on every rank
+    watchdog.enter("training", iter_num)
     starts, is_low = sample_windows(
         len(train_data), block_size,
         gradient_accumulation_steps * world_size * batch_size,
@@ -371,6 +386,7 @@ while True:
         t_window = time.perf_counter()
         window_iters = 0
 bar.close()
+watchdog.stop()
 stopped = stopping and iter_num < max_iters  # at max_iters: complete
 if stopped and master:  # the step is saved: say how to go on
     print(run.stopped_message(stopping, iter_num, out_dir, sys.argv,

@@ -22,31 +22,47 @@ from test_train import train_losses
 LONG = ["--parallel=ddp", "--max_iters=200", "--lr_decay_iters=200", "--eval_interval=100",
         "--log_interval=1"]
 
-SRUN = r"""#!/bin/bash
-# stand-in srun: record the flags and the tasks' environment, run the step once per node
-echo "$*" >> "$STANDIN_LOG"
-echo "env PYTORCH_CUDA_ALLOC_CONF=$PYTORCH_CUDA_ALLOC_CONF" >> "$STANDIN_LOG"
-while [[ $1 == --* ]]; do shift; done
-tasks=()
-for ((node = 0; node < SLURM_NNODES; node++)); do
-    SLURM_NODEID=$node SLURM_PROCID=$node "$@" &
-    tasks+=($!)
-done
-tree() { for child in $(pgrep -P "$1"); do echo "$child"; tree "$child"; done; }
-# slurmstepd under proctrack/cgroup: a signal to the step reaches each of its processes
-trap 'for t in "${tasks[@]}"; do kill -USR1 $t $(tree $t) 2>/dev/null; done' USR1
-highest=0
-for t in "${tasks[@]}"; do
-    wait "$t"
-    status=$?
-    while kill -0 "$t" 2>/dev/null; do
-        wait "$t"
-        status=$?
-    done
-    if [ "$status" -gt "$highest" ]; then highest=$status; fi
-done
-exit "$highest"
-"""
+SRUN = """#!{python}
+# stand-in srun: record the flags and the tasks' environment, run the step once per node;
+# a signal to srun reaches every process of the step (slurmstepd under proctrack/cgroup);
+# with --kill-on-bad-exit=1 a task that fails ends the others (SIGCONT, SIGTERM, SIGKILL)
+import os, signal, subprocess, sys, time
+args = sys.argv[1:]
+with open(os.environ["STANDIN_LOG"], "a") as log:
+    print(" ".join(args), file=log)
+    print("env PYTORCH_CUDA_ALLOC_CONF=" + os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), file=log)
+flags = []
+while args[0].startswith("--"):
+    flags.append(args.pop(0))
+tasks = [subprocess.Popen(args, env=dict(os.environ, SLURM_NODEID=str(n), SLURM_PROCID=str(n)))
+         for n in range(int(os.environ["SLURM_NNODES"]))]
+
+
+def tree(pid):
+    children = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True)
+    return [p for c in children.stdout.split() for p in (int(c), *tree(int(c)))]
+
+
+def signal_step(signum, frame=None):
+    for pid in [p for t in tasks for p in (t.pid, *tree(t.pid))]:
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+
+signal.signal(signal.SIGUSR1, signal_step)
+failed_at = None
+while any(t.poll() is None for t in tasks):
+    if failed_at is None and "--kill-on-bad-exit=1" in flags and any(t.returncode for t in tasks):
+        failed_at = time.time()
+        signal_step(signal.SIGCONT)
+        signal_step(signal.SIGTERM)
+    if failed_at is not None and time.time() - failed_at > 2:
+        signal_step(signal.SIGKILL)
+    time.sleep(0.05)
+sys.exit(max(t.returncode if t.returncode >= 0 else 128 - t.returncode for t in tasks))
+""".replace("{python}", sys.executable)
 
 SCONTROL = r"""#!/bin/bash
 # stand-in scontrol: one host name per node; a requeue is recorded
@@ -67,6 +83,7 @@ def standins(tmp_path):
     # python and torchrun from this interpreter's environment, as a job's module load would give
     path = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), ENV["PATH"]])
     return dict(ENV, PATH=path, STANDIN_LOG=str(tmp_path / "standin.log"), SLURM_JOB_ID="4242",
+                SLURM_SUBMIT_DIR=str(tmp_path),
                 SLURM_NNODES="2", SLURM_JOB_NODELIST="node[01-02]", SLURM_GPUS_ON_NODE="1",
                 SLURM_CPUS_PER_TASK="1", RDZV_PORT=str(free_port()))
 
@@ -105,9 +122,9 @@ def test_the_node_script_binds_cpus_passes_the_warning_on_and_requeues(tmp_path,
     assert result.stdout.rstrip().endswith("--init_from=resume")
     assert seconds < 30, seconds  # torchrun's default grace; a real run adds one step and its save
     standin = (tmp_path / "standin.log").read_text().splitlines()
-    # srun got the CPUs (a step does not inherit them) and the one task per node; the tasks the allocator
-    # setting; the job was requeued once
-    assert standin[0].startswith("--ntasks-per-node=1 --cpus-per-task=1 ")
+    # srun got the CPUs (a step does not inherit them), the one task per node and the order to end
+    # every node's task when one fails; the tasks the allocator setting; the job was requeued once
+    assert standin[0].startswith("--ntasks-per-node=1 --cpus-per-task=1 --kill-on-bad-exit=1 ")
     assert f"--rdzv_endpoint=127.0.0.1:{env['RDZV_PORT']} --rdzv_id=4242" in standin[0]
     assert standin[1] == "env PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
     assert standin[2:] == ["requeue 4242"]
@@ -150,3 +167,59 @@ def test_every_sbatch_option_a_site_needs_is_in_both_scripts():
             assert option in options, (script, option)
     nodes = open(os.path.join(REPO, "slurm", "train_nodes.sbatch")).read()
     assert "NCCL_SOCKET_IFNAME" in nodes and "GLOO_SOCKET_IFNAME" in nodes
+
+
+def worker(out_dir, rank):
+    """The pid of train.py's worker of `rank` writing out_dir (torchrun set RANK in its environment)."""
+    for pid in subprocess.run(["pgrep", "-f", str(out_dir)], capture_output=True, text=True).stdout.split():
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return int(pid)
+    raise AssertionError(f"no worker of rank {rank} writes {out_dir}")
+
+
+def hang_rank_1(job, out_dir, after_step):
+    """SIGSTOP rank 1 once out_dir's log is past after_step; the job's result and its seconds."""
+    wait_for_steps(out_dir, after_step)
+    os.kill(worker(out_dir, 1), signal.SIGSTOP)
+    stopped = time.time()
+    result = finish(job, check=False)
+    return result, time.time() - stopped
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_in_seconds_and_it_is_requeued_until_the_budget(tmp_path, data_dir):
+    """A rank stopped mid-run (SIGSTOP, as a hung GPU or a lost node looks to the others): the other
+    ends within its watchdog's limit with one line, the script requeues the job, and the requeued
+    job resumes from the last checkpoint. A job that hangs MAX_HUNG times in a row is not requeued."""
+    env = standins(tmp_path)
+    out = tmp_path / "run"
+    args = ["config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TINY, *LONG,
+            "--collective_timeout=20", "--checkpoint_interval=10"]
+    result, seconds = hang_rank_1(submit("train_nodes.sbatch", env, *args), out, 40)
+    assert result.returncode != 0, result.stderr[-3000:]  # torchrun's 1, or a killed task's
+    # torchrun puts "[rank0]:" before its workers' lines
+    line = next(x for x in result.stderr.splitlines() if "rank 0: no progress for" in x)
+    line = line[line.index("rank 0: "):]
+    assert "; exiting 75: resume from the last checkpoint" in line
+    assert "behind: rank 1" in line or "no rank is behind" in line
+    hangs = tmp_path / "slurm-4242.hangs"
+    assert line in hangs.read_text().splitlines()
+    # within collective_timeout (a step: 20 median steps, at least 2 s), then 2 s of the stand-in
+    assert seconds < 35, (seconds, line)
+    assert (tmp_path / "standin.log").read_text().count("requeue 4242") == 1
+    # the requeued job: the same command, from the last checkpoint; it hangs again, and with a budget
+    # of two hangs in a row it is not requeued
+    step = json.loads((out / "ckpt.json").read_text())["iter_num"]
+    env.update(RDZV_PORT=str(free_port()), MAX_HUNG="2")
+    result, seconds = hang_rank_1(submit("train_nodes.sbatch", env, *args), out, step + 30)
+    assert f"resumed from {out / 'ckpt.pt'} at iter {step}" in result.stdout
+    assert "hung 2 times in a row" in result.stderr and result.returncode != 0
+    assert (tmp_path / "standin.log").read_text().count("requeue 4242") == 1
+    # resubmitted by hand: it goes on to the end
+    env["RDZV_PORT"] = str(free_port())
+    result = finish(submit("train_nodes.sbatch", env, *args))
+    assert json.loads((out / "ckpt.json").read_text())["iter_num"] == 200

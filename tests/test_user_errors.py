@@ -118,6 +118,16 @@ def test_launched_reads_what_torchrun_sets(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(errors.UsageError, match="WORLD_SIZE=2 is set but MASTER_ADDR, MASTER_PORT not"):
         parallelism.init_distributed("cpu")
+    # set by hand to nonsense: one line, not a connection retried until the timeout
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    for port in ("abc", "0", "70000", " 29500"):
+        monkeypatch.setenv("MASTER_PORT", port)
+        with pytest.raises(errors.UsageError, match=f"MASTER_PORT must be a port number .*got '{port}'"):
+            parallelism.init_distributed("cpu")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    with pytest.raises(errors.UsageError, match="MASTER_ADDR='no-such-host.invalid' is no address"):
+        parallelism.init_distributed("cpu")
 
 
 # 1. a config file that exits or raises ------------------------------------------------------------
@@ -126,7 +136,8 @@ def test_launched_reads_what_torchrun_sets(monkeypatch):
     ("import sys\nsys.exit(0)\n", "called sys.exit(0); a config file only assigns keys"),
     ("raise SystemExit(0)\n", "called sys.exit(0)"),
     ("import sys\nsys.exit('done')\n", "called sys.exit('done')"),
-    ("n_layer = 2\nraise KeyError('x')\n", "failed to run: KeyError: 'x'")])
+    ("n_layer = 2\nraise KeyError('x')\n", "failed to run: KeyError: 'x'"),
+    ("raise KeyboardInterrupt('x')\n", "failed to run: KeyboardInterrupt: x")])
 def test_a_config_that_exits_or_raises_is_a_config_error(tmp_path, data_dir, body, what):  # noqa: F811
     """Once exit 0 having trained nothing (a grid runner counted it done): exit 2, one line naming the
     file, out_dir never made."""
