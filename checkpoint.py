@@ -34,7 +34,7 @@ BEST_DCP = "best_dcp"  # FSDP: the shards of best.pt
 def load(path, device="cpu",
          need=("model_config", "config", "iter_num"), mmap=False):
     """torch.load with weights_only=True, and one clear error for a missing,
-    truncated, empty or foreign file. mmap: only the pages read are loaded."""
+    truncated, empty or foreign file."""
     if not os.path.exists(path):
         raise CheckpointError(f"no checkpoint at {path}")
     if os.path.isdir(path):
@@ -89,10 +89,9 @@ def load_with_weights(path, device="cpu", mmap=False):
 
 
 def load_model(path, device="cpu"):
-    """(model, checkpoint) of a train.py checkpoint (best.pt, ckpt.pt,
-    an FSDP run's too); a CheckpointError names a bad file. Built on the
-    meta device, the model takes the checkpoint's memory-mapped tensors
-    themselves: one copy of the weights."""
+    """(model, checkpoint) of a train.py checkpoint (an FSDP run's too);
+    a CheckpointError names a bad file. Built on the meta device, the
+    model takes the memory-mapped tensors: one copy of the weights."""
     checkpoint = load_with_weights(path, "cpu", mmap=True)
     config = GPTConfig.from_checkpoint(checkpoint["model_config"])
     with torch.device("meta"):
@@ -150,7 +149,7 @@ class TrainingState:
     def load_state_dict(self, state):
         """Set everything back; what older checkpoints lack stays."""
         self.flops_done = dict(state.get("flops_done") or self.flops_done)
-        # RNG states are CPU tensors wherever they were loaded
+        # RNG states must be CPU tensors
         self.data_generator.set_state(state["data_rng"].cpu())
         if self.epoch_windows is not None and state.get("data_position"):
             try:
@@ -220,8 +219,8 @@ RESUME_NEEDS = ("model_config", "config", "iter_num", "data_rng", "torch_rng")
 
 def load_latest(out_dir, device):
     """(checkpoint, path) of the newest readable full checkpoint: ckpt.pt,
-    or ckpt_prev.pt if ckpt.pt or its shards cannot be read (a warning);
-    mends a JSON summary a step behind. Rank 0's."""
+    or ckpt_prev.pt (with a warning); mends a JSON summary a step
+    behind. Rank 0's."""
     paths = [os.path.join(out_dir, name)
              for name in ("ckpt.pt", "ckpt_prev.pt")]
     if not any(os.path.exists(p) for p in paths):
@@ -288,7 +287,7 @@ def check_dataset(checkpoint, data_dir, whole=True):
 
 
 def data_dir_of(checkpoint, path, override=None):
-    """Where the checkpoint's dataset is: --data_dir (override), else the
+    """The checkpoint's dataset: --data_dir (override), else the
     resolved path the run stored, else its data_dir as written."""
     candidates = [override] if override else [
         checkpoint.get("data_dir_resolved"), checkpoint["config"]["data_dir"]]
@@ -352,7 +351,6 @@ class Whole(Checkpoints):
         self.write_agreed(path, state)
 
     def restore(self, checkpoint, path):
-        """Load a full checkpoint's weights and optimizer states."""
         if "dcp" in checkpoint:
             directory = os.path.join(self.out_dir, checkpoint["dcp"])
             raise CheckpointError(
@@ -434,7 +432,7 @@ class Sharded(Checkpoints):
         directory = os.path.join(self.out_dir, checkpoint["dcp"])
         if checkpoint["objective_shapes"] != objective_shapes(self.modules):
             raise CheckpointError(loss_mismatch(path))
-        try:  # DCP gathers every rank's failure: all ranks are here together
+        try:  # DCP gathers every rank's failure
             load_sharded(directory, self.modules, self.optimizers,
                          checkpoint["dcp_optimizers"])
         except shard_errors() as e:

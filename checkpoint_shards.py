@@ -17,7 +17,7 @@ from errors import CheckpointError
 
 def dcp():
     """torch.distributed.checkpoint with its state_dict helpers,
-    imported on first use: a run without FSDP never needs it."""
+    imported on first use."""
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     return torch.distributed.checkpoint
 

@@ -71,12 +71,11 @@ def communication_bytes(model, objective, parallel, processes,
 
 def communication_plan(model, objective, config, processes, micro_steps,
                        compute_s, gpu, link_gbps, timed, kept_gib=None):
-    """The plan's communication keys (plan.make_plan): a step's bytes by
-    collective, their seconds, the step's seconds with compute
-    overlapped, and what would let compute hide them: fewer
-    micro-steps, fewer processes, or (FSDP; kept_gib: its memory per
-    GPU) the weights kept gathered. link_gbps: None, the gpu's
-    (link_of); timed: False, bytes only (processes on a CPU)."""
+    """The plan's communication keys: a step's bytes by collective,
+    their seconds, the step's seconds with compute overlapped, and what
+    would let compute hide them: fewer micro-steps, fewer processes, or
+    (FSDP; kept_gib: its memory per GPU) the weights kept gathered.
+    link_gbps None: the gpu's (link_of); timed False: bytes only."""
     B = config["batch_size"]
     sequences = config["global_batch_size"]
 
@@ -155,8 +154,8 @@ def step_seconds(compute, communication, exposed):
 
 
 def communication_lines(p):
-    """The plan's communication line, and a warning line when
-    communication takes longer than compute."""
+    """The plan's communication line, and a warning when it takes
+    longer than compute."""
     c = p["communication"]
     mode = p["parallel"]
     compute = p["compute_seconds"]

@@ -48,9 +48,9 @@ def gpt2_encoding():
 
 def write_meta(meta, data_dir, bins=()):
     """Write each (split, uint16 ids) of `bins` to {split}.bin, its
-    sha256 into meta as {split}_sha256, then meta.json (UTF-8), each
-    through a temp file. The old meta.json goes first, the new one
-    last: it means the files beside it are complete."""
+    sha256 into meta as {split}_sha256, then meta.json, each through a
+    temp file. The old meta.json goes first, the new one last: it
+    means the files beside it are complete."""
     meta_path = os.path.join(data_dir, "meta.json")
     try:
         if bins and os.path.exists(meta_path):
@@ -127,10 +127,9 @@ def check_readable(path):
 
 def dataset_mismatch(recorded, meta, data_dir, whole=True):
     """Why the dataset in data_dir (meta: its meta.json) is not the one
-    a checkpoint recorded (recorded: the meta it saved), in one line,
-    or None. The tokenizer and vocabulary always count; whole=True
-    (evaluation, resume) also the split sizes and content hashes;
-    whole=False (a new run from a checkpoint) lets the text differ."""
+    a checkpoint recorded (the meta it saved), in one line, or None.
+    The tokenizer and vocabulary always count; whole=True (evaluation,
+    resume) also the split sizes and content hashes."""
     keys = ["tokenizer", "vocab_size", "itos"]
     if whole:
         keys += ["n_train", "n_val", "sha256", "train_sha256",
@@ -259,10 +258,10 @@ def _load_shards(data_dir, split, files, block_size, vocab_size,
 
 def load_tokens(data_dir, split, block_size, vocab_size=None,
                 n_tokens=None):
-    """The split's tokens, read lazily: a uint16 memmap of {split}.bin,
-    or of the per-shard files meta.json indexes (ShardedTokens for
-    more than one), checked: a window of block_size + 1 tokens,
-    n_tokens and vocab_size if given, recorded hashes."""
+    """The split's tokens, read lazily: a uint16 memmap of {split}.bin
+    or of meta.json's per-shard files (ShardedTokens for more than
+    one), checked: a window of block_size + 1 tokens, n_tokens and
+    vocab_size if given, recorded hashes."""
     meta_path = os.path.join(data_dir, "meta.json")
     meta = read_meta(data_dir) if os.path.exists(meta_path) else {}
     files = (meta.get("token_files") or {}).get(split)
@@ -357,7 +356,7 @@ def sample_windows(n_tokens, block_size, n, generator,
     replacement (nanoGPT's) or epoch_windows' next n, and whether each
     is in the simulated low-resource language (independently with
     probability prob_low_resource: Stop Jostling's code, Sec. 4.1)."""
-    import torch  # not at the top: the prepare scripts need no torch
+    import torch
     if epoch_windows is not None:
         starts = epoch_windows.next(n)
     else:

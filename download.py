@@ -37,8 +37,7 @@ def _parse_content_range(value):
 
 
 def _fetch_into(url, part, timeout):
-    """One attempt: bring ``part`` up to the full file. Raises
-    _Retryable or DataError."""
+    """One attempt to bring ``part`` up to the full file."""
     have = os.path.getsize(part) if os.path.exists(part) else 0
     # the file's own bytes, never a server's re-compression of them
     headers = {"Accept-Encoding": "identity"}

@@ -47,7 +47,6 @@ def flops_of_run(checkpoint_path, out):
 
 
 def main(argv=None):
-    """Score a checkpoint and write its metrics."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     arg = parser.add_argument
     arg("checkpoint",

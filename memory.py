@@ -25,13 +25,11 @@ from objective import Objective, Trained
 from utils import available_memory
 
 GiB = 2 ** 30
-# On the CPU a run's resident peak is its tensors' peak plus this
-# fraction of the step's transient tensors: glibc's heap
-# (docs/performance.md)
+# on the CPU, glibc's heap: this fraction of the step's transient
+# tensors on top of their peak (docs/performance.md)
 CPU_HEAP_ALLOWANCE = {"one process": 0.2, "torchrun": 0.8}
 
-# GiB of each GPU as nvidia-smi reports it (the 80 GB A100, the SXM
-# parts), for a plan made for a GPU named
+# GiB of each GPU as nvidia-smi reports it (80 GB A100, SXM parts)
 GPU_MEMORY_GIB = {"H100": 79.6, "H200": 140.4, "H800": 79.6, "A100": 80.0,
                   "A800": 80.0, "L40S": 45.0, "A10G": 22.5, "4090": 24.0}
 # the share of it batch_size='auto' fills (docs/performance.md)
@@ -47,9 +45,8 @@ def meta_model(config, vocab):
 
 
 class PeakTensorBytes(TorchDispatchMode):
-    """Counts the bytes of the tensors the operations run under it
-    create, while they live, and keeps the peak. A storage counts
-    once, however many views of it there are."""
+    """The peak bytes of the tensors created under it, while they
+    live; a storage counts once, however many views it has."""
 
     def __init__(self):
         super().__init__()
@@ -100,8 +97,8 @@ class FlashAttentionOnMeta(TorchFunctionMode):
 
 
 def compute_dtype(config):
-    """The dtype a run's activations are stored in: on a GPU, bf16
-    (dtype 'auto' too), fp16, or float32; float32 elsewhere (an upper
+    """The dtype a run's activations are stored in: on a GPU bf16
+    (also for 'auto'), fp16 or float32; float32 elsewhere (an upper
     bound for a CPU run under bf16)."""
     if not str(config.get("device", "")).startswith("cuda"):
         return torch.float32
@@ -125,9 +122,8 @@ def step_peak_bytes(config, model_config, n_layer, batch_size, seq_len,
                     device="meta"):
     """Peak bytes of the tensors one training micro-step creates
     (forward, the run's objective, backward into existing gradients)
-    with the model cut to n_layer blocks, in compute_dtype. On meta by
-    default: nothing allocated. Cached: a plan asks for the same step
-    often."""
+    with the model cut to n_layer blocks, in compute_dtype; on meta by
+    default. Cached: a plan asks for the same step often."""
     scalars = (int, float, str, bool, type(None))
     keys = tuple(sorted((k, v) for k, v in config.items()
                         if isinstance(v, scalars)))
@@ -146,13 +142,12 @@ def _step_peak_bytes(config_items, model_config_items, n_layer, batch_size,
         model = GPT(cfg)
         objective = objective_on_blocks(config, n_layer)
     if device != "meta":
-        # sizes are all we need: the memory is left uninitialised...
         model.to_empty(device=device)
         objective.to_empty(device=device)
     with torch.no_grad():
         for p in [*model.parameters(), *objective.parameters()]:
-            # ...but finite (a router sends each token to top_k experts
-            # whatever the values)
+            # any finite value: a router sends each token to top_k
+            # experts whatever the values
             p.fill_(0.02)
             # the gradients are the plan's states, not the step's
             p.grad = torch.zeros_like(p)
@@ -188,8 +183,7 @@ def activation_gib(config, model_config, batch_size, seq_len, device="meta"):
 
 
 def gathered_bytes(config):
-    """Bytes per parameter FSDP gathers: train.py's param_dtype, bf16
-    (fp16) on a GPU, fp32 with dtype=float32."""
+    """Bytes per parameter FSDP gathers (train.py's param_dtype)."""
     return 4 if config["dtype"] == "float32" else 2
 
 
@@ -330,11 +324,9 @@ def memory_problem(config, processes, vocab, available_gib, where, heap=0.0):
 
 def resolve_batch_size(config, processes, vocab, available_gib, heap=0.0):
     """(config, whether its batch fits). batch_size='auto' becomes the
-    most sequences per process and micro-step whose plan fits
-    AUTO_BATCH_MEMORY of available_gib, among the divisors of each
-    process's share of global_batch_size, largest first; where not even
-    one fits, 1, which the memory check then refuses with what would
-    fit. A number stays as it is."""
+    largest divisor of each process's share of global_batch_size whose
+    plan fits AUTO_BATCH_MEMORY of available_gib; where none fits, 1,
+    which the memory check then refuses with what would fit."""
     if config["batch_size"] != "auto":
         return config, True
     budget = available_gib * AUTO_BATCH_MEMORY
@@ -352,8 +344,7 @@ def resolve_batch_size(config, processes, vocab, available_gib, heap=0.0):
 
 
 def cpu_heap_allowance(processes):
-    """The fraction of a step's transient tensors that glibc's heap adds
-    on the CPU (CPU_HEAP_ALLOWANCE)."""
+    """CPU_HEAP_ALLOWANCE for this many processes."""
     return CPU_HEAP_ALLOWANCE["torchrun" if processes > 1 else "one process"]
 
 
@@ -371,8 +362,7 @@ def device_batch_size(config, processes, vocab, device):
     """resolve_batch_size's batch_size against what `device` has for
     this process."""
     available, heap, _ = device_memory(device, processes)
-    # the step measured with this device's loss (step_peak_bytes)
-    config = {**config, "device": device}
+    config = {**config, "device": device}  # the step on this device
     resolved, _ = resolve_batch_size(config, processes, vocab, available, heap)
     return resolved["batch_size"]
 
@@ -380,7 +370,7 @@ def device_batch_size(config, processes, vocab, device):
 def device_memory_problem(config, processes, vocab, device):
     """memory_problem against what `device` has for this process."""
     available, heap, source = device_memory(device, processes)
-    config = {**config, "device": device}  # (as device_batch_size)
+    config = {**config, "device": device}
     return memory_problem(config, processes, vocab, available,
                           f"{device} ({source})", heap)
 

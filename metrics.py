@@ -23,13 +23,13 @@ def target_ranks(logits, targets):
     logits (N, V), targets (N,) long. A tie counts in the target's
     favour.
     """
-    target_logit = logits.gather(1, targets.view(-1, 1))  # (N, 1)
+    target_logit = logits.gather(1, targets.view(-1, 1))
     return 1 + (logits > target_logit).sum(dim=1)
 
 
 def rank_metrics(logits, targets):
     """
-    Rank-based scores of next-token predictions, rank_t = target_ranks:
+    Rank scores, rank_t = target_ranks:
         accuracy    = mean_t [rank_t == 1]
         recall_at_5 = mean_t [rank_t <= 5]
         mrr         = mean_t 1 / rank_t        (mean reciprocal rank)
@@ -89,10 +89,9 @@ def temperature_nll_sums(logits, targets, b, overwrite=False):
 def best_inverse_temperature(means_at, b=1.0, max_steps=20):
     """
     Newton's method for b* = argmin_b f(b), f(b) = mean_t NLL_t(T = 1/b);
-    means_at(b) -> (f, f', f'') at b, over all tokens (one pass of
-    temperature_nll_sums), first at b (1: plain perplexity); safeguarded
-    (docs/metrics.md). Returns (f at the best b visited, that b, number
-    of passes).
+    means_at(b) -> (f, f', f'') at b over all tokens, first at b (1:
+    plain perplexity); safeguarded (docs/metrics.md). Returns (f at the
+    best b visited, that b, number of passes).
     """
     f, g, h = means_at(b)
     best = (f, b)
@@ -141,8 +140,7 @@ def _on_host(x):
 
 
 def _gram_eigenvectors(W, solve=None):
-    """W on the host, and W^T W's eigenvectors (columns) by solve or
-    torch.linalg.eigh."""
+    """W on the host, and W^T W's eigenvectors (columns)."""
     W = _on_host(W)
     if solve is None:
         return W, torch.linalg.eigh(W.T @ W).eigenvectors
@@ -209,7 +207,7 @@ def isotropy_sign_range(W):
 
 
 def _twin_neighbours(E, shift):
-    """(top-3 neighbours of each row, fraction of rows with their twin
+    """(each row's top-3 neighbours, the fraction with their twin
     among them, mean twin cosine) of the (2*shift, C) rows E."""
     En = F.normalize(E, dim=1)
     cos = En @ En.T
@@ -314,8 +312,8 @@ def embedding_gradient_part_vectors(idx, targets, hidden, grad_logits,
 class EmbeddingGradientRecorder:
     """log_marginalization: per optimizer step, the norms of each
     embedding row's raw gradient parts, a (3, V) tensor in `steps`.
-    Training calls watch() after the forward, add() after each backward
-    and end_step() after the optimizer. One process only."""
+    watch() after the forward, add() after each backward, end_step()
+    after the optimizer. One process only."""
 
     def __init__(self, enabled, vocab_size):
         self.enabled = enabled
@@ -390,7 +388,6 @@ def pairwise_cosine_stats(z, bins=40):
 
 
 def _wide_tensor(x):
-    """x as a tensor in its device's widest float."""
     device = x.device if torch.is_tensor(x) else "cpu"
     return torch.as_tensor(x, dtype=widest_float(device), device=device)
 
@@ -401,7 +398,7 @@ def _average_ranks(x):
     ranks = torch.empty_like(x)
     ranks[torch.argsort(x)] = torch.arange(
         1, len(x) + 1, dtype=x.dtype, device=x.device)
-    for value in torch.unique(x):  # n is small (number of layers)
+    for value in torch.unique(x):  # n: the number of layers
         tied = x == value
         ranks[tied] = ranks[tied].mean()
     return ranks

@@ -385,8 +385,8 @@ class GPT(nn.Module):
         return training if backward else training // 3
 
     def forward(self, idx, return_hidden_states=False, compute_logits=True):
-        """idx (B, T) -> logits (B, T, V), and the hidden states if
-        asked; compute_logits=False (headless, e.g. CWT): None."""
+        """idx (B, T) -> logits (B, T, V) (None if not compute_logits),
+        and the hidden states if asked."""
         B, T = idx.shape
         block_size = self.config.block_size
         assert T <= block_size, f"sequence length {T} > block_size {block_size}"
@@ -434,7 +434,6 @@ class GPT(nn.Module):
 
 
 def fill_parameters(module, initializers):
-    """Apply (name, fill) pairs to module's parameters in place."""
     parameters = dict(module.named_parameters())
     for name, fill in initializers:
         fill(parameters[name])
@@ -457,8 +456,7 @@ def initial_weights(config, seed, embeddings_seed=None):
 
 
 def build_model(config, device="cpu"):
-    """Build on the meta device (no memory, no init work), materialise
-    on `device`, init once."""
+    """The model, initialised once on `device`."""
     with torch.device("meta"):
         model = GPT(config)
     model.to_empty(device=device)

@@ -47,7 +47,7 @@ def grouped_swiglu(rows, counts, gate, up, down):
 
 
 def looped_swiglu(rows, sizes, gate, up, down):
-    """The same, expert by expert over rows split into `sizes`."""
+    """The same, expert by expert."""
     return torch.cat([swiglu(part, gate[e], up[e], down[e])
                       for e, part in enumerate(rows.split(sizes))])
 

@@ -64,7 +64,7 @@ class Objective(nn.Module):
 
     @classmethod
     def from_config(cls, config):
-        """From train.py's keys; the router's loss only with experts."""
+        """From train.py's keys."""
         settings = {f.name: config[f.name] for f in fields(ObjectiveConfig)
                     if f.name in config}
         if config.get("n_expert", 1) == 1:
@@ -74,7 +74,7 @@ class Objective(nn.Module):
     def __init__(self, n_layer, n_embd, **settings):
         super().__init__()
         c = self.config = ObjectiveConfig(**settings)
-        # every <name>_weight but the router's, which is no loss of ours
+        # every <name>_weight but the router's
         self.weights = {f.name.removesuffix("_weight"): getattr(c, f.name)
                         for f in fields(c) if f.name.endswith("_weight")}
         del self.weights["moe_aux"]
@@ -94,7 +94,6 @@ class Objective(nn.Module):
 
     @property
     def trains_head(self):
-        """False in a headless run."""
         return self.weights["ce"] > 0
 
     @property

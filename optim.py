@@ -75,11 +75,11 @@ class SeparatedRowsAdamW(torch.optim.Optimizer):
 
 
 def apply_gradients(optimizers, scaler, clip=None):
-    """The update after the step's last backward: clip (a callable, or
-    None), step every optimizer, clear the gradients; returns whether
-    it stepped. float16 (a torch.amp.GradScaler enabled; Micikevicius et
-    al. 2018, Sec. 3.2): the gradients are unscaled first, and an inf or
-    NaN one skips the update on every optimizer, on every rank."""
+    """After the step's last backward: clip (a callable, or None), step
+    every optimizer, clear the gradients; returns whether it stepped.
+    float16 (a GradScaler enabled; Micikevicius et al. 2018, Sec. 3.2):
+    the gradients are unscaled first, and an inf or NaN one skips the
+    update on every optimizer, on every rank."""
     stepped = True
     if scaler.is_enabled():
         for opt in optimizers:
@@ -100,8 +100,8 @@ def apply_gradients(optimizers, scaler, clip=None):
 
 
 def gradient_clipping(model, max_norm, clipper=None):
-    """The step's clipping for apply_gradients: AdaGC's (clipper), else
-    the global norm's at max_norm; None when max_norm <= 0."""
+    """apply_gradients' clip: AdaGC's (clipper), else the global
+    norm's at max_norm; None when max_norm <= 0."""
     if clipper is not None:
         return clipper.clip_
     if max_norm <= 0:
@@ -180,7 +180,7 @@ class AdaGC:
         self.rel = rel
         self.warmup = warmup
         self.step = 0
-        self.ema = None  # (tensors,) float32, +inf until seen
+        self.ema = None  # per tensor, float32, +inf until seen
 
     @torch.no_grad()
     def clip_(self):

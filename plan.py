@@ -9,7 +9,7 @@ config on a number of processes, whether it fits, and how long it takes.
 Nothing is allocated: the model and the objective are built on the meta
 device. train.py --dry_run plans for the processes as launched, on the
 device the run would use: a CUDA GPU as an H100, a CPU or MPS at this
-machine's measured speed and memory. What the plan's lines say: README.md
+machine's measured speed and memory. What the lines say: README.md
 ("Sizes, and the plan of a run").
 
 Design notes and measurements: docs/performance.md.
@@ -39,10 +39,9 @@ C4_TOKENS_PER_SHARD = 150e6
 
 
 def run_vocab(config):
-    """The vocabulary a run builds its model with: vocab_size if set,
-    else the dataset's, doubled by the simulated low-resource language.
-    A ConfigError if vocab_size is below a prepared dataset's, or if
-    neither is there."""
+    """The run's vocabulary: vocab_size if set, else the dataset's,
+    doubled by the simulated low-resource language. A ConfigError if
+    vocab_size is below a prepared dataset's, or if neither is there."""
     vocab_size = config["vocab_size"]
     try:
         base = read_meta(config["data_dir"])["vocab_size"]
@@ -74,10 +73,9 @@ def training_flops_per_token(model, objective, micro_batch_tokens):
 
 
 def evaluation_flops(model, config, processes=1):
-    """FLOPs of one evaluation over all processes: eval_iters batches
-    split over them, each scored in every language with the LM head; a
-    process whose share is short repeats a batch, so each runs
-    ceil(eval_iters / processes)."""
+    """FLOPs of one evaluation over all processes: each runs
+    ceil(eval_iters / processes) batches (a short share repeats one),
+    each scored in every language with the LM head."""
     languages = 2 if config["low_resource"] else 1
     batches = math.ceil(config["eval_iters"] / processes) * processes
     sequences = batches * languages * config["batch_size"]
@@ -121,9 +119,8 @@ def data_needed(config, tokens_per_run):
 
 
 def device_figures(device, gpu, mfu, dtype, processes):
-    """The peak FLOP/s of one process, the MFU, and the memory
-    batch_size='auto' may fill: for 'cuda' `gpu`'s datasheet at `mfu`;
-    for a CPU or MPS this machine's, measured now."""
+    """One process's peak FLOP/s, MFU and memory: for 'cuda' `gpu`'s
+    datasheet at `mfu`; for a CPU or MPS this machine's, measured now."""
     if device == "cuda":
         return {"gpu": gpu, "peak": GPU_PEAK_BF16_FLOPS[gpu], "mfu": mfu,
                 "memory_gib": GPU_MEMORY_GIB[gpu],
@@ -163,9 +160,8 @@ def make_plan(config, processes=1, gpu="H100", mfu=0.4, measure=True,
     Gb/s each way per GPU; None: comms.LINK_GBPS's for gpu and
     processes."""
     check_plan_arguments(config, processes, gpu, mfu, link_gbps, device)
-    # the step measured with the device's logits (step_peak_bytes); off
-    # a GPU in the dtype the run would choose there (FSDP gathers
-    # float32 weights on a CPU)
+    # the step measured on the device; off a GPU in the dtype the run
+    # would choose there (FSDP gathers float32 weights on a CPU)
     config = {**config, "device": device}
     if device != "cuda":
         config["dtype"] = choose_dtype(config["dtype"], device)
@@ -278,8 +274,8 @@ def format_plan(p):
 
 
 def data_lines(d):
-    """The plan's data line (from data_needed), and a warning when the
-    run passes over its data more than once."""
+    """The plan's data line, and a warning when the run passes over
+    its data more than once."""
     tokens = f"data: {d['tokens']:,} tokens"
     if d["prepared"] is None:
         if "shards_needed" in d:
@@ -344,9 +340,8 @@ def memory_heading(p, unit):
 
 def print_plan(config, processes):
     """train.py --dry_run=True: rank 0 prints the plan of this run on
-    these processes, for the device it would use; nothing allocated for
-    the run, no data read, out_dir untouched. A config the plan cannot
-    take is a ConfigError."""
+    these processes, for the device it would use; no data read, out_dir
+    untouched. A config the plan cannot take is a ConfigError."""
     try:
         device = choose_device(config["device"])
     except ValueError as e:
@@ -377,7 +372,6 @@ def main(argv=None):
                              "link (default: LINK_GBPS's for --gpu)")
     args, config_args = parser.parse_known_args(argv)
     try:
-        # train.py's rules
         config = parse_config(config_args, train_defaults(), train_rules())
         processes = args.processes
         if processes is None:
@@ -386,7 +380,6 @@ def main(argv=None):
                       link_gbps=args.link_gbps)
         print(format_plan(p))
     except UsageError as e:
-        # a config, a key, an argument or the environment: its status
         end_with(e)
 
 

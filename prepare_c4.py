@@ -65,8 +65,7 @@ def token_file(name):
 # in a worker process: read, check and tokenise one whole shard
 
 class _HashingReader:
-    """The shard's file as gzip reads it, hashed on the way: the
-    shard's sha256 comes with the one read tokenising needs anyway."""
+    """The shard's file as gzip reads it, hashed on the way."""
 
     def __init__(self, f):
         self.f = f
@@ -126,8 +125,8 @@ def encode_batch(enc, texts):
 
 def tokenize_shard(path, out_path):
     """Decompress, check and tokenise the shard at ``path`` into
-    ``out_path`` (temp + rename), in one pass. Returns (its index
-    entry, seconds, bytes of JSON text read)."""
+    ``out_path``, in one pass. Returns (its index entry, seconds,
+    bytes of JSON text read)."""
     t0 = time.perf_counter()
     enc = gpt2_encoding()  # tiktoken caches it per process
     name = os.path.basename(path)
@@ -170,8 +169,7 @@ def tokenize_shard(path, out_path):
 # in the main process: schedule the shards, keep the index
 
 def remove_stale_temporaries(out_dir):
-    """The temp files a killed run left (of any shard, this run's or
-    not): never complete, never read."""
+    """Remove the temp files a killed run left (of any shard)."""
     shards = (shard_names("train", N_TRAIN_SHARDS)
               + shard_names("validation", N_VAL_SHARDS))
     names = ["meta.json", *shards]
@@ -206,8 +204,8 @@ def previous_meta(out_dir):
 
 
 def is_finished(out_dir, name, entry):
-    """The shard's entry matches its files' sizes (not hashes: they
-    would take minutes over 100 GB)."""
+    """The shard's entry matches its files' sizes (hashes would take
+    minutes over 100 GB)."""
     if entry is None or entry.get("file") != token_file(name):
         return False
     shard = os.path.join(out_dir, name)
@@ -256,8 +254,8 @@ def write_index(out_dir, meta):
 
 def shards_from_text(text_path, paths, train, val):
     """Offline stand-in for the download: a plain-text file's
-    paragraphs as documents in shards of C4's names and format
-    Shards already there are kept."""
+    paragraphs as documents in shards of C4's names and format;
+    shards already there are kept."""
     try:
         with open(text_path, encoding="utf-8") as f:
             docs = [d.strip("\n") for d in re.split(r"\n\s*\n", f.read())
@@ -294,8 +292,7 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR,
             retry_delay=DEFAULT_RETRY_DELAY, timeout=DEFAULT_TIMEOUT,
             from_text=None):
     """Download, check and tokenise the shards not yet tokenised; keep
-    meta.json's index; return the meta dict. A rerun with nothing to
-    do rewrites nothing."""
+    meta.json's index; return the meta dict."""
     splits = {"train": shard_names("train", shards),
               "val": shard_names("validation", val_shards)}
     workers = (os.cpu_count() or 1) if workers is None else workers
@@ -404,8 +401,8 @@ def prepare(shards=1, val_shards=1, out_dir=DEFAULT_OUT_DIR,
 # command line
 
 def main(argv=None):
-    """Parse arguments, run ``prepare`` and print a summary; an error
-    is one line (status 2: a bad argument, else 1)."""
+    """Run ``prepare`` from the command line; an error is one line
+    (status 2: a bad argument, else 1)."""
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--shards", type=int, default=1,

@@ -1,9 +1,8 @@
 """Prepare the tiny Shakespeare dataset for character-level (or GPT-2
 BPE) language modelling.
 
-Writes ``train.bin`` / ``val.bin`` (raw ``np.uint16`` token ids) and
-``meta.json`` (the vocabulary ``itos`` and the run's facts) in
-``out_dir``.
+Writes ``train.bin``, ``val.bin`` (``np.uint16`` ids) and
+``meta.json`` in ``out_dir``.
 
 Usage::
 
@@ -15,6 +14,7 @@ Design notes: docs/data.md
 
 import hashlib
 import os
+import re
 import sys
 
 import numpy as np
@@ -28,32 +28,28 @@ from utils import check_arguments, check_writable, remove_leftovers
 DEFAULT_OUT_DIR = os.path.join("data", "shakespeare_char")
 DEFAULT_URL = ("https://raw.githubusercontent.com/karpathy/char-rnn/"
                "master/data/tinyshakespeare/input.txt")
-# sha256 of the canonical file (1,115,394 characters)
 DEFAULT_SHA256 = ("86c4e6aa9db7c042ec79f339dcb96d42"
                   "b0075e16b8fc2e86bf0ca57e2dc565ed")
 
 TOKENIZERS = ("char", "gpt2")
 TRAIN_FRACTION = 0.9
-# distinct characters: one fewer than uint16 holds, 65535 kept free
 MAX_VOCAB = int(np.iinfo(np.uint16).max)
 
 
 def _normalize_sha256(sha256):
-    """A lower-case hex digest, or None if no check was requested; a
-    malformed one is refused before, not after, a download."""
+    """A lower-case hex digest, or None if no check was requested."""
     if sha256 is None or sha256.strip() == "":
         return None
     sha256 = sha256.strip().lower()
-    if len(sha256) != 64 or any(c not in "0123456789abcdef" for c in sha256):
+    if not re.fullmatch("[0-9a-f]{64}", sha256):
         raise DataError(f"invalid sha256 {sha256!r}: expected 64 hex digits")
     return sha256
 
 
 def download(url, dest_path, sha256=None):
-    """Download ``url`` to ``dest_path`` (download.py: resumed and
-    retried); return its sha256. Given ``sha256``, a mismatch leaves
-    nothing behind, and a ``dest_path`` that already has it is not
-    downloaded again."""
+    """Download ``url`` to ``dest_path`` (download.py's); return its
+    sha256. Given ``sha256``, a mismatch leaves nothing behind, and a
+    ``dest_path`` that already has it is not downloaded again."""
     expected = _normalize_sha256(sha256)
     if os.path.isfile(dest_path):
         if file_sha256(dest_path) == expected:
@@ -76,8 +72,8 @@ def file_sha256(path):
 
 
 def read_text(path):
-    """``path`` as UTF-8 text we can train on (no newline
-    translation), and the sha256 of its bytes."""
+    """``path`` as UTF-8 text (no newline translation), and the
+    sha256 of its bytes."""
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -163,10 +159,10 @@ def prepare_missing(data_dir, source=""):
 
 def prepare(input_path=None, out_dir=None, url=DEFAULT_URL,
             sha256=DEFAULT_SHA256, tokenizer="char"):
-    """Build ``train.bin``, ``val.bin`` and ``meta.json`` in ``out_dir``
-    and return meta.json's dict. Without ``input_path`` the text is
-    downloaded from ``url`` and checked against ``sha256``; an
-    ``input_path`` is used as is (a different hash earns a note)."""
+    """Build the dataset in ``out_dir``; return meta.json's dict.
+    Without ``input_path`` the text is downloaded from ``url`` and
+    checked against ``sha256``; an ``input_path`` is used as is (a
+    different hash earns a note)."""
     if tokenizer not in TOKENIZERS:
         raise DataError(f"unknown tokenizer {tokenizer!r}: expected one "
                         f"of {', '.join(TOKENIZERS)}")
@@ -195,8 +191,7 @@ def prepare(input_path=None, out_dir=None, url=DEFAULT_URL,
               f"(sha256 {digest[:12]}..., expected {expected[:12]}...); "
               "using it anyway")
 
-    # by position, not at random: val is a contiguous unseen passage,
-    # each side encoded alone
+    # by position (docs/data.md), each side encoded alone
     n_chars = int(len(text) * TRAIN_FRACTION)
     halves = (text[:n_chars], text[n_chars:])
     if tokenizer == "char":
@@ -211,14 +206,13 @@ def prepare(input_path=None, out_dir=None, url=DEFAULT_URL,
 
     meta = {**vocab, "n_train": int(len(train_ids)),
             "n_val": int(len(val_ids)), "source": source, "sha256": digest}
-    # adds each file's sha256: train.py and evaluate.py compare it
     write_meta(meta, out_dir, [("train", train_ids), ("val", val_ids)])
     return meta
 
 
 def main(argv=None):
-    """Parse arguments, run ``prepare`` and print a summary; an error
-    is one line (status 2: a bad argument, else 1)."""
+    """Run ``prepare`` from the command line; an error is one line
+    (status 2: a bad argument, else 1)."""
     parser = ArgumentParser(description=__doc__.split("\n\n")[0])
     add = parser.add_argument
     add("--input", default=None,

@@ -1,9 +1,9 @@
 """Scoring a model on its dataset's val split: train.py's evaluation
 (validation_losses) and the final metrics of Stop Jostling (Sec. 4.3,
 Table 1) that evaluate.py and the end of a run write (evaluate_model,
-write_run_metrics). The metrics themselves: metrics.py.
+write_run_metrics), from metrics.py's functions.
 
-The metrics and design notes: docs/metrics.md
+Design notes: docs/metrics.md
 """
 
 import math
@@ -76,7 +76,7 @@ def tail_sums(logits, targets, mask):
 
 def tail_nll_at(logits, targets, b):
     """The targets' summed NLL under softmax(b z): the rare targets at
-    the overall best temperature 1/b (what a PPL_best claim uses)."""
+    the overall best temperature 1/b."""
     z = logits.float() * b
     nll = torch.logsumexp(z, dim=1) - z.gather(1, targets.view(-1, 1)).squeeze(1)
     return float(nll.to(widest_float(z.device)).sum())
@@ -103,7 +103,8 @@ def streamed_prediction_metrics(lm_head, finals, targets, chunk=1024,
     "rare": the metrics of the positions where rare (N,) bool is True.
     "head_passes": passes over all N states."""
     n = len(targets)
-    rare = torch.zeros(n, dtype=torch.bool) if rare is None else rare
+    if rare is None:
+        rare = torch.zeros(n, dtype=torch.bool)
     chunks = [(finals[i:i + chunk], targets[i:i + chunk], rare[i:i + chunk])
               for i in range(0, n, chunk)]
     wide = widest_float("cpu")  # the sums: on the CPU
@@ -149,8 +150,7 @@ def forward_val(model, x, y, device, batch_size=256, keep_logits=True):
     depth); cosine_histograms (40 bins per depth); final_cosine and
     simreg_final (SimReg, tau = 0.01) of the final normed states."""
     L = model.config.n_layer
-    # Python floats: no float64 tensor
-    mu = [0.0] * (L + 2)
+    mu = [0.0] * (L + 2)  # Python floats: no float64 tensor
     hists = [[0.0] * 40 for _ in range(L + 2)]
     simreg_sum = 0.0
     outputs = []
@@ -235,17 +235,16 @@ def evaluate_model(model, data_dir, low_resource, itos, device="cpu"):
 def validation_losses(model, objective, val_data, batch_size, block_size,
                       eval_iters, shift, low_resource_prob, device,
                       autocast, rank=0, world_size=1, stop_pending=None):
-    """train.py's evaluation: cross-entropy, never
-    thresholded, and the other active terms on the same eval_iters
-    validation batches every time, in both languages.
-    shift > 0: the LR language's id offset (0: one language). Returns
+    """train.py's evaluation: cross-entropy, never thresholded, and
+    the other active terms on the same eval_iters validation batches
+    every time, in both languages. shift > 0: the LR language's id
+    offset (0: one language). Returns
     {"val" (windows mixed as in training), "val_high", "val_low" (two
     languages), "val_<term>" (each other active term; "val_ce" when
     headless), "twin_cos", "twin_top3" (two languages, char
     vocabulary)}, or None when stop_pending() (a stop signal) became
     true on any rank before its last batch."""
     low_resource = shift > 0
-    on_cuda = str(device).startswith("cuda")
     model.eval()
     generator = torch.Generator().manual_seed(0)
     languages = (("high", 0), ("low", shift)) if low_resource else (("high", 0),)
@@ -262,7 +261,9 @@ def validation_losses(model, objective, val_data, batch_size, block_size,
     # row i: batch i's window losses per language and its other terms,
     # from the rank that evaluated it
     results = torch.zeros(eval_iters, width, device=device)
-    devices = [torch.cuda.current_device()] if on_cuda else []
+    devices = []
+    if str(device).startswith("cuda"):
+        devices = [torch.cuda.current_device()]
     rounds = math.ceil(eval_iters / world_size) * world_size
     with torch.random.fork_rng(devices=devices):
         for i in range(rank, rounds, world_size):
@@ -347,8 +348,8 @@ def with_run_flops(result, run_flops):
 
 
 def evaluate_checkpoint(path, device="cpu", data_dir=None):
-    """The final metrics of the checkpoint at path; data_dir: where its
-    dataset is, if it moved."""
+    """The final metrics of the checkpoint at path; data_dir: its
+    dataset, if it moved."""
     model, checkpoint = checkpoints.load_model(path, device)
     data_dir = checkpoints.data_dir_of(checkpoint, path, data_dir)
     low_resource = checkpoint["config"]["low_resource"]
@@ -402,7 +403,7 @@ def write_run_metrics(out_dir, run_flops, device, stopped_by=None):
 def marginalization_report(parts, train_data, shift, itos):
     """Stop Jostling's gradient ratios of the LR rows, rarest first.
     parts (S, 3, V): per training step, the norms of each embedding
-    row's gradient parts (metrics.embedding_gradient_part_vectors)."""
+    row's gradient parts (metrics.EmbeddingGradientRecorder)."""
     V = parts.size(-1)
     ratios = metrics.marginalization_ratios(*parts.unbind(1))
     # LR windows reuse the same text

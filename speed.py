@@ -28,9 +28,8 @@ EFFICIENCY_SETTINGS = {
 
 def step_time(model_config, objective_kwargs, batch_size, steps, warmup,
               device, dtype):
-    """Median seconds of one training step on random tokens with the
-    given objective (objective.ObjectiveConfig's keys), after `warmup`
-    untimed steps."""
+    """Median seconds of a training step on random tokens with the
+    objective of objective_kwargs, after `warmup` untimed steps."""
     torch.manual_seed(0)
     model = build_model(model_config, device)
     objective = Objective(model_config.n_layer, model_config.n_embd,
@@ -57,8 +56,8 @@ def step_time(model_config, objective_kwargs, batch_size, steps, warmup,
 
 def measured_speed(device, dtype):
     """(peak FLOP/s, MFU) of this machine's `device` (a CPU, MPS: no
-    datasheet): the matmul peak train.py's MFU divides by, and the MFU
-    the lowres toy's CE step reaches here (docs/performance.md)."""
+    datasheet): the matmul peak, and the MFU the lowres toy's CE step
+    reaches here (docs/performance.md)."""
     peak = peak_flops(device, dtype)
     settings, batch_size = EFFICIENCY_SETTINGS["lowres"]
     toy = GPTConfig(**settings)
@@ -109,8 +108,7 @@ def start_lines(params, config, device, dtype, tokens_per_iter,
                 flops_per_iter, flops_per_eval, peak, processes):
     """What train.py prints before its loop: the model's size, the
     device, a step's tokens and FLOPs, the peak (all processes') and how
-    the processes share the work; then long_work_notice's and
-    slow_dtype_notice's lines, if any."""
+    the processes share the work; then the notices, if any."""
     parallel = config["parallel"]
     how = ""
     if parallel != "none":

@@ -30,8 +30,7 @@ def start_wandb(config, out_dir, resuming, master=True):
     """wandb.init for a run whose out_dir is ready; returns the run, or
     None without wandb_log or off rank 0. A resume continues the same
     W&B run. W&B's files go to out_dir/wandb/ unless WANDB_DIR is set.
-    A failing init (online without a login) is one line that says what
-    to do."""
+    A failing init (no login) is one line that says what to do."""
     if not (config["wandb_log"] and master):
         return None
     import wandb

@@ -60,8 +60,8 @@ def choose_device(device="auto"):
 
 def available_memory(device):
     """(bytes this process may allocate on device, their source): a
-    GPU's free memory, or the RAM available under the cgroup's limit
-    shared by this machine's processes."""
+    GPU's free memory, or its share of the RAM available under the
+    cgroup's limit."""
     import torch
     device = torch.device(device)
     if device.type == "cuda":  # before train.py picks LOCAL_RANK's GPU
@@ -152,8 +152,8 @@ def _temporary_prefix(name):
 
 
 def atomic_write(path, write_fn):
-    """Write to a temp file beside `path`, then rename it over `path`:
-    a reader (or a crash) never sees a half-written file."""
+    """Write through a temp file beside `path`, renamed over it: a
+    reader (or a crash) never sees a half-written file."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     prefix = _temporary_prefix(os.path.basename(path))
@@ -447,12 +447,15 @@ def read_log(path, allow_empty=False):
     """log.jsonl's records, a torn last line left out with a note;
     LogError if missing, damaged or (unless allow_empty) empty."""
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             lines = [line for line in f if line.strip()]
     except OSError as e:
         out_dir = os.path.dirname(path) or "."
         raise LogError(f"cannot read {path}: {e.strerror} "
                        f"(is {out_dir} a train.py out_dir?)") from None
+    except UnicodeDecodeError as e:  # train.py writes ASCII JSON
+        byte = f"byte 0x{e.object[e.start]:02x} at position {e.start}"
+        raise LogError(f"{path} is not text ({byte}): the log is damaged") from None
     records = []
     for number, line in enumerate(lines, 1):
         try:

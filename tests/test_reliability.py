@@ -616,3 +616,46 @@ def test_a_resume_refuses_every_training_key_by_name(data_dir):  # noqa: F811
                                                   "with 'interleaved'"):
         run.check_resumable(saved, llama, defaults["data_dir"])
     assert run.check_resumable(saved, {**llama, "rope_layout": "interleaved"}, defaults["data_dir"]) == {}
+
+
+# every file a run reads, damaged each way a disk or a hand damages one --------------------------------
+DAMAGES = {
+    "cut": lambda data: data[:len(data) // 2],
+    "emptied": lambda data: b"",
+    "random bytes": lambda data: random.Random(0).randbytes(max(64, min(len(data), 4096))),
+    "bytes that are not text": lambda data: b"\xff\xfe\x00\x81" * 16,
+    "JSON of the wrong shape": lambda data: b'[{"iter": "x"}, 2]\n',
+}
+READ_FILES = ("config.py", "data/meta.json", "data/train.bin", "data/val.bin", "run/ckpt.pt", "run/log.jsonl")
+# what a crash leaves, resumed on purpose (test_kill_9_at_random_moments_resumes_bit_identically): a log cut
+# mid-line loses its torn line, an emptied one its records; ckpt.json is written for readers, never read
+RESUMED = {("run/log.jsonl", "cut"), ("run/log.jsonl", "emptied")}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("damage", DAMAGES)
+@pytest.mark.parametrize("name", READ_FILES)
+def test_every_file_a_resume_reads_damaged_is_one_line_naming_it(tmp_path, data_dir, finished_run, name,
+                                                                  damage):  # noqa: F811
+    """The config file, the dataset's three files, the checkpoint (both slots: else the resume falls back
+    to the intact one) and the log, each damaged one way: one line that names the file, no traceback,
+    every file as it was."""
+    import shutil
+    shutil.copytree(finished_run, tmp_path / "run")
+    shutil.copytree(data_dir, tmp_path / "data")
+    shutil.copy(os.path.join(REPO, "config/lowres_baseline.py"), tmp_path / "config.py")
+    damaged = [tmp_path / name] + ([tmp_path / "run/ckpt_prev.pt"] if name == "run/ckpt.pt" else [])
+    for path in damaged:
+        path.write_bytes(DAMAGES[damage](path.read_bytes()))
+    before = snapshot(tmp_path)
+    result = subprocess.run([sys.executable, "train.py", str(tmp_path / "config.py"), f"--data_dir={tmp_path / 'data'}",
+                             f"--out_dir={tmp_path / 'run'}", *TINY, "--max_iters=6", "--eval_interval=2",
+                             "--lr_decay_iters=4", "--final_eval=False", "--init_from=resume"],
+                            cwd=REPO, env=ENV, capture_output=True, text=True)
+    if (name, damage) in RESUMED:
+        assert result.returncode == 0, result.stderr[-2000:]
+        return
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode in (1, 2) and len(lines) == 1, result.stderr[-2000:]
+    assert lines[0].startswith("error: ") and str(tmp_path / name) in lines[0], lines[0]
+    assert snapshot(tmp_path) == before

@@ -1,7 +1,6 @@
 """
-tools/bench.py's sections on what a training step costs (toy, 350m, cwt, memory, efficiency,
-compile), and what every section shares: the report (emit, table, goal), child processes
-(run_child) and timing in turn (alternate).
+tools/bench.py's sections on what a training step costs, and what
+every section shares: the report, child processes and timing in turn.
 """
 
 import json
@@ -24,9 +23,9 @@ from utils import (autocast_context, keep_freed_memory, markdown_table, measure_
                    seconds)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SELF = [sys.executable, "-m", "tools.bench"]  # a child process of this benchmark
+SELF = [sys.executable, "-m", "tools.bench"]
 
-LOSSES = {  # name -> Objective's settings (objective.ObjectiveConfig) on top of CE
+LOSSES = {  # name -> Objective's settings on top of CE
     "CE": {},
     "CE + SimReg": {"simreg_weight": 1.0},
     "CE + SimReg chunk": {"simreg_weight": 1.0, "simreg_chunk_size": None},  # set per section
@@ -40,7 +39,6 @@ REPORT = []  # the Markdown of every section run, for --out
 
 
 def emit(text=""):
-    """Print a line of the report and keep it for --out."""
     print(text, flush=True)
     REPORT.append(text)
 
@@ -60,8 +58,8 @@ def goal(what, value, limit, unit, higher_is_better=False):
 
 
 def run_child(command, **env):
-    """The JSON lines (records) a command prints, run in the repository with `env` added to
-    the environment; a failure ends the benchmark with the end of its stderr."""
+    """The JSON lines a command prints, run in the repository with `env`
+    added to the environment; a failure ends the benchmark."""
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                             env={**os.environ, **env})
     if result.returncode != 0:
@@ -70,8 +68,8 @@ def run_child(command, **env):
 
 
 def alternate(ways, steps, warmup, device):
-    """{name: median seconds of a call} of `ways` called in turn (a load slows all alike), after
-    `warmup` untimed rounds."""
+    """{name: median seconds of a call} of `ways` called in turn (a load
+    slows all alike), after `warmup` untimed rounds."""
     times = {name: [] for name in ways}
     for i in range(warmup + steps):
         for name, work in ways.items():
@@ -83,11 +81,11 @@ def alternate(ways, steps, warmup, device):
 
 def toy(args, device, dtype):
     config = GPTConfig(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128)
-    losses = {k: dict(v) for k, v in LOSSES.items() if "256" not in k}
-    losses["CE + SimReg chunk"]["simreg_chunk_size"] = 32
-    losses["CWT (headless)"] = CWT
+    terms = {k: dict(v) for k, v in LOSSES.items() if "256" not in k}
+    terms["CE + SimReg chunk"]["simreg_chunk_size"] = 32
+    terms["CWT (headless)"] = CWT
     times = {name: step_time(config, kw, 12, args.steps * 4, args.warmup, device, dtype)
-             for name, kw in losses.items()}
+             for name, kw in terms.items()}
     base = times["CE"]
     table("toy model (4 x 128, T 64, batch 12, V 130)", ["objective", "ms / step", "ratio to CE", "extra"],
           [(n, f"{1000 * t:.1f}", f"{t / base:.3f}", f"{100 * (t / base - 1):+.1f} %")
@@ -111,27 +109,26 @@ def loss_time(objective_kwargs, n_layer, C, T, V, reps, device, dtype):
     autocast = autocast_context(device, dtype)
 
     def step():
+        for h in hidden:
+            h.grad = None
         with autocast:
             loss, _ = objective(None, hidden, targets, {"input": wte, "output": wte})
         loss.backward()
         if optimizer:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    times = []
-    for _ in range(1 + reps):
-        times.append(seconds(step, device))
-        for h in hidden:
-            h.grad = None
-    return statistics.median(times[1:])
+    return alternate({"term": step}, reps, 1, device)["term"]
 
 
 def paper_350m(args, device, dtype):
-    """t(24) = t(1) + 23 (t(2) - t(1)) from CE steps; each term timed alone at 24 blocks."""
-    C, T, V, L = 1024, 2048, 50304, 24
-    losses = {k: dict(v) for k, v in LOSSES.items() if k != "CE"}
-    losses["CE + SimReg chunk"]["simreg_chunk_size"] = 1024
+    C = 1024
+    T = 2048
+    V = 50304
+    L = 24
+    terms = {k: dict(v) for k, v in LOSSES.items() if k != "CE"}
+    terms["CE + SimReg chunk"]["simreg_chunk_size"] = 1024
     steps = {}
-    for n_layer, name, kw in [(1, "CE", {}), (2, "CE", {}), *((2, *loss) for loss in losses.items())]:
+    for n_layer, name, kw in [(1, "CE", {}), (2, "CE", {}), *((2, *term) for term in terms.items())]:
         config = GPTConfig(vocab_size=V, block_size=T, n_layer=n_layer, n_head=16, n_embd=C)
         steps[name, n_layer] = step_time(config, kw, 1, args.steps, args.warmup, device, dtype)
         print(f"  {name} step, {n_layer} block{'(s)' if name == 'CE' else 's'}: "
@@ -142,7 +139,7 @@ def paper_350m(args, device, dtype):
     rate = (6 * (2 * 12 * C * C + V * C) * T + 2 * 12 * C * T * T) / steps["CE", 2]
     rows = [("CE", f"{steps['CE', 2]:.2f}", "", f"{full:.1f}", "", "")]
     share = {}
-    for name, kw in losses.items():
+    for name, kw in terms.items():
         extra = loss_time(kw, L, C, T, V, args.steps * 4, device, dtype)
         print(f"  {name}: the term alone {extra:.3f} s", file=sys.stderr)
         share[name] = 100 * extra / full
@@ -185,14 +182,14 @@ def _status_kib(field):
 
 
 def memory_child(chunk_size):
-    """In a fresh process: SimReg forward + backward at T 2048, C 1024; prints how far the peak
-    resident set grew (writing 5 to /proc/self/clear_refs resets the peak, VmHWM, past torch's
-    own import peak)."""
+    """In a fresh process: SimReg forward + backward at T 2048, C 1024;
+    prints how far the peak resident set grew."""
     h = torch.randn(1, 2048, 1024, requires_grad=True)
     labels = torch.randint(0, 50304, (1, 2048))
     simreg(h[:, :8], labels[:, :8]).backward()  # load the kernels first
     h.grad = None
     before = _status_kib("VmRSS")
+    # resets the peak (VmHWM), past torch's own import peak
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
     simreg(h, labels, chunk_size=chunk_size or None).backward()
@@ -209,7 +206,6 @@ def simreg_memory(args, device, dtype):
 
 
 def efficiency_child(setting, steps, warmup):
-    """In a fresh process: the median CE step of a grid setting and its model FLOPs, as JSON."""
     keep_freed_memory()
     config, batch_size = EFFICIENCY_SETTINGS[setting]
     config = GPTConfig(**config)
@@ -242,8 +238,8 @@ def efficiency(args, device, dtype):
 
 
 def compile_step(args, device, dtype):
-    """The lowres CE step of an eager and a compiled copy of one model (train.py's compile key), in
-    turn; the first steps (compilation) are not timed."""
+    """The lowres CE step of an eager and a compiled copy of one model,
+    in turn; the first steps (compilation) are not timed."""
     torch.manual_seed(0)
     config = GPTConfig(vocab_size=130, block_size=64, n_layer=4, n_head=4, n_embd=128, bias=False)
     eager = build_model(config, device)

@@ -1,7 +1,6 @@
 """
-tools/bench.py's sections on what plan.py and the data and model code predict against what a run
-measures: gpu_memory, plan_memory, plan_comm (CollectiveBytes), prepare (prepare_c4.py) and moe.
-What each measures, and the results: docs/performance.md.
+tools/bench.py's sections on what plan.py and the data and model code
+predict against what a run measures. Results: docs/performance.md.
 """
 
 import gzip
@@ -38,8 +37,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 
 def expert_loop(moe, x):
-    """MixtureOfExperts.forward before issue 31: a loop over the experts, each on the tokens
-    routed to it, nothing dropped."""
+    """MixtureOfExperts.forward before issue 31: a loop over the experts,
+    nothing dropped."""
     probs = F.softmax(moe.router(x), dim=-1)
     top_p, top_e = probs.topk(moe.top_k, dim=-1)
     top_p = top_p / top_p.sum(dim=-1, keepdim=True)
@@ -52,15 +51,16 @@ def expert_loop(moe, x):
 
 
 def moe_times(C, H, N, steps, warmup, device, factors=(1.0, 1.25, 2.0, 0.0)):
-    """{way: (median seconds of forward + backward, median share of slots dropped)} of one MoE
-    layer (8 experts, top-2, weights N(0, 0.01): a near-uniform router) for each way in turn."""
+    """{way: (median seconds of forward + backward, median share of slots
+    dropped)} of one MoE layer, each way in turn; weights N(0, 0.01) make
+    the router near-uniform."""
     torch.manual_seed(0)
     moe = MixtureOfExperts(GPTConfig(arch="llama", n_embd=C, n_head=1, ffn_hidden=H, n_expert=8,
                                      top_k=2)).to(device)
     for p in moe.parameters():
         torch.nn.init.normal_(p, 0.0, 0.01)
     x = torch.randn(N, C, device=device)
-    routings = {"loop over experts (before)": None,  # -> (dropless, capacity_factor)
+    routings = {"loop over experts (before)": None,  # (dropless, capacity_factor)
                 **{f"static, capacity_factor {f}": (False, f) for f in factors},
                 "dropless (sorted by expert)": (True, 0.0)}
     dropped = {name: [] for name in routings}
@@ -89,11 +89,10 @@ PAPER_CONFIGS = ["c4_tiny", "baseline_350m", "baseline_1b3", "baseline_3b", "bas
 
 
 def gpu_memory(args, device, dtype):
-    paths = [os.path.join(REPO, "config", f"{name}.py") for name in PAPER_CONFIGS]
+    paths = {name: os.path.join(REPO, "config", f"{name}.py") for name in PAPER_CONFIGS}
     emit("\n### GPU memory of the paper configs (tools/memory_table.py, 8 GPUs)\n")
-    emit("\n".join(table_lines(paths, gpus=8)))
-    config = read_config(os.path.join(REPO, "config", "baseline_7b.py"))
-    n = plan.make_plan(config, 8, measure=False)["params"]
+    emit("\n".join(table_lines(paths.values(), gpus=8)))
+    n = plan.make_plan(read_config(paths["baseline_7b"]), 8, measure=False)["params"]
     emit("\nWeights, gradients and AdamW moments are fp32, 16 bytes per parameter: on one GPU the 7B "
          f"model's states alone are {16 * n / memory.GiB:.0f} GiB. With several micro-steps per step FSDP2 "
          f"also keeps the gradients unsharded between them (4 bytes per parameter, {4 * n / memory.GiB:.0f} "
@@ -114,8 +113,8 @@ PLAN_MEMORY_RUNS = [
 
 
 def peak_rss_gib(command):
-    """Peak resident GiB of a command's largest process (it or one it waited for, e.g. torchrun's
-    workers); the command must succeed."""
+    """Peak resident GiB of a command's largest process (it or one it
+    waited for, e.g. torchrun's workers)."""
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                text=True)
     _, status, usage = os.wait4(process.pid, 0)
@@ -125,8 +124,6 @@ def peak_rss_gib(command):
 
 
 def plan_memory(args, device, dtype):
-    """The plan's memory for a process (train.py's memory check) against the peak resident
-    memory of the same run, --repeats times."""
     data_dir = os.environ.get("PLAN_MEMORY_DATA", "data/c4_tiny")
     if not os.path.exists(os.path.join(REPO, data_dir, "meta.json")):
         raise UserError(f"plan_memory needs C4-format data in {data_dir}: python prepare_c4.py --from_text "
@@ -159,11 +156,11 @@ def plan_memory(args, device, dtype):
                 f"= {memory.CPU_HEAP_ALLOWANCE}, as fractions of the step's transient tensors.")
 
 
-# plan_comm's model: a 4096-token vocabulary, so that the blocks and the roots (embeddings, head,
-# NITP's head) weigh alike
+# a 4096-token vocabulary, so that the blocks and the roots (embeddings,
+# head, NITP's head) weigh alike
 COMM_MODEL = ["config/baseline_350m.py", "--n_layer=2", "--vocab_size=4096", "--block_size=64",
               "--batch_size=1", "--nitp_weight=1.0", "--grad_clip_mode=norm", "--dtype=float32"]
-# (the FSDP runs differ in micro-steps and in the all-gathers' dtype, and neither product is the other's)
+# (the FSDP runs vary micro-steps and the all-gathers' dtype apart)
 COMM_RUNS = {
     "DDP, 2 micro-steps": ["--parallel=ddp", "--global_batch_size=4"],
     "DDP, 4 micro-steps": ["--parallel=ddp", "--global_batch_size=8"],
@@ -177,16 +174,17 @@ COMM_RUNS = {
 
 
 class CollectiveBytes(TorchDispatchMode):
-    """Sums, by kind, the whole buffer of every collective called under it (c10d's ops, as DDP
-    and FSDP2 call them, and the functional ones); other collectives' calls by name. Not seen:
-    what a DTensor runs inside an op's dispatch (FSDP clipping's all-reduce of one scalar)."""
+    """Sums, by kind, the whole buffer of every collective called under it
+    (c10d's ops, as DDP and FSDP2 call them, and the functional ones);
+    other collectives' calls by name. Not seen: what a DTensor runs
+    inside an op's dispatch (FSDP clipping's all-reduce of one scalar)."""
 
     KINDS = {"gather": "all_gather", "reduce_scatter": "reduce_scatter", "allreduce": "all_reduce",
              "all_reduce": "all_reduce"}
 
     def __init__(self):
         super().__init__()
-        self.buffers = dict.fromkeys(("all_gather", "reduce_scatter", "all_reduce"), 0)
+        self.buffers = dict.fromkeys(self.KINDS.values(), 0)
         self.calls = Counter()
         self.other = Counter()
 
@@ -209,8 +207,9 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def comm_child():
-    """Under torchrun: one optimizer step of each of COMM_RUNS as train.py steps, counted by
-    CollectiveBytes; rank 0 prints a JSON line per run (bytes sent by plan.py's convention)."""
+    """Under torchrun: one optimizer step of each of COMM_RUNS, counted by
+    CollectiveBytes; rank 0 prints a JSON line per run (bytes sent by
+    plan.py's convention)."""
     rank, _, world = parallelism.init_distributed("cpu")
     for name, keys in COMM_RUNS.items():
         config = read_config(*COMM_MODEL, *keys)
@@ -293,8 +292,9 @@ def shard_lines(out_dir):
 
 
 def prepare_throughput(args, device, dtype):
-    """prepare_c4.py (a subprocess) with 1 and 2 workers, in turn with tiktoken on 1 thread over
-    the same documents; the C4 prediction uses CPU time, the work per token whatever the load."""
+    """prepare_c4.py with 1 and 2 workers, in turn with tiktoken on 1
+    thread over the same documents; the C4 prediction uses CPU time, the
+    work per token whatever the load."""
     import tiktoken
     from data import BPE_ENCODING
 
@@ -307,8 +307,7 @@ def prepare_throughput(args, device, dtype):
     # PREPARE_SCRIPT: another version of the script to time the same way (e.g. an older commit's)
     script = os.environ.get("PREPARE_SCRIPT", os.path.join(REPO, "prepare_c4.py"))
     enc = tiktoken.get_encoding(BPE_ENCODING)
-    runs = {1: [], 2: []}
-    tiktoken_runs, loop_runs, parse_runs = [], [], []
+    runs = {way: [] for way in ("tiktoken", "loop", "parse", 1, 2)}  # 1, 2: workers
     with tempfile.TemporaryDirectory(prefix="bench_prepare_", ignore_cleanup_errors=True) as work:
         big = os.path.join(work, "input.txt")  # documents of 12 speeches, as --from_text cuts them
         with open(big, "w", encoding="utf-8") as out:
@@ -316,7 +315,7 @@ def prepare_throughput(args, device, dtype):
                                   for i in range(0, len(speeches), PREPARE_DOC_PARAGRAPHS)) + "\n")
         out_dir = os.path.join(work, "c4")
         command = [sys.executable, script, "--from_text", big, "--shards", "4", "--out_dir", out_dir]
-        prepare = {w: partial(run_child, [*command, "--workers", str(w)], PYTHONPATH=REPO) for w in runs}
+        prepare = {w: partial(run_child, [*command, "--workers", str(w)], PYTHONPATH=REPO) for w in (1, 2)}
         prepare[1]()  # makes the shards
         lines = list(shard_lines(out_dir))
         docs = [json.loads(line)["text"] for line in lines]
@@ -331,7 +330,7 @@ def prepare_throughput(args, device, dtype):
             for line in shard_lines(out_dir):
                 json.loads(line)
         for _ in range(args.steps):
-            for workers in runs:
+            for workers in prepare:
                 for old in ("train", "val", "meta.json", "train.bin", "val.bin"):
                     path = os.path.join(out_dir, old)
                     if os.path.isdir(path):
@@ -339,20 +338,20 @@ def prepare_throughput(args, device, dtype):
                     elif os.path.exists(path):
                         os.remove(path)
                 runs[workers].append(wall_and_cpu(prepare[workers], children_cpu_seconds))
-                tiktoken_runs.append(wall_and_cpu(lambda: enc.encode_ordinary_batch(docs, num_threads=1)))
-            loop_runs.append(wall_and_cpu(encode_loop))
-            parse_runs.append(wall_and_cpu(parse_shards))
-    wall, cpu = map(statistics.median, zip(*tiktoken_runs))
+                runs["tiktoken"].append(wall_and_cpu(lambda: enc.encode_ordinary_batch(docs, num_threads=1)))
+            runs["loop"].append(wall_and_cpu(encode_loop))
+            runs["parse"].append(wall_and_cpu(parse_shards))
+    wall, cpu = map(statistics.median, zip(*runs["tiktoken"]))
 
     def row(what, measured, workers=None, tokens=True):
         w, c = map(statistics.median, zip(*measured))
         return (what, workers or "-", f"{w:.1f}", f"{json_bytes / 1e6 / w:.1f}",
                 f"{n_tokens / w / 1e6:.2f}" if tokens else "", f"{wall / w / (workers or 1):.2f}",
                 f"{c:.1f}", f"{cpu / c:.2f}")
-    rows = [row("tiktoken encode_ordinary_batch, 1 thread", tiktoken_runs),
-            row("tiktoken encode_ordinary, a loop", loop_runs, tokens=False),
-            row("gzip + JSON of the shards alone (no tokenising)", parse_runs, tokens=False),
-            *(row(f"{os.path.basename(script)} --workers {w}", runs[w], w) for w in runs)]
+    rows = [row("tiktoken encode_ordinary_batch, 1 thread", runs["tiktoken"]),
+            row("tiktoken encode_ordinary, a loop", runs["loop"], tokens=False),
+            row("gzip + JSON of the shards alone (no tokenising)", runs["parse"], tokens=False),
+            *(row(f"{os.path.basename(script)} --workers {w}", runs[w], w) for w in prepare)]
     table(f"prepare_c4.py against tiktoken, {json_bytes / 1e6:.0f} MB of JSON ({n_tokens / 1e6:.1f}M tokens, "
           f"{len(docs):,} documents, 5 shards), {os.cpu_count()} cores",
           ["", "workers", "wall s", "MB/s of JSON", "M tokens/s", "/ (tiktoken x workers)", "CPU s",
@@ -361,18 +360,17 @@ def prepare_throughput(args, device, dtype):
                 "over tiktoken's single-core speed times the workers (needs that many idle cores). CPU: all "
                 "the script's processes (main, workers, their start-up) against tiktoken's CPU time for the "
                 "same tokens.")
-    cpu_of = {w: statistics.median(c for _, c in runs[w]) for w in runs}
+    cpu_of = {way: statistics.median(c for _, c in r) for way, r in runs.items()}
     per_core = n_tokens / cpu_of[1]  # tokens per CPU-second of the script's one process
     startup = cpu_of[2] - cpu_of[1]
     shard_tokens = plan.C4_TOKENS_PER_SHARD
     shard_s = shard_tokens / per_core
     rounds = math.ceil(350 / 32)
-    parse_cpu = statistics.median(c for _, c in parse_runs)
     emit("- before issue 31 the main process decompressed and parsed every shard twice (a checking pass, "
          "then the batches it sent to the pool): it keeps at most tiktoken CPU s / (2 x gzip + JSON CPU s) "
-         f"= {cpu / (2 * parse_cpu):.1f} workers busy on this text, whatever the cores (less the pickling of "
-         "the batches); now each worker reads its own shards and the main process only downloads and writes "
-         "the index.")
+         f"= {cpu / (2 * cpu_of['parse']):.1f} workers busy on this text, whatever the cores "
+         "(less the pickling of the batches); now each worker reads its own shards and the main "
+         "process only downloads and writes the index.")
     emit(f"- predicted for 350 C4 shards (~{shard_tokens / 1e6:.0f}M tokens each) with 32 workers: "
          f"{shard_s:.0f} s of tokenising per shard and worker, {rounds} rounds of 32 shards = "
          f"{rounds * shard_s / 60:.0f} min (plus about {startup:.1f} CPU-s to start each worker: the "

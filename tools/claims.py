@@ -1,9 +1,8 @@
 """
-The papers' claims, each tested on our grids by one stated rule (RULE, stats.verdict). A claim
-names a method, its baseline on the same seeds, one measured quantity, the direction the paper
-reports and the paper's number; where the paper measured something else (a downstream
-benchmark, a bigger model), the toy's nearest quantity stands in for it. The rule and why it is
-this one: docs/statistics.md.
+The papers' claims, each tested on our grids by one stated rule (RULE,
+stats.verdict): a method against its baseline on the same seeds, one
+quantity, the paper's direction and number. The rule, and what stands in
+for what the toy cannot measure: docs/statistics.md.
 """
 
 import collections
@@ -26,8 +25,8 @@ def _metric(*path):
 
 
 def isotropy_authors_of(lang, of=metrics.isotropy_authors):
-    """The paper's I(W) (or `of`, e.g. metrics.isotropy_sign_range) of one language's rows
-    of a tied-weight char run's archived embedding (embedding.npz)."""
+    """The paper's I(W) (or `of`) of one language's rows of a tied-weight
+    char run's archived embedding.npz."""
     def value(run):
         with np.load(os.path.join(run["dir"], "embedding.npz")) as data:
             W = torch.from_numpy(data["wte"])
@@ -48,8 +47,8 @@ def val_curve(run_dir, key="val"):
 
 
 def steps_to_reach(curve, target):
-    """The first step at which a val curve reaches target, linearly interpolated between the
-    evaluation before and the one at or below it; None if it never does."""
+    """The first step at which a val curve reaches target, interpolated
+    between evaluations; None if it never does."""
     for (step0, v0), (step1, v1) in zip(curve, curve[1:]):
         if v1 <= target:
             return step0 + (v0 - target) / (v0 - v1) * (step1 - step0) if v0 > target else step0
@@ -57,30 +56,30 @@ def steps_to_reach(curve, target):
 
 
 def speed_up(method_dir, baseline_dir):
-    """SimReg's convergence claim on one seed: 1 - (steps the method needs to first reach the
-    baseline run's final val loss) / (the baseline's total steps); 0 if it never does."""
+    """SimReg's speed-up on one seed (docs/statistics.md)."""
     return speed_up_of_curves(val_curve(method_dir), val_curve(baseline_dir))
 
 
 def speed_up_of_curves(curve, baseline_curve):
-    """speed_up from the two val curves [(step, loss)]."""
+    """1 - (the steps curve needs to reach baseline_curve's final loss) /
+    (the baseline's steps); 0 if it never does."""
     steps = steps_to_reach(curve, baseline_curve[-1][1])
     return 0.0 if steps is None else 1.0 - steps / baseline_curve[-1][0]
 
 
 def claim(paper, method, quantity, value, direction, paper_says, paper_effect=None,
           baseline=None, kind="difference", digits=3, role="claim"):
-    """A claim: these arguments as a dict. value(run): the quantity; direction: +1 or -1, as
-    the paper reports it; paper_effect: the paper's own difference, where it ran this same toy;
-    baseline: None for the grid's. kind: "difference" (method - baseline), "relative" (method /
-    baseline - 1, in %) or "speed-up" (speed_up against the baseline). role: "claim"; "check"
-    (the loss lowered what it penalises: judged like a claim, but it reproduces nothing); or
-    "description" (measured beside a claim: not judged, outside the Holm adjustment)."""
+    """A claim: these arguments as a dict. value(run): the quantity;
+    direction: +1 or -1, as the paper reports it; paper_effect: the
+    paper's own difference, where it ran this same toy; baseline: None for
+    the grid's. kind: "difference" (method - baseline), "relative"
+    (method / baseline - 1, in %) or "speed-up". role: "claim", "check"
+    or "description" (docs/statistics.md)."""
     return dict(locals())
 
 
 DESCRIPTION = "description, not a claim"
-NO_RUNS = "no runs"  # the method or its baseline has no runs in the archive: nothing was tested
+NO_RUNS = "no runs"  # the method or its baseline has no archived runs
 CHECK_WORDS = {stats.REPRODUCES: "check passed", stats.NOT_SHOWN: "check not shown",
                stats.CONTRADICTED: "check failed"}
 
@@ -88,22 +87,23 @@ CHECK_WORDS = {stats.REPRODUCES: "check passed", stats.NOT_SHOWN: "check not sho
 SJ = "Stop Jostling"
 SR = "SimReg"
 DI = "Dispersion"
-# Stop Jostling's baseline and runs: a toy identical to ours, so its effect is on our scale
+LR_ACCURACY = _metric("low", "accuracy")
+HR_PPL = _metric("high", "ppl")
+# Stop Jostling's quantities (name, value, direction, its baseline's, digits) and its runs':
+# a toy identical to ours, so its effect is on our scale
+_SJ_QUANTITIES = (("LR PPL_best", _metric("low", "ppl_best"), -1, 10.63, 2),
+                  ("LR accuracy", LR_ACCURACY, +1, .315, 3),
+                  ("LR I(W), authors' way", isotropy_authors_of("low"), +1, .417, 3))
 _SJ_RUNS = {"margin 2": (9.62, .358, .642), "margin 1": (9.54, .371, .765),
             "margin 0.6 + SE": (6.17, .487, .762)}
-_SJ_BASE = (10.63, .315, .417)
 
 
 def _jostling_claims():
-    out = []
-    for method, (ppl_best, acc, iw) in _SJ_RUNS.items():
-        out += [claim(SJ, method, "LR PPL_best", _metric("low", "ppl_best"), -1,
-                      f"{_SJ_BASE[0]} → {ppl_best}", ppl_best - _SJ_BASE[0], digits=2),
-                claim(SJ, method, "LR accuracy", _metric("low", "accuracy"), +1,
-                      f"{_SJ_BASE[1]} → {acc}", acc - _SJ_BASE[1]),
-                claim(SJ, method, "LR I(W), authors' way", isotropy_authors_of("low"), +1,
-                      f"{_SJ_BASE[2]} → {iw}", iw - _SJ_BASE[2])]
-    return out + [
+    return [
+        *(claim(SJ, method, name, value, direction, f"{base} → {ours}", ours - base,
+                digits=digits)
+          for method, runs in _SJ_RUNS.items()
+          for (name, value, direction, base, digits), ours in zip(_SJ_QUANTITIES, runs)),
         claim(SJ, "margin 2", "LR Ratio of Average (%)",
               _marginalization("mean_ratio_of_average"), +1, "+12 % (margin not stated)", 12.0,
               kind="relative", digits=1),
@@ -112,10 +112,10 @@ def _jostling_claims():
               kind="relative", digits=1),
         claim(SJ, "margin 0.6 + SE", "12 cases (A/a, HR/LR) in top-3",
               _metric("translations", "cases_12"), +1, "0 → 10 of 12", 10.0, digits=1),
-        claim(SJ, "margin 0.6 + SE", "LR accuracy, SE's own effect", _metric("low", "accuracy"),
-              +1, "SE is needed for .487", None, baseline="margin 0.6"),
+        claim(SJ, "margin 0.6 + SE", "LR accuracy, SE's own effect", LR_ACCURACY, +1,
+              "SE is needed for .487", None, baseline="margin 0.6"),
         claim(SJ, "margin 0.6 + SE, rows not decayed", "LR accuracy, rows not decayed",
-              _metric("low", "accuracy"), +1, "none: the released SE decays its rows", None,
+              LR_ACCURACY, +1, "none: the released SE decays its rows", None,
               baseline="margin 0.6 + SE")]
 
 
@@ -163,8 +163,8 @@ _RARE_AT_T1 = claim(SJ, "margin 0.6 + SE", "rare-target PPL at T = 1 (%)",
 
 CLAIMS = {
     "jostling": _jostling_claims(),
-    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", _metric("low", "accuracy"), +1,
-                     ".315 → .487", .487 - .315),
+    "lowres": [claim(SJ, "margin 0.6 + SE", "LR accuracy", LR_ACCURACY, +1, ".315 → .487",
+                     .487 - .315),
                claim(SJ, "margin 0.6 + SE", "LR PPL_best", _metric("low", "ppl_best"), -1,
                      "10.63 → 6.17", 6.17 - 10.63, digits=2)] + _lm_claims("high"),
     "bpe": [claim(SJ, "margin 0.6 + SE", "rare-target MRR", _metric("rare", "mrr"), +1,
@@ -183,16 +183,28 @@ CLAIMS = {
 }
 
 
+def _hr_ppl_twice(method, says, versus, versus_name, versus_says):
+    """method's HR PPL claims against CE and against the method versus."""
+    return [claim(DI, method, "HR PPL", HR_PPL, -1, says, digits=2),
+            claim(DI, method, f"HR PPL, against {versus_name}", HR_PPL, -1, versus_says,
+                  baseline=versus, digits=2)]
+
+
 # Not the papers' claims: dispersion as its authors' released code computes it
 # (docs/fidelity.md), against CE and against the paper's form, Holm-adjusted on their own.
 FORM_CLAIMS = {"lowres": [
     c for method in ("dispersion", "dispersion l2_repel", "dispersion orthogonalization")
-    for c in (claim(DI, f"{method}, authors' form", "HR PPL", _metric("high", "ppl"), -1,
-                    _DISPERSION_SAYS[method], digits=2),
-              claim(DI, f"{method}, authors' form", "HR PPL, against the paper's form",
-                    _metric("high", "ppl"), -1,
-                    "form not stated (↓: the released form does better)", baseline=method,
-                    digits=2))]}
+    for c in _hr_ppl_twice(f"{method}, authors' form", _DISPERSION_SAYS[method], method,
+                           "the paper's form",
+                           "form not stated (↓: the released form does better)")]}
+
+# Issue 40's ablation (results/preregistration.md, T6): the released l2_repel's norm term
+# alone, against CE and against the released l2_repel, Holm-adjusted on their own.
+NORM_METHOD = "dispersion l2_repel norm term alone, authors' form"
+NORM_CLAIMS = {"lowres": _hr_ppl_twice(
+    NORM_METHOD, "none: an ablation (↓: the norm term alone helps)",
+    "dispersion l2_repel, authors' form", "the released l2_repel",
+    "none (within ±0.04: the norm term is the released l2_repel's effect)")}
 
 
 def paired_values(c, runs, baseline):
@@ -214,10 +226,10 @@ def paired_cell(result, digits, direction=None):
     mean = f"{result['mean']:+.{digits}f}"
     if result["low"] is None:
         return f"{mean} (1 seed)"
-    going = direction if direction is not None else (1 if result["mean"] >= 0 else -1)
-    k = result["up"] if going > 0 else result["down"]
+    up = result["mean"] >= 0 if direction is None else direction > 0
+    k = result["up"] if up else result["down"]
     return (f"{mean} [{result['low']:+.{digits}f}, {result['high']:+.{digits}f}], "
-            f"{k}/{result['n']} {'up' if going > 0 else 'down'}")
+            f"{k}/{result['n']} {'up' if up else 'down'}")
 
 
 RULE = ("Verdict rule, the same for every row: for each claim the seeds shared by the method and "
@@ -284,14 +296,3 @@ def claims_table(grid, runs, baseline, family=None, with_rule=True):
     header = ("paper", "method", "vs", "quantity", "paper's claim", "ours: mean [95 % CI], k/n",
               "Holm p", "verdict", "paper's effect in CI")
     return ([RULE, ""] if with_rule else []) + markdown_table(header, rows) + ["", summary]
-
-
-# Issue 40's ablation (results/preregistration.md, T6): the released l2_repel's norm term
-# alone, against CE and against the released l2_repel, Holm-adjusted on their own.
-NORM_METHOD = "dispersion l2_repel norm term alone, authors' form"
-NORM_CLAIMS = {"lowres": [
-    claim(DI, NORM_METHOD, "HR PPL", _metric("high", "ppl"), -1,
-          "none: an ablation (↓: the norm term alone helps)", digits=2),
-    claim(DI, NORM_METHOD, "HR PPL, against the released l2_repel", _metric("high", "ppl"), -1,
-          "none (within ±0.04: the norm term is the released l2_repel's effect)",
-          baseline="dispersion l2_repel, authors' form", digits=2)]}

@@ -2,8 +2,6 @@
 Run a named grid of methods x seeds (tools/grids.py) and write its results table, e.g.
 
     python -m tools.compare jostling               # the Stop Jostling reproduction (its Sec. 4)
-    python -m tools.compare lowres                 # every loss on the char experiment
-    python -m tools.compare bpe                    # every loss on the GPT-2 BPE toy
     python -m tools.compare jostling --table_only  # only rebuild results/jostling.md
     python -m tools.compare lowres --methods CE SimReg --seeds 1337 --archive out/short \\
         --max_iters=400
@@ -19,7 +17,7 @@ import signal
 import sys
 
 from configurator import check_values, parse_config, train_defaults, train_rules
-from errors import UserError, end_with
+from errors import run_script
 from tools import figures
 from tools.grid_figures import make_figures
 from tools.grids import GRIDS, runs_of
@@ -70,8 +68,7 @@ def main(argv=None):
     names = ("results", "archive") + (() if args.table_only else ("root",))
     if not args.table_only:
         check_overrides(args.grid, overrides)
-    # before hours of runs: writable folders, no unlike runs (runner.UnlikeRuns) in the
-    # archive and the root
+    # before hours of runs: writable folders, like runs in the archive and the root
     for name in names:
         check_writable(getattr(args, name), f"--{name}", directory=True)
     for name in names[1:]:
@@ -91,21 +88,19 @@ def main(argv=None):
         table += FIGURES + "\n" + "\n\n".join(links) + "\n"
     elif figures._pyplot() is None:
         table += kept_figures(path)
-    os.makedirs(args.results, exist_ok=True)
     save_text(table, path)
     print(table)
     print(f"wrote {path}")
 
 
 def kept_figures(path):
-    """The Figures section of the table at path, saying the figures were not redrawn: a call
-    without matplotlib keeps the links of the last call that drew them, or says why there
-    are none."""
+    """A call without matplotlib's Figures section: the links of the page
+    at path under NOT_REDRAWN, or why there are none."""
     old = open(path, encoding="utf-8").read() if os.path.exists(path) else ""
     if FIGURES not in old:
         return (FIGURES + "\nNone: matplotlib (an optional extra, requirements-extras.txt) is "
                 "not installed.\n")
-    kept = old[old.index(FIGURES) + len(FIGURES):].replace(NOT_REDRAWN + "\n\n", "")
+    kept = old.partition(FIGURES)[2].replace(NOT_REDRAWN + "\n\n", "")
     return FIGURES + "\n" + NOT_REDRAWN + "\n" + kept
 
 
@@ -129,8 +124,6 @@ def selection(grid, methods, seeds):
 
 if __name__ == "__main__":
     try:
-        main()
-    except UserError as e:  # the one place a problem the user can fix ends the process
-        end_with(e)
-    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: run_grid printed what stopped and what goes on
+        run_script(main)
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM: run_grid printed what stopped
         sys.exit(130)

@@ -39,24 +39,24 @@ def main(argv=None):
             cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
     print(f"training {', '.join(RUNS)} for {args.max_iters} steps each, at once "
           f"(logs: {args.out_dir}/*.log)")
-    reports = {}
+    reports = []
     for name, (out, run) in runs.items():
         if run.wait():
             with open(out + ".log") as f:
                 sys.exit(f"the {name} run failed:\n" + f.read()[-2000:])
         with open(os.path.join(out, "marginalization.json")) as f:
-            reports[name] = json.load(f)
+            reports.append(json.load(f))
     print(f"Ratio of Average of the {args.rows} rarest low-resource rows after "
           f"{args.max_iters} steps (< 1: moved mostly as a wrong answer)\n")
     cells = lambda values, spec=">11": " ".join(f"{v:{spec}}" for v in values)  # noqa: E731
     print(f"{'token':>6} {'in text':>7} " + cells(RUNS))
-    rarest = {name: report["tokens_rarest_first"] for name, report in reports.items()}
-    for i, row in enumerate(rarest["CE"][:args.rows]):
-        ratios = [rarest[name][i]["ratio_of_average"] for name in RUNS]
+    rarest = [report["tokens_rarest_first"] for report in reports]
+    for i, row in enumerate(rarest[0][:args.rows]):
+        ratios = [rows[i]["ratio_of_average"] for rows in rarest]
         print(f"{row['char']!r:>6} {row['train_count']:>7} " + cells(ratios, ">11.3f"))
-    means = [report["mean_ratio_of_average"] for report in reports.values()]
+    means = [report["mean_ratio_of_average"] for report in reports]
     print(f"\n{'all rows':>14} " + cells(means, ">11.3f") + "   (mean)")
-    below = [report["n_ratio_of_average_below_1"] for report in reports.values()]
+    below = [report["n_ratio_of_average_below_1"] for report in reports]
     print(f"{'rows < 1':>14} " + cells(below))
 
 

@@ -76,33 +76,32 @@ def gpt2_weights(sd, config):
     out = {"transformer.wte.weight": sd["wte.weight"], "transformer.wpe.weight": sd["wpe.weight"],
            "transformer.ln_f.weight": sd["ln_f.weight"],
            "transformer.ln_f.bias": bias("ln_f.bias", C)}
+    widths = {"ln_1": C, "ln_2": C, "attn.c_attn": 3 * C, "attn.c_proj": C,
+              "mlp.c_fc": 4 * C, "mlp.c_proj": C}
     for i in range(config.n_layer):
-        ours = f"h.{i}."
-        hf = f"transformer.h.{i}."
-        for name in ("ln_1", "ln_2"):
-            out[hf + name + ".weight"] = sd[ours + name + ".weight"]
-            out[hf + name + ".bias"] = bias(ours + name + ".bias", C)
-        for name, width in (("attn.c_attn", 3 * C), ("attn.c_proj", C), ("mlp.c_fc", 4 * C),
-                            ("mlp.c_proj", C)):
-            out[hf + name + ".weight"] = sd[ours + name + ".weight"].t()
-            out[hf + name + ".bias"] = bias(ours + name + ".bias", width)
+        for name, width in widths.items():
+            ours = f"h.{i}.{name}."
+            hf = f"transformer.h.{i}.{name}."
+            out[hf + "weight"] = sd[ours + "weight"].t()  # a norm's vector stays as it is
+            out[hf + "bias"] = bias(ours + "bias", width)
     return out
 
 
 def llama_weights(sd, config):
     """HF LLaMA / Mixtral weights (one w1/w2/w3 per expert, as every
     transformers version loads them); interleaved q and k permuted."""
-    interleaved = config.rope_layout != "half"
-    half = lambda w: permute_heads(w, config.n_head) if interleaved else w  # noqa: E731
     out = {"model.embed_tokens.weight": sd["wte.weight"], "model.norm.weight": sd["ln_f.weight"]}
     for i in range(config.n_layer):
         ours = f"h.{i}."
         hf = f"model.layers.{i}."
         q, k, v = sd[ours + "attn.wqkv.weight"].split(config.n_embd)
+        if config.rope_layout != "half":
+            q = permute_heads(q, config.n_head)
+            k = permute_heads(k, config.n_head)
         out.update({hf + "input_layernorm.weight": sd[ours + "attn_norm.weight"],
                     hf + "post_attention_layernorm.weight": sd[ours + "mlp_norm.weight"],
-                    hf + "self_attn.q_proj.weight": half(q),
-                    hf + "self_attn.k_proj.weight": half(k),
+                    hf + "self_attn.q_proj.weight": q,
+                    hf + "self_attn.k_proj.weight": k,
                     hf + "self_attn.v_proj.weight": v,
                     hf + "self_attn.o_proj.weight": sd[ours + "attn.wo.weight"]})
         moe = hf + "block_sparse_moe."
@@ -117,13 +116,14 @@ def llama_weights(sd, config):
     return out
 
 
-def hf_config(config, special):
+def hf_config(config, tokenizer):
     """The transformers config of the same model (eps 1e-5, no dropout,
-    block_size positions)."""
+    block_size positions), naming the tokenizer's bos / eos / pad ids."""
     import transformers
 
-    common = dict(vocab_size=config.vocab_size, tie_word_embeddings=config.tie_weights,
-                  **special)
+    common = {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None)
+              for name in ("bos", "eos", "pad")}
+    common.update(vocab_size=config.vocab_size, tie_word_embeddings=config.tie_weights)
     if config.arch == "gpt2":
         return transformers.GPT2Config(
             n_positions=config.block_size, n_embd=config.n_embd, n_layer=config.n_layer,
@@ -162,19 +162,30 @@ def dataset_meta(ckpt, path, data_dir):
     return None, f"no meta.json at {where} (pass --data_dir=...)"
 
 
-def make_tokenizer(meta, config):
-    """hf_tokenizer.build's tokenizer of meta, or None."""
-    if meta is None:
-        return None
+def save_tokenizer(meta, source, config, directory):
+    """Save the tokenizer of meta (from source) into directory; returns
+    it, or None, and a note saying what was saved."""
+    kind = None if meta is None else hf_tokenizer.vocabulary(meta)
+    if kind is None:
+        if meta is not None:
+            source = f"unknown tokenizer {meta.get('tokenizer')!r} in {source}"
+        return None, f"no tokenizer: {source}"
     n_chars = len(meta.get("itos", ()))
     if n_chars > config.vocab_size:
         raise ExportError(f"the dataset's vocabulary has {n_chars} characters but the model "
                           f"only {config.vocab_size} tokens: this meta.json does not belong "
                           "to this checkpoint")
     try:
-        return hf_tokenizer.build(meta, config.block_size)
+        if kind == "char":
+            tokenizer = hf_tokenizer.char_tokenizer(meta["itos"], config.block_size)
+        else:
+            tokenizer = hf_tokenizer.bpe_tokenizer(config.block_size)
     except (DataError, ValueError) as e:
         raise ExportError(f"cannot build the tokenizer: {e}") from None
+    tokenizer.save_pretrained(directory)
+    edit_json(os.path.join(directory, "tokenizer_config.json"),
+              tokenizer_class="PreTrainedTokenizerFast")
+    return tokenizer, f"{kind} tokenizer from {source}"
 
 
 @torch.no_grad()
@@ -291,17 +302,8 @@ def export(path, out_dir, data_dir=None, overwrite=False, tokenizer=True, check=
         os.makedirs(parent, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        tok = make_tokenizer(meta, config)
-        if tok is not None:
-            tok.save_pretrained(tmp)
-            edit_json(os.path.join(tmp, "tokenizer_config.json"),
-                      tokenizer_class="PreTrainedTokenizerFast")
-            note = f"{hf_tokenizer.vocabulary(meta)} tokenizer from {source}"
-        elif meta is not None:
-            note = f"no tokenizer: unknown tokenizer {meta.get('tokenizer')!r} in {source}"
-        else:
-            note = f"no tokenizer: {source}"
-        cfg = hf_config(config, hf_tokenizer.special_ids(tok))
+        tok, note = save_tokenizer(meta, source, config, tmp)
+        cfg = hf_config(config, tok)
         cfg.save_pretrained(tmp)
         if config.arch == "llama":
             edit_json(os.path.join(tmp, "config.json"), rope_theta=config.rope_theta)

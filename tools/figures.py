@@ -20,15 +20,14 @@ def _pyplot():
     return plt
 
 
-def _save(fig, plt, path):
+def _save(fig, path):
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
-    plt.close(fig)
+    _pyplot().close(fig)
     return path
 
 
 def method_colours(methods):
-    """One fixed, distinct colour per method (tab10, then Dark2: 18 in all), the same in every
-    figure of a grid."""
+    """{method: its colour}, the same in every figure of a grid."""
     plt = _pyplot()
     palette = ([plt.get_cmap("tab10")(i) for i in range(10)]
                + [plt.get_cmap("Dark2")(i) for i in range(8)])
@@ -36,11 +35,11 @@ def method_colours(methods):
 
 
 def _panels(n_panels, width, height, ncols=3):
-    """(plt, figure, its first n_panels axes) on a grid of ncols columns; None without
-    matplotlib or panels."""
+    """(figure, its first n_panels axes) on a grid of ncols columns;
+    (None, []) without matplotlib or panels."""
     plt = _pyplot()
     if plt is None or not n_panels:
-        return None
+        return None, []
     ncols = min(ncols, n_panels)
     nrows = (n_panels + ncols - 1) // ncols
     fig, axes = plt.subplots(nrows, ncols, figsize=(width * ncols, height * nrows), squeeze=False,
@@ -48,23 +47,22 @@ def _panels(n_panels, width, height, ncols=3):
     flat = list(axes.flat)
     for ax in flat[n_panels:]:
         ax.set_visible(False)
-    return plt, fig, flat[:n_panels]
+    return fig, flat[:n_panels]
 
 
-def _titled(ax, title):
+def _titled(ax, title, axis="both"):
     ax.set_title(title, fontsize=8)
-    ax.tick_params(labelsize=7)
-    ax.grid(alpha=0.3)
+    ax.tick_params(axis=axis, labelsize=7)
+    ax.grid(axis=axis, alpha=0.3)
 
 
 def forest_plot(panels, path, baseline="baseline", colours=None):
     """panels: {metric: [(method, mean, low, high, n), ...]} -> one panel per metric, a
     horizontal interval per method, and the zero line (no difference to the baseline)."""
     methods = list(dict.fromkeys(m for rows in panels.values() for m, *_ in rows))
-    drawn = _panels(len(panels), 3.6, 0.32 * len(methods) + 1.2)
-    if drawn is None:
+    fig, axes = _panels(len(panels), 3.6, 0.32 * len(methods) + 1.2)
+    if fig is None:
         return None
-    plt, fig, axes = drawn
     colours = colours or method_colours(methods)
     for k, (ax, (metric, rows)) in enumerate(zip(axes, panels.items())):
         for method, mean, low, high, _ in rows:
@@ -76,20 +74,17 @@ def forest_plot(panels, path, baseline="baseline", colours=None):
         labels = methods if k % 3 == 0 else [""] * len(methods)
         ax.set_yticks(range(len(methods)), labels, fontsize=7)
         ax.invert_yaxis()
-        ax.set_title(f"{metric}, method − {baseline}", fontsize=8)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.grid(axis="x", alpha=0.3)
-    return _save(fig, plt, path)
+        _titled(ax, f"{metric}, method − {baseline}", axis="x")
+    return _save(fig, path)
 
 
 def strip_plot(panels, path, references=None, colours=None):
     """panels: {metric: {method: [value per seed]}}; references: {metric: (label, value)} drawn
     as a dashed line (e.g. the paper's single run). A short bar marks each method's mean."""
     methods = list(dict.fromkeys(m for per_method in panels.values() for m in per_method))
-    drawn = _panels(len(panels), max(4.0, 0.55 * len(methods) + 1.0), 3.4, ncols=2)
-    if drawn is None:
+    fig, axes = _panels(len(panels), max(4.0, 0.55 * len(methods) + 1.0), 3.4, ncols=2)
+    if fig is None:
         return None
-    plt, fig, axes = drawn
     colours = colours or method_colours(methods)
     jitter = np.random.default_rng(0)
     for ax, (metric, per_method) in zip(axes, panels.items()):
@@ -107,17 +102,16 @@ def strip_plot(panels, path, references=None, colours=None):
         ax.set_xticks(range(len(methods)), methods, rotation=40, ha="right", fontsize=7)
         ax.set_title(f"{metric}: one point per seed, bar = mean", fontsize=8)
         ax.grid(axis="y", alpha=0.3)
-    return _save(fig, plt, path)
+    return _save(fig, path)
 
 
 def val_loss_differences(differences, path, baseline="baseline", ylabel="val loss", colours=None):
     """differences: {method: (steps, [per-seed differences to the baseline at those steps])} ->
     small multiples, one per method: the mean difference and the band of -+ 2 standard errors."""
-    drawn = _panels(len(differences), 3.2, 2.4, ncols=4)
-    if drawn is None:
+    fig, axes = _panels(len(differences), 3.2, 2.4, ncols=4)
+    if fig is None:
         return None
-    plt, fig, axes = drawn
-    colours = colours or method_colours(list(differences))
+    colours = colours or method_colours(differences)
     for ax, (method, (steps, per_seed)) in zip(axes, differences.items()):
         d = np.asarray(per_seed, dtype=float)
         mean = d.mean(axis=0)
@@ -128,17 +122,16 @@ def val_loss_differences(differences, path, baseline="baseline", ylabel="val los
         ax.axhline(0, color="k", lw=0.7)
         _titled(ax, f"{method} ({len(d)} seeds)")
     axes[0].set_ylabel(f"{ylabel}, method − {baseline}", fontsize=7)
-    return _save(fig, plt, path)
+    return _save(fig, path)
 
 
 def seed_curves(curves, path, ylabel, colours=None):
     """curves: {method: {seed: (steps, values)}} -> one panel per method, one line per seed, on
     a shared y axis (its top skips the first tenth of each curve)."""
-    drawn = _panels(len(curves), 3.6, 2.6)
-    if drawn is None:
+    fig, axes = _panels(len(curves), 3.6, 2.6)
+    if fig is None:
         return None
-    plt, fig, axes = drawn
-    colours = colours or method_colours(list(curves))
+    colours = colours or method_colours(curves)
     low = min(min(v) for per_seed in curves.values() for _, v in per_seed.values())
     high = max(max(v[len(v) // 10:]) for per_seed in curves.values() for _, v in per_seed.values())
     for ax, (method, per_seed) in zip(axes, curves.items()):
@@ -147,16 +140,15 @@ def seed_curves(curves, path, ylabel, colours=None):
         ax.set_ylim(low - 0.02 * (high - low), high)
         _titled(ax, f"{method} ({len(per_seed)} seeds)")
     axes[0].set_ylabel(ylabel, fontsize=7)
-    return _save(fig, plt, path)
+    return _save(fig, path)
 
 
 def marked_curves(panels, path, ylabel):
     """panels: {title: {label: (steps, values, marked)}} -> one panel each, one line per run,
     the marked runs in red (on top) and labelled, the rest grey."""
-    drawn = _panels(len(panels), 4.0, 2.8)
-    if drawn is None:
+    fig, axes = _panels(len(panels), 4.0, 2.8)
+    if fig is None:
         return None
-    plt, fig, axes = drawn
     for ax, (title, runs) in zip(axes, panels.items()):
         for label, (steps, values, marked) in sorted(runs.items(), key=lambda item: item[1][2]):
             ax.plot(steps, values, color="tab:red" if marked else "0.6", lw=1.0 if marked else 0.7,
@@ -165,16 +157,15 @@ def marked_curves(panels, path, ylabel):
             ax.legend(fontsize=6)
         _titled(ax, f"{title} ({len(runs)} runs)")
     axes[0].set_ylabel(ylabel, fontsize=7)
-    return _save(fig, plt, path)
+    return _save(fig, path)
 
 
 def condensation_heatmaps(histograms, path):
     """histograms: {method: (depths, bins) fractions of pairwise cosines in equal bins over
     [-1, 1]} -> per method, depth x cosine (the dispersion paper's picture of condensation)."""
-    drawn = _panels(len(histograms), 4.0, 3.0, ncols=4)
-    if drawn is None:
+    fig, axes = _panels(len(histograms), 4.0, 3.0, ncols=4)
+    if fig is None:
         return None
-    plt, fig, axes = drawn
     for k, (ax, (method, hist)) in enumerate(zip(axes, histograms.items())):
         hist = np.asarray(hist)
         image = ax.imshow(hist, aspect="auto", origin="lower",
@@ -185,7 +176,7 @@ def condensation_heatmaps(histograms, path):
             ax.set_ylabel("depth (0 = embedding)")
         label = "fraction of pairs" if k % 4 == 3 else None
         fig.colorbar(image, ax=ax, fraction=0.046, label=label)
-    return _save(fig, plt, path)
+    return _save(fig, path)
 
 
 def letter_order(itos, shift):
@@ -196,25 +187,21 @@ def letter_order(itos, shift):
 
 
 def _embedding_panels(embeddings, itos):
-    """(plt, figure, [(axis, method, (V, C) float64 rows)], letter_order's
-    rows and letters), one panel per method in a row; None without matplotlib."""
-    drawn = _panels(len(embeddings), 5, 4.6, ncols=len(embeddings))
-    if drawn is None:
-        return None
-    plt, fig, axes = drawn
+    """(figure, [(axis, method, float64 rows)], *letter_order), a panel
+    per method in one row; the figure is None without matplotlib."""
+    fig, axes = _panels(len(embeddings), 5, 4.6, ncols=len(embeddings))
     panels = [(ax, method, np.asarray(E, dtype=np.float64))
               for ax, (method, E) in zip(axes, embeddings.items())]
-    return plt, fig, panels, *letter_order(itos, len(itos))
+    return fig, panels, *letter_order(itos, len(itos))
 
 
 def embedding_similarity(embeddings, itos, path):
     """embeddings: {method: (V, C) array with V = 2 * len(itos) (HR rows, then LR rows)} ->
-    the cosine of every pair of rows, letters sorted, HR block then LR (Stop Jostling Fig. 5):
-    twins show up as the off-diagonal stripes."""
-    drawn = _embedding_panels(embeddings, itos)
-    if drawn is None:
+    the cosine of every pair of rows, letters sorted, HR block then LR
+    (Stop Jostling Fig. 5)."""
+    fig, panels, order, letters = _embedding_panels(embeddings, itos)
+    if fig is None:
         return None
-    plt, fig, panels, order, letters = drawn
     n = len(letters)
     for ax, method, W in panels:
         W = W[order]
@@ -226,16 +213,15 @@ def embedding_similarity(embeddings, itos, path):
         ax.axhline(n - 0.5, color="k", lw=0.5)
         ax.axvline(n - 0.5, color="k", lw=0.5)
         fig.colorbar(image, ax=ax, fraction=0.046)
-    return _save(fig, plt, path)
+    return _save(fig, path)
 
 
 def embedding_pca(embeddings, itos, path):
-    """Every letter's HR and LR row on the first two principal components of all rows, joined
-    (Stop Jostling Fig. 6)."""
-    drawn = _embedding_panels(embeddings, itos)
-    if drawn is None:
+    """Every letter's HR and LR row on the first two principal components
+    of all rows, joined (Stop Jostling Fig. 6)."""
+    fig, panels, order, letters = _embedding_panels(embeddings, itos)
+    if fig is None:
         return None
-    plt, fig, panels, order, letters = drawn
     n = len(letters)
     for ax, method, W in panels:
         centred = W - W.mean(axis=0)
@@ -250,4 +236,4 @@ def embedding_pca(embeddings, itos, path):
             ax.annotate(ch, xy[i], fontsize=6)
         ax.set_title(method, fontsize=9)
         ax.legend(fontsize=7)
-    return _save(fig, plt, path)
+    return _save(fig, path)

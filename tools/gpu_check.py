@@ -6,10 +6,7 @@ section, each figure printed beside what plan.py predicts for it.
     python -m tools.gpu_check --smoke              # the same code at tiny sizes on the CPU (< 1 min)
     python -m tools.gpu_check --sections 3,5       # only these sections (a rerun after a fix)
 
-Each section is time-boxed: one that fails or runs out of time writes its figures so far and its
-one-line error, and the next one runs. --smoke writes nowhere unless --out is given;
-tests/test_gpu_check.py runs it, so the code stays working between GPU windows. What each section
-measures, and how to run the check on a lent GPU machine: docs/devices.md, "The GPU check".
+Its sections, their time boxes and how to run it on a lent GPU machine: docs/devices.md.
 """
 
 import argparse
@@ -27,8 +24,7 @@ from tools.gpu_measurements import (checkpoint_dcp, end_to_end, loss_costs, mach
                                     throughput_350m, wide_7b)
 from tools.gpu_steps import PLAN_MFU, REPO, Check, GiB, SectionSkipped
 
-# Sizes: the GPU's (the issue's) and --smoke's (the same code in seconds on 2 CPU cores).
-# `shrink` overrides every config's width so that the smoke run's models are tiny.
+# `shrink` overrides every config's width: the smoke run's models are tiny
 SIZES = {
     "gpu": dict(matmul=8192, loss_shape=(4, 256, 256, 2048),
                 small=dict(n_embd=256, n_head=4, block_size=256, ffn_hidden=512, vocab_size=2048),
@@ -58,7 +54,7 @@ class SectionTimeout(Exception):
 
 
 def run_section(check, number):
-    """One section under its time box; its figures so far and a one-line error if it fails."""
+    """One section under its time box; -> whether it passed."""
     title, fn = SECTIONS[number]
     left = check.deadline - time.monotonic()
     check.line(f"\n## {number}. {title}\n")
@@ -79,10 +75,10 @@ def run_section(check, number):
     start = len(check.text)
     try:
         fn(check)
-        failed_checks = sum("**FAILED**" in line for line in check.text[start:])
-        if failed_checks:
+        failed = sum("**FAILED**" in line for line in check.text[start:])
+        if failed:
             ok = False
-            check.line(f"\n**FAILED**: {failed_checks} of this section's checks (marked above)")
+            check.line(f"\n**FAILED**: {failed} of this section's checks (marked above)")
     except SectionSkipped as e:
         check.line(f"\nskipped: {e}")
     except Exception as e:  # noqa: BLE001 -- the next section must run whatever this one hit
@@ -102,7 +98,7 @@ def run_section(check, number):
     return ok
 
 
-def header(check, argv):
+def header(check):
     if check.cuda:
         props = torch.cuda.get_device_properties(check.device)
         gpu = f"{props.name}, {props.total_memory / GiB:.1f} GiB, {props.multi_processor_count} SMs"
@@ -112,7 +108,7 @@ def header(check, argv):
     check.line(f"- device: {gpu}")
     check.line(f"- torch {torch.__version__}, CUDA {torch.version.cuda}, Python {sys.version.split()[0]}")
     check.line(f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC")
-    check.line(f"- command: `python -m tools.gpu_check {' '.join(argv)}`")
+    check.line(f"- command: `python -m tools.gpu_check {' '.join(sys.argv[1:])}`")
     check.line(f"- MFU is against {check.peak / 1e12:.0f} TFLOP/s (the H100/H200 bf16 dense datasheet peak); "
                f"the plan's times assume MFU {PLAN_MFU}"
                if check.cuda else "- MFU is against this CPU's measured bf16 matmul")
@@ -120,7 +116,6 @@ def header(check, argv):
 
 
 def main():
-    argv = sys.argv[1:]
     parser = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0])
     parser.add_argument("--smoke", action="store_true",
                         help="tiny sizes on the CPU, nothing written unless --out")
@@ -131,10 +126,10 @@ def main():
     parser.add_argument("--budget", type=float, default=None,
                         help="seconds for the whole check, each section also time-boxed "
                              "(default 330; --smoke: 3600)")
-    args = parser.parse_args(argv)
+    args = parser.parse_args()
     try:
         sections = [int(s) for s in args.sections.split(",")]
-        assert sections and all(s in SECTIONS for s in sections)
+        assert all(s in SECTIONS for s in sections)
     except (ValueError, AssertionError):
         parser.error(f"--sections must be numbers from 1 to {len(SECTIONS)} separated by commas, got "
                      f"{args.sections!r}")
@@ -148,7 +143,7 @@ def main():
     if args.budget is None:
         args.budget = 3600 if args.smoke else 330
     check = Check(device, SIZES["smoke" if args.smoke else "gpu"], args.out, args.data_dir, args.budget)
-    header(check, argv)
+    header(check)
     t0 = time.monotonic()
     failed = [n for n in sections if not run_section(check, n)]
     check.line(f"\nTotal: {time.monotonic() - t0:.0f} s; sections failed: "

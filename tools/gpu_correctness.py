@@ -13,10 +13,9 @@ from model import GPTConfig, build_model
 from optim import apply_gradients
 from tools.gpu_steps import build, time_step
 
-LOSS_TOLERANCE = 2e-2  # relative, value and gradient, bf16 autocast on the device vs float64 on the CPU
+LOSS_TOLERANCE = 2e-2  # relative (L2), of the value and of each input gradient
 
-# each kind of block, the MoE's static and dropless routings (on a GPU the dropless one runs
-# torch._grouped_mm, moe.py)
+# each kind of block; the MoE's static and dropless routings
 MODELS = {"gpt2": {"arch": "gpt2"}, "llama": {"arch": "llama"},
           "llama MoE": {"arch": "llama", "n_expert": 4},
           "llama MoE dropless": {"arch": "llama", "n_expert": 4, "moe_routing": "dropless"}}
@@ -27,12 +26,13 @@ def verdict(ok):
 
 
 def relative_error(a, b):
-    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    a = a.detach().double().cpu()
+    b = b.detach().double().cpu()
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
 def loss_cases(B, T, C, V):
-    """name -> fn(tensors) -> scalar, on inputs drawn here: every loss of losses.py."""
+    """name -> fn(loss_inputs) -> scalar: every loss of losses.py."""
     cases = {"cross_entropy": lambda t: losses.cross_entropy(t["logits"], t["y"]),
              "cross_entropy, margin 0.6": lambda t: losses.cross_entropy(t["logits"], t["y"], margin=0.6),
              "simreg": lambda t: losses.simreg(t["h_condensed"], t["y_small"]),
@@ -58,18 +58,18 @@ def loss_inputs(B, T, C, V, device, dtype):
          "wte": torch.randn(V, C, generator=generator) / math.sqrt(C),
          "y": torch.randint(0, V, (B, T), generator=generator),
          "y_small": torch.randint(0, 8, (B, T), generator=generator)}  # repeated labels: SimReg has positives
-    return {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device))
+    return {k: v.to(device, dtype if v.is_floating_point() else None)
             .requires_grad_(v.is_floating_point()) for k, v in t.items()}
 
 
 def correctness(check):
-    B, T, C, V = check.sizes["loss_shape"]
+    shape = check.sizes["loss_shape"]
     rows = []
-    for name, fn in loss_cases(B, T, C, V).items():
-        reference = loss_inputs(B, T, C, V, "cpu", torch.float64)
+    for name, fn in loss_cases(*shape).items():
+        reference = loss_inputs(*shape, "cpu", torch.float64)
         value64 = fn(reference)
         value64.backward()
-        device_inputs = loss_inputs(B, T, C, V, check.device, torch.float32)
+        device_inputs = loss_inputs(*shape, check.device, torch.float32)
         with check.autocast:
             value = fn(device_inputs)
         value.backward()
@@ -77,7 +77,7 @@ def correctness(check):
                                                      for k in reference if reference[k].grad is not None]
         rows.append((name, f"{value64.item():.6f}", f"{value.item():.6f}", f"{errors[0]:.1e}",
                      f"{max(errors[1:]):.1e}", verdict(max(errors) <= LOSS_TOLERANCE)))
-    check.line(f"Each loss on (B, T, C, V) = {(B, T, C, V)}: float32 inputs on {check.device} under bf16 "
+    check.line(f"Each loss on (B, T, C, V) = {shape}: float32 inputs on {check.device} under bf16 "
                "autocast against the same inputs in float64 on the CPU; relative error (L2) of the value "
                f"and of the worst input gradient, tolerance {LOSS_TOLERANCE:g}. (T <= "
                f"{losses.AUTHORS_MAX_POSITIONS}: beyond it the authors' dispersion draws a random subset of "
@@ -85,7 +85,6 @@ def correctness(check):
     check.table(["loss", "float64 (CPU)", f"bf16 autocast ({check.device})", "value error", "gradient error",
                  ""], rows)
 
-    # each of MODELS forward and backward against float64 on the CPU, then compiled whole
     rows = []
     compiled = []
     for name, keys in MODELS.items():
@@ -105,7 +104,7 @@ def correctness(check):
     check.table(["block", "graphs", "graph breaks", "recompiles", "first step s", "later step ms", ""],
                 compiled)
 
-    # fused AdamW (configure_optimizers') against the unfused one on the same gradients
+    # configure_optimizers' fused AdamW
     torch.manual_seed(0)
     params = [torch.randn(64, 64, device=check.device) for _ in range(3)]
     results = {}
@@ -123,27 +122,28 @@ def correctness(check):
                f"{difference:.1e} (the steps moved the weights by up to {moved:.1e}): "
                f"{verdict(difference <= 1e-6)}")
 
-    # float16 with loss scaling: an overflowing step is skipped and the scale halves (optim.apply_gradients)
+    # float16: an overflowing step is skipped and the scale halves
     config = check.config("config/c4_tiny.py", **check.sizes["small"], n_layer=1, compile=False)
     trained, optimizers = build(check, config)
     model = trained.model
-    scaler = torch.amp.GradScaler(torch.device(check.device).type, init_scale=2.0 ** 16)
+    scale = 2.0 ** 16
+    scaler = torch.amp.GradScaler(check.device, init_scale=scale)
     before = [p.detach().clone() for p in model.parameters()]
     x = torch.randint(0, config["vocab_size"], (2, 8), device=check.device)
-    with torch.autocast(torch.device(check.device).type, dtype=torch.float16):
+    with torch.autocast(check.device, dtype=torch.float16):
         loss = losses.cross_entropy(model(x), x) * 1e30  # fp16's largest is 65504: the gradients overflow
     scaler.scale(loss).backward()
     stepped = apply_gradients(optimizers, scaler)
     unchanged = all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     check.line(f"- float16 + loss scaling, an overflowing step: stepped {stepped}, weights unchanged "
-               f"{unchanged}, scale {2.0 ** 16:g} -> {scaler.get_scale():g}: "
-               f"{verdict(not stepped and unchanged and scaler.get_scale() < 2.0 ** 16)}")
+               f"{unchanged}, scale {scale:g} -> {scaler.get_scale():g}: "
+               f"{verdict(not stepped and unchanged and scaler.get_scale() < scale)}")
 
     check.line(f"- scaled_dot_product_attention, causal, bf16: {attention_kernels(check)}")
 
 
 def attention_kernels(check):
-    """The kernels that one causal attention forward + backward runs (profiler), at the 350M shape."""
+    """The kernels of one causal attention forward + backward at the 350M shape."""
     heads, T = (16, 2048) if check.cuda else (2, 32)
     q, k, v = (torch.randn(1, heads, T, 64, device=check.device, dtype=torch.bfloat16, requires_grad=True)
                for _ in range(3))
@@ -156,7 +156,7 @@ def attention_kernels(check):
 
 
 def against_float64(check, config):
-    """The model's CE under bf16 autocast on the device against float64 on the CPU: a report row."""
+    """A report row: the model's CE under bf16 autocast against float64 on the CPU."""
     cfg = GPTConfig.from_config(config, config["vocab_size"])
     torch.manual_seed(0)
     reference = build_model(cfg, "cpu").double()
@@ -168,10 +168,10 @@ def against_float64(check, config):
     with check.autocast:
         loss = losses.cross_entropy(model(x.to(check.device)), x.to(check.device))
     loss.backward()
-    grads = dict(model.named_parameters())
-    errors = {n: relative_error(grads[n].grad, p.grad) for n, p in reference.named_parameters()}
+    params = dict(model.named_parameters())
+    errors = {n: relative_error(params[n].grad, p.grad) for n, p in reference.named_parameters()}
     worst = max(errors, key=errors.get)
-    whole = relative_error(torch.cat([grads[n].grad.flatten().cpu() for n in errors]),
+    whole = relative_error(torch.cat([params[n].grad.flatten().cpu() for n in errors]),
                            torch.cat([p.grad.flatten() for p in reference.parameters()]))
     loss_error = relative_error(loss, loss64)
     return (f"{loss64.item():.5f}", f"{loss.item():.5f}", f"{loss_error:.1e}", f"{whole:.1e}",
@@ -179,14 +179,14 @@ def against_float64(check, config):
 
 
 def dynamo_graphs():
-    """(graphs compiled, graph breaks) so far in this process (torch._dynamo's counters)."""
+    """(graphs compiled, graph breaks) so far in this process."""
     from torch._dynamo.utils import counters
     return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
 
 
 def compiled_steps(check, config):
-    """The model compiled as a fresh train.py process would (no earlier graphs to reuse): a report
-    row of its first step's graphs and graph breaks, 3 later steps' recompiles, their times."""
+    """A report row: the model compiled afresh, its first step's graphs and graph breaks,
+    3 later steps' recompiles, their times."""
     torch._dynamo.reset()
     graphs0, breaks0 = dynamo_graphs()
     run = time_step(check, config, 2, 1, 0, 1)

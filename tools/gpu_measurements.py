@@ -20,9 +20,8 @@ import memory
 import plan
 from model import GPT
 from objective import Objective, Trained
-from optim import configure_optimizers
-from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, random_batches, time_step,
-                             train_step)
+from tools.gpu_steps import (GiB, MFU_GOAL, PLAN_MFU, REPO, build, optimizers_of, random_batches,
+                             time_step, train_step)
 from utils import measure_matmul_flops, read_log, seconds
 
 
@@ -39,17 +38,16 @@ def plan_gib(config):
 
 
 def plan_ms(check, flops):
-    """The plan's milliseconds for `flops` at its assumed MFU."""
     return 1000 * flops / (PLAN_MFU * check.peak)
 
 
 # Issue 62's changes to the 350M step, each switched back in turn to measure its gain on the same
 # GPU in the same process: (row, config keys, residual stream in the compute dtype, batch divisor)
+BEFORE = {"rope_layout": "interleaved", "ce_chunk_size": 0}
 STEP_CHANGES = (
     ("as before (interleaved RoPE in fp32, whole fp32 logits, fp32 residual), half the batch",
-     {"rope_layout": "interleaved", "ce_chunk_size": 0}, False, 2),
-    ("as before, at the batch the bf16 plan picks",
-     {"rope_layout": "interleaved", "ce_chunk_size": 0}, False, 1),
+     BEFORE, False, 2),
+    ("as before, at the batch the bf16 plan picks", BEFORE, False, 1),
     ("+ RoPE in the half-split layout, in bf16", {"ce_chunk_size": 0}, False, 1),
     ("+ LM head and cross-entropy in chunks (ce_chunk_size)", {}, False, 1),
     ("+ residual stream in bf16: the config as it is", {}, True, 1))
@@ -58,8 +56,7 @@ LOSS_TOLERANCE = 2e-2  # bf16 autocast: the layouts and precisions round differe
 
 
 def throughput_350m(check):
-    """baseline_350m.py on this one device, batch_size='auto' as train.py resolves it; each row of
-    STEP_CHANGES built and compiled afresh."""
+    """baseline_350m.py, batch_size='auto', then each row of STEP_CHANGES."""
     config = check.config("config/baseline_350m.py", parallel="none", compile=True, dtype=check.dtype)
     if check.cuda:
         config["batch_size"] = memory.device_batch_size(config, 1, config["vocab_size"], check.device)
@@ -83,8 +80,7 @@ def throughput_350m(check):
             losses_seen.append(loss)
         rows.append((name, f"{b} x {T}", f"{1000 * run.s:.1f}", f"{b * T / run.s:,.0f}",
                      f"{run.mfu:.3f}", f"{loss:.4f}", f"{run.allocated:.1f}"))
-    # the config as it is: the last row
-    kernels = top_kernels(check, run.step)
+    kernels = top_kernels(check, run.step)  # the config as it is: the last row
     check.shared["350m"] = (config, run)
     check.line(f"baseline_350m.py, one {check.device}, batch_size='auto' -> {B} x {T} tokens per step, bf16 "
                f"autocast, blocks compiled; {check.sizes['steps']} timed steps after "
@@ -110,34 +106,34 @@ def throughput_350m(check):
 
 
 # each kernel counts in the first kind whose words its name holds (cuDNN's attention is "wgmma")
-KERNEL_KINDS = (
-    ("attention (SDPA)", ("sdpa", "flash", "fmha", "attention", "dot_do_o", "convert_dq")),
-    ("optimizer (fused AdamW)", ("adam",)),
-    ("cross-entropy, softmax", ("softmax", "nll_loss", "cross_entropy")),
-    ("inductor's fused kernels (Triton)", ("triton",)),
-    ("matmuls (cuBLAS / CUTLASS)", ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm",
-                                    "aten::bmm")))
+KERNEL_KINDS = {
+    "attention (SDPA)": ("sdpa", "flash", "fmha", "attention", "dot_do_o", "convert_dq"),
+    "optimizer (fused AdamW)": ("adam",),
+    "cross-entropy, softmax": ("softmax", "nll_loss", "cross_entropy"),
+    "inductor's fused kernels (Triton)": ("triton",),
+    "matmuls (cuBLAS / CUTLASS)": ("gemm", "nvjet", "cutlass", "xmma", "aten::mm", "aten::addmm",
+                                   "aten::bmm")}
 
 
 def top_kernels(check, step):
     """[(kernel, share of the device time, calls)] of two steps: the top 8 kernels, then each
     kind's total."""
     def two_steps():
-        for _ in range(2):
-            step()
+        step()
+        step()
 
     def own_time(e):
         return e.self_device_time_total if check.cuda else e.self_cpu_time_total
 
     def kind_of(e):
-        return next((kind for kind, words in KERNEL_KINDS if any(w in e.key.lower() for w in words)),
-                    "other")
+        return next((kind for kind, words in KERNEL_KINDS.items()
+                     if any(w in e.key.lower() for w in words)), "other")
     events = [e for e in check.profiled(two_steps)
               if own_time(e) > 0 and (check.cuda or e.key.startswith("aten::"))]
     total = sum(own_time(e) for e in events) or 1
     events.sort(key=own_time, reverse=True)
     rows = [(f"`{e.key[:80]}`", f"{own_time(e) / total:.3f}", e.count) for e in events[:8]]
-    for kind in [k for k, _ in KERNEL_KINDS] + ["other"]:
+    for kind in [*KERNEL_KINDS, "other"]:
         share = sum(own_time(e) for e in events if kind_of(e) == kind) / total
         rows.append((f"all {kind}", f"{share:.3f}", ""))
     return rows
@@ -167,8 +163,7 @@ def loss_costs(check):
                 for k, v in keys.items()}
         trained = Trained(model, Objective.from_config({**config, **keys}).to(check.device))
         trained.objective.init_weights()
-        optimizers = configure_optimizers(model, 1e-4, 0.1, (0.9, 0.95),
-                                          extra_modules=[trained.objective])
+        optimizers = optimizers_of(trained)
         ratio = f"{plan.training_flops_per_token(model, trained.objective, B * T) / base_flops:.3f}"
         check.reset_memory()
         try:
@@ -190,26 +185,27 @@ def wide_7b(check):
     B = check.sizes["wide_batch"]
     T = check.sizes["wide_seq"]
     micro = check.sizes["wide_micro"]
-    measured = {}
+    measured = []
+    rows = []
     for layers in (2, 4):
         config = check.config("config/simreg_7b.py", n_layer=layers, batch_size=B, block_size=T,
                               global_batch_size=B * micro, compile=True, dtype=check.dtype)
         run = time_step(check, config, B, micro, 1, 2, fsdp=True)
-        measured[layers] = {"allocated": run.allocated, "reserved": run.reserved,
-                            "micro_s": run.s / micro, "first": run.first, "plan": plan_gib(config),
-                            "flops": run.flops, "mfu": run.mfu}
+        m = {"allocated": run.allocated, "plan": plan_gib(config), "micro_s": run.s / micro,
+             "flops": run.flops}
+        measured.append(m)
+        rows.append((f"{layers} blocks", f"{m['allocated']:.2f}", f"{run.reserved:.2f}",
+                     f"{m['plan']:.2f}", f"{1000 * m['micro_s']:.1f}", f"{run.mfu:.3f}",
+                     f"{run.first:.1f}"))
         run = None  # freed before the next depth is built
-    per_block = {k: (measured[4][k] - measured[2][k]) / 2
-                 for k in ("allocated", "plan", "micro_s", "flops")}
-    at_32 = {k: measured[2][k] + 30 * per_block[k] for k in per_block}
+    two, four = measured
+    per_block = {k: (four[k] - two[k]) / 2 for k in two}
+    at_32 = {k: two[k] + 30 * per_block[k] for k in two}
     p7b = plan.make_plan(check.config("config/simreg_7b.py"), processes=64, gpu="H100")
     check.line(f"simreg_7b.py's width (4096, 32 heads, SwiGLU 11008, V 50304) at 2 and 4 blocks: batch {B} x "
                f"{T}, {micro} micro-steps, bf16, blocks compiled, activation checkpointing, SimReg, FSDP on "
                "one process with the weights kept gathered. Plan: train.py's memory check for the same "
                "config on one process.\n")
-    rows = [(f"{layers} blocks", f"{m['allocated']:.2f}", f"{m['reserved']:.2f}", f"{m['plan']:.2f}",
-             f"{1000 * m['micro_s']:.1f}", f"{m['mfu']:.3f}", f"{m['first']:.1f}")
-            for layers, m in measured.items()]
     rows.append(("per block (4 - 2)", f"{per_block['allocated']:.3f}", "", f"{per_block['plan']:.3f}",
                  f"{1000 * per_block['micro_s']:.1f}", "", ""))
     rows.append(("32 blocks, extrapolated", f"{at_32['allocated']:.1f}", "", f"{at_32['plan']:.1f}",
@@ -229,10 +225,8 @@ def wide_7b(check):
 
 
 def cross_entropy_transient(check):
-    """The LM head and cross-entropy's forward + backward on 8 x 2048 bf16 states of the 7B's width
-    (C 4096, V 50304), whole (the head's bf16 logits, then losses.cross_entropy) and in chunks
-    (losses.linear_cross_entropy at the config's ce_chunk_size): the device's peak above its inputs,
-    against what the plan counts (memory.PeakTensorBytes on the meta device)."""
+    """The LM head and cross-entropy's peak above its inputs at the 7B's width, whole and in
+    chunks (losses.linear_cross_entropy): on the device, and as the plan counts it on meta."""
     B, T = check.sizes["wide_batch"], check.sizes["wide_seq"]
     C, V = (4096, 50304) if check.cuda else (64, 512)
     chunk = check.config("config/simreg_7b.py")["ce_chunk_size"]
@@ -243,10 +237,9 @@ def cross_entropy_transient(check):
         h = torch.randn(B, T, C, device=check.device, dtype=torch.bfloat16, requires_grad=True)
         w = (torch.randn(V, C, device=check.device, dtype=torch.bfloat16) * 0.02).requires_grad_()
         y = torch.randint(0, V, (B, T), device=check.device)
-        base = torch.cuda.memory_allocated() if check.cuda else 0
+        base = torch.cuda.memory_allocated() / GiB if check.cuda else 0
         loss(h, w, y).backward()
-        check.synchronize()
-        device_gib = (torch.cuda.max_memory_allocated() - base) / GiB if check.cuda else float("nan")
+        device_gib = check.peak_gib()[0] - base
         del h, w
         with memory.PeakTensorBytes() as counter:
             h, w = (torch.empty(*shape, device="meta", dtype=torch.bfloat16, requires_grad=True)
@@ -259,8 +252,7 @@ def cross_entropy_transient(check):
 
 
 def moe_figures(check, B, routing):
-    """One routing of baseline_moe_8x1b.py at 2 blocks: (ms per step, the plan's, the report's
-    (measured, plan) cells of each of MOE_FIGURES)."""
+    """One routing at 2 blocks: (ms per step, the plan's, rows of (figure, measured, plan))."""
     torch._dynamo.reset()
     config = check.config("config/baseline_moe_8x1b.py", n_layer=2, batch_size=B, global_batch_size=B,
                           parallel="none", compile=True, dtype=check.dtype, moe_routing=routing,
@@ -271,23 +263,16 @@ def moe_figures(check, B, routing):
         raise RuntimeError(f"the router's loss is not finite ({routing})")
     ms = 1000 * run.s
     planned = plan_ms(check, run.flops)
-    return ms, planned, [(f"{ms:.1f}", f"{planned:.1f} (MFU {PLAN_MFU})"),
-                         (f"{run.mfu:.3f}", ""),
-                         (f"{aux:.4f}", ""),
-                         (f"{float(run.trained.model.dropped_fraction):.4f}", "0"),
-                         (f"{run.allocated:.1f}", f"{plan_gib(config):.1f}"),
-                         (f"{run.first:.1f}", "")]
-
-
-MOE_FIGURES = ("ms per step", "MFU (the work each path does)",
-               "router load-balancing loss (1 = balanced, 8 = one expert)",
-               "share of routed slots dropped", "max allocated GiB",
-               "first step (compilation included), s")
+    return ms, planned, [
+        ("ms per step", f"{ms:.1f}", f"{planned:.1f} (MFU {PLAN_MFU})"),
+        ("MFU (the work each path does)", f"{run.mfu:.3f}", ""),
+        ("router load-balancing loss (1 = balanced, 8 = one expert)", f"{aux:.4f}", ""),
+        ("share of routed slots dropped", f"{float(run.trained.model.dropped_fraction):.4f}", "0"),
+        ("max allocated GiB", f"{run.allocated:.1f}", f"{plan_gib(config):.1f}"),
+        ("first step (compilation included), s", f"{run.first:.1f}", "")]
 
 
 def moe_8x1b(check):
-    """The config's dropless routing against the static path at capacity N (every expert computes
-    every token: nothing dropped either), the same model and batch, measured one after the other."""
     B = check.sizes["moe_batch"]
     T = check.config("config/baseline_moe_8x1b.py")["block_size"]
     d_ms, d_plan, dropless = moe_figures(check, B, "dropless")
@@ -298,14 +283,13 @@ def moe_8x1b(check):
                "torch._grouped_mm where this torch has it) and 'capacity' at capacity_factor 0 (every "
                "expert computes every token, the padded work counted in its plan and MFU).\n")
     check.table(["figure", "dropless", "plan", "capacity N", "plan"],
-                [(name, *d, *c) for name, d, c in zip(MOE_FIGURES, dropless, capacity)])
+                [(*d, *c[1:]) for d, c in zip(dropless, capacity)])
     check.line(f"\ndropless / capacity N, ms per step: {d_ms / c_ms:.2f} "
                f"(the plan: {d_plan / c_plan:.2f})")
 
 
 def whole_copy(state):
-    """state (nests of dicts, lists and tuples) with each tensor gathered whole and copied (so
-    that it survives the run that produced it)."""
+    """state (nested dicts, lists, tuples), each tensor gathered whole and copied."""
     from torch.distributed.tensor import DTensor
 
     def whole(tensor):
@@ -314,8 +298,7 @@ def whole_copy(state):
 
 
 def largest_difference(a, b):
-    """max |a - b| over the tensors of two states (nests of dicts, lists and tuples); inf where
-    their structure or their numbers differ."""
+    """max |a - b| over two states' tensors; inf where their structure or other leaves differ."""
     a, a_spec = tree_flatten(a)
     b, b_spec = tree_flatten(b)
     pairs = list(zip(a, b))
@@ -334,7 +317,6 @@ def checkpoint_dcp(check):
     batches = [random_batches(config, 2, 1, check.device, seed=s) for s in range(3)]
 
     def weights_after(trained, optimizers, steps):
-        """The model's weights, gathered, after a step on each of `steps`."""
         for b in steps:
             train_step(check, trained, optimizers, b)
         return whole_copy(trained.model.state_dict())
@@ -397,7 +379,7 @@ def end_to_end(check):
             f"--device={check.device}", *check.sizes["e2e_args"]), check.device)
         log = read_log(os.path.join(out_dir, "log.jsonl"))
         evals = [r for r in log if "val" in r]
-        steps = [r for r in log if "ms_per_iter" in r]
+        ms = statistics.median(r["ms_per_iter"] for r in log if "ms_per_iter" in r)
         sample = script("sample.py", os.path.join(out_dir, "best.pt"), "--max_new_tokens=40",
                         "--num_samples=1", f"--device={check.device}")
     text = sample.strip().split("\n---")[0].replace("\n", " ")[:160]
@@ -408,7 +390,7 @@ def end_to_end(check):
     check.table(["figure", "measured"], [
         ("wall time of train.py, s (start, compilation, evaluations included)", f"{wall:.1f}"),
         ("validation loss at step 0 -> last", f"{evals[0]['val']:.3f} -> {evals[-1]['val']:.3f}"),
-        ("median ms per step (logged)", f"{statistics.median(r['ms_per_iter'] for r in steps):.1f}"),
+        ("median ms per step (logged)", f"{ms:.1f}"),
         ("sample.py", f"`{text}`")])
     if not evals[-1]["val"] < evals[0]["val"]:
         raise RuntimeError("the validation loss did not fall")

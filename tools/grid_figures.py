@@ -1,20 +1,21 @@
 """
-The figures of a grid's archived runs (tools/compare.py draws them after
-tools/report.py has written the grid's table), drawn with
-tools/figures.py's functions. Notes: docs/grids.md.
+The figures of a grid's archived runs, drawn by tools/compare.py after
+tools/report.py has written the grid's page. Notes: docs/grids.md.
 """
 
+import operator
 import os
 
 import numpy as np
 
 from tools import claims, figures, preregistered, stats, transition
-from tools.grid_runs import Grid, paired_columns
+from tools.grid_runs import Grid
 from tools.grids import PAPER_SE_LR_ACCURACY, SEEDS
 
 # the grids with a twin figure: the transition's, and issue 40's T3 and T5
 TWIN_FIGURES = {"jostling": transition, "jostling_prereg": preregistered,
                 "jostling_swap": preregistered}
+SUMMARY = operator.itemgetter("mean", "low", "high", "n")
 
 
 def make_figures(grid, root, out_dir):
@@ -39,41 +40,35 @@ def make_figures(grid, root, out_dir):
             written.append((title, os.path.relpath(path, out_dir)))
 
     forest = {}
-    for title, lang, key in paired_columns(results):
-        # perplexities in the hundreds (BPE) vary by orders of magnitude: relative changes
+    for title, lang, key in g.paired_columns():
         baseline_mean = np.mean([r[lang][key] for r in results[baseline].values()])
         relative = "ppl" in key and baseline_mean > 100
         kind = "relative" if relative else "difference"
-        rows = []
-        for method in methods[1:]:
-            change = g.paired(method, lang, key, kind, baseline)
-            if change:
-                r = stats.paired(change)
-                rows.append((method, r["mean"], r["low"], r["high"], r["n"]))
-        forest[f"{title} (%)" if relative else title] = rows
+        changes = [(m, g.paired(m, lang, key, kind, baseline)) for m in methods[1:]]
+        forest[f"{title} (%)" if relative else title] = [
+            (m, *SUMMARY(stats.paired(change))) for m, change in changes if change]
     add(f"Paired differences to {baseline} (same seeds), mean and 95 % t interval",
         figures.forest_plot(forest, png("forest"), baseline, colours))
 
-    def per_seed(get):
-        return {m: [get(r) for r in results[m].values()] for m in methods}
+    def per_seed(part, key):
+        return {m: [r[part][key] for r in results[m].values()] for m in methods}
     references = None
     if g.low_resource:
-        strips = {"LR accuracy": per_seed(lambda r: r["low"]["accuracy"]),
+        strips = {"LR accuracy": per_seed("low", "accuracy"),
                   "twin in top-3 (fraction of 130 rows)":
-                      per_seed(lambda r: r["translations"]["twin_top3_fraction"])}
+                      per_seed("translations", "twin_top3_fraction")}
         references = {"LR accuracy": ("paper, margin 0.6 + SE (1 run)", PAPER_SE_LR_ACCURACY)}
     else:
-        strips = {"PPL": per_seed(lambda r: r["val"]["ppl"]),
-                  "accuracy": per_seed(lambda r: r["val"]["accuracy"])}
+        strips = {"PPL": per_seed("val", "ppl"), "accuracy": per_seed("val", "accuracy")}
         if all("rare" in r for m in methods for r in results[m].values()):
-            strips["rare-target MRR"] = per_seed(lambda r: r["rare"]["mrr"])
+            strips["rare-target MRR"] = per_seed("rare", "mrr")
     add("Every seed's value per method",
         figures.strip_plot(strips, png("seeds"), references, colours))
 
     differences = {}
     for method in methods[1:]:
-        if isinstance(g.methods[method][0], tuple):
-            continue  # a chained run's log holds its last stage (the fine-tune): not on one axis
+        if isinstance(g.methods[method][0], tuple):  # chained: a log of its last stage
+            continue
         rows = [[dict(claims.val_curve(g.runs[m][seed]["dir"])) for m in (method, baseline)]
                 for seed in sorted(set(results[method]) & set(results[baseline]))]
         if not rows:
@@ -88,7 +83,7 @@ def make_figures(grid, root, out_dir):
             differences, png("val_loss"), baseline,
             "mixed HR/LR val loss" if g.low_resource else "val loss", colours))
 
-    if g.low_resource:  # the LR val loss of every seed of the Stop Jostling trio: does any depart?
+    if g.low_resource:
         trio = (baseline, "margin 0.6", "margin 0.6 + SE")
         curves = {m: {seed: tuple(zip(*claims.val_curve(run["dir"], "val_low")))
                       for seed, run in g.runs[m].items()}
@@ -103,8 +98,8 @@ def make_figures(grid, root, out_dir):
         if geometries:
             histograms[method] = np.mean(
                 [np.asarray(geo["cosine_histograms"]) for geo in geometries], axis=0)
-    split = "HR val" if g.low_resource else "val"  # char grids: the HR language
     if histograms:
+        split = "HR val" if g.low_resource else "val"
         add(f"Condensation: pairwise-cosine histogram per depth ({split}, mean over seeds)",
             figures.condensation_heatmaps(histograms, png("condensation")))
 

@@ -1,7 +1,6 @@
 """
-A grid's archived runs as every part of its report reads them
-(tools/report.py's tables, tools/grid_figures.py's figures,
-tools/preregistered.py's tests). Notes: docs/grids.md.
+A grid's archived runs, as its page, its figures and
+tools/preregistered.py read them. Notes: docs/grids.md.
 """
 
 import os
@@ -9,22 +8,6 @@ import os
 from tools import claims
 from tools.grids import GRIDS, runs_of
 from tools.identity import read_json
-
-
-def paired_columns(results):
-    """(title, language, metric) of the paired-difference table and the forest plot."""
-    runs = [r for per_seed in results.values() for r in per_seed.values()]
-    if any("low" in r for r in runs):
-        return [("LR acc", "low", "accuracy"), ("LR MRR", "low", "mrr"),
-                ("LR PPL_best", "low", "ppl_best"), ("HR acc", "high", "accuracy"),
-                ("HR PPL_best", "high", "ppl_best"), ("LR I(W)", "low", "isotropy")]
-    columns = [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
-               ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
-    if runs and all("rare" in r for r in runs):
-        columns += [("rare acc", "rare", "accuracy"), ("rare PPL", "rare", "ppl")]
-        if all("ppl_at_t_best" in r["rare"] for r in runs):  # runs since evaluate.py measures it
-            columns.append(("rare PPL_best", "rare", "ppl_at_t_best"))
-    return columns
 
 
 class Grid:
@@ -48,6 +31,21 @@ class Grid:
         self.low_resource = any("low" in r for per_seed in self.results.values()
                                 for r in per_seed.values())
         self.langs = ("high", "low") if self.low_resource else ("val",)
+
+    def paired_columns(self):
+        """(title, language, metric) of the paired-difference table and the forest plot."""
+        if self.low_resource:
+            return [("LR acc", "low", "accuracy"), ("LR MRR", "low", "mrr"),
+                    ("LR PPL_best", "low", "ppl_best"), ("HR acc", "high", "accuracy"),
+                    ("HR PPL_best", "high", "ppl_best"), ("LR I(W)", "low", "isotropy")]
+        columns = [("acc", "val", "accuracy"), ("MRR", "val", "mrr"), ("PPL", "val", "ppl"),
+                   ("PPL_best", "val", "ppl_best"), ("I(W)", "val", "isotropy")]
+        runs = [r for per_seed in self.results.values() for r in per_seed.values()]
+        if runs and all("rare" in r for r in runs):
+            columns += [("rare acc", "rare", "accuracy"), ("rare PPL", "rare", "ppl")]
+            if all("ppl_at_t_best" in r["rare"] for r in runs):  # not in older runs
+                columns.append(("rare PPL_best", "rare", "ppl_at_t_best"))
+        return columns
 
     def every_method(self):
         """The tables' methods, then the grid's extra runs (grids.EXTRA_RUNS) that have results."""

@@ -2,8 +2,7 @@
 The comparison grids: which methods, which config files, how many seeds,
 and the papers' numbers to print beside ours. A method is one config file
 (a tuple of them is a chain: stage k starts from stage k-1's best.pt).
-tools/compare.py runs a grid; results/README.md says why each has its
-seeds.
+results/README.md says what each grid is for and why it has its seeds.
 """
 
 import os
@@ -64,37 +63,29 @@ GRIDS = {
         "CWT + FT": (("config/bpe_cwt.py", "config/bpe_cwt_ft.py"), 5),
         "SimReg + dispersion": ("config/bpe_simreg_dispersion.py", 5),
     },
-    # issue 40, T7: the BPE toy's SimReg rows at 4x the steps, the schedule scaled
-    "bpe_1600": {
+    "bpe_1600": {  # issue 40, T7: 4x the steps, the schedule scaled
         "CE": ("config/bpe_baseline_1600.py", 5),
         "SimReg": ("config/bpe_simreg_1600.py", 5),
         "SimReg chunk 32": ("config/bpe_simreg_chunk_1600.py", 5),
     },
-    # issue 44: bpe's CE and margin 0.6 + SE again with later code, which measures
-    # the rare targets' PPL at the best temperature (Stop Jostling's PPL_best rule)
-    "bpe_rare": {
+    "bpe_rare": {  # issue 44: bpe's runs again, rare targets at PPL_best
         "CE": ("config/bpe_baseline.py", 5),
         "margin 0.6 + SE": ("config/bpe_margin_0.6_se.py", 5),
     },
-    # issue 40, pre-registered: margin 0.6 and CE on 24 fresh seeds, margin 0.6
-    # also with the next seed's data order (EXTRA_RUNS)
-    "jostling_prereg": {
+    "jostling_prereg": {  # issue 40, pre-registered
         "baseline": ("config/lowres_ce.py", FRESH_SEEDS),
         "margin 0.6": ("config/lowres_margin_0.6.py", FRESH_SEEDS),
     },
-    # issue 40: the blocks of one initialisation with the embeddings of another
-    # (EXTRA_RUNS), against the unswapped margin 0.6 on the blocks' seeds
-    "jostling_swap": {
+    "jostling_swap": {  # issue 40: the embedding swap (EXTRA_RUNS)
         "margin 0.6": ("config/lowres_margin_0.6.py", sorted(EMBEDDING_SWAPS)),
     },
 }
 
 # Runs of a grid that are not methods of its tables: name -> (config file(s),
 # seeds, extra train.py arguments or a function of the seed giving them).
-# jostling's factorial of margin 0.6 takes the initialisation (`seed`) and
-# the data order (`data_seed`) from two seeds, at least one of them a
-# crossing one (it makes the LR transition): tools/transition.py tells
-# which of the two decides it.
+# jostling's factorial of margin 0.6 (docs/statistics.md) pairs the
+# initialisation of one seed with the data order of another, at least one
+# of them a crossing one (it makes the LR transition).
 CROSSING_SEEDS = (1342, 1346)
 NON_CROSSING_SEEDS = (1337, 1338, 1339)
 MARGIN_0_6 = "config/lowres_margin_0.6.py"
@@ -145,8 +136,8 @@ POOLABLE = {
 # a grid that trains another's runs again: its report says how far they moved
 RERUN_OF = {"bpe_rare": "bpe"}
 
-# train.py arguments every run of a grid gets. bpe_1600 ran on one GPU, TF32
-# off (NVIDIA_TF32_OVERRIDE=0), a deviation results/README.md names.
+# train.py arguments every run of a grid gets (bpe_1600's GPU: a deviation
+# results/README.md names)
 GRID_ARGS = {
     "bpe_1600": ("--device=cuda", "--dtype=float32", "--compile=False"),
 }
@@ -173,11 +164,6 @@ METRICS = ["ppl", "ppl_best", "t_best", "accuracy", "recall_at_5", "mrr", "isotr
 # we say a seed made the jump towards it
 PAPER_SE_LR_ACCURACY = 0.487
 TRANSITION_LR_ACCURACY = 0.43
-
-
-def stages(method_config):
-    """A method's config files as a tuple (one file, or a chain)."""
-    return method_config if isinstance(method_config, tuple) else (method_config,)
 
 
 def run_dir(root, grid, method, seed):

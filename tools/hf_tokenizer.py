@@ -62,9 +62,8 @@ def merges_from_ranks(ranks):
 
 
 def bpe_tokenizer(max_length):
-    """GPT-2's tokenizer, rebuilt offline from the r50k_base ranks:
-    byte-level BPE (each byte spelt as GPT-2's printable character),
-    GPT-2's pre-tokenizer, <|endoftext|> its one special token."""
+    """GPT-2's byte-level BPE tokenizer, rebuilt offline from the
+    r50k_base ranks."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -87,19 +86,3 @@ def bpe_tokenizer(max_length):
     return PreTrainedTokenizerFast(tokenizer_object=core, model_max_length=max_length,
                                    bos_token=EOT, eos_token=EOT, unk_token=EOT,
                                    clean_up_tokenization_spaces=False)
-
-
-def build(meta, max_length):
-    """The tokenizer of a dataset's meta.json; None where vocabulary()
-    is None."""
-    kind = vocabulary(meta)
-    if kind == "char":
-        return char_tokenizer(meta["itos"], max_length)
-    return bpe_tokenizer(max_length) if kind else None
-
-
-def special_ids(tokenizer):
-    """bos / eos / pad ids for config.json (None without a tokenizer):
-    HF's defaults would name ordinary tokens of our vocabularies."""
-    return {f"{name}_token_id": getattr(tokenizer, f"{name}_token_id", None)
-            for name in ("bos", "eos", "pad")}

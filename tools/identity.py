@@ -1,11 +1,10 @@
 """
 What a grid's run is, so that a comparison pairs only like runs.
 
-A run's identity is recorded in its run.json when it finishes (its
-`identity`): the training keys of each stage (train.py's config after
-its config files and overrides, less NOT_TRAINING: where and how it
-runs), the code's version (the git commit, "+dirty" with uncommitted
-changes) and the CPU model (docs/runs.md#which-runs-a-table-may-pair).
+A run's identity, recorded in its run.json when it finishes: the
+training keys of each stage (train.py's config less NOT_TRAINING), the
+code's version (the git commit, "+dirty" with uncommitted changes) and
+the CPU model (docs/runs.md#which-runs-a-table-may-pair).
 
 Runs archived before the record existed are read by one rule (`of_run`):
 their training keys are their run.json commands resolved against today's
@@ -29,10 +28,11 @@ from utils import save_json
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # train.py's keys that do not change what a run computes: where it writes and reads, threads,
-# logging, and the chain's link to its previous stage
+# logging, the hang watchdog's limits, and the chain's link to its previous stage
 NOT_TRAINING = ("out_dir", "data_dir", "data_source", "init_from", "overwrite",
                 "resume_changes", "num_threads", "dry_run", "check_memory", "log_interval",
-                "wandb_log", "wandb_project", "wandb_run_name")
+                "wandb_log", "wandb_project", "wandb_run_name", "collective_timeout",
+                "hang_factor")
 UNKNOWN = "unknown"
 
 
@@ -188,8 +188,7 @@ def code(commit, provenance):
 
 def current_code():
     """code() of a run started now from this checkout."""
-    head = commit()
-    return code(head, {"diff_sha256": git_diff_sha256()} if head.endswith("+dirty") else {})
+    return code(commit(), {"diff_sha256": git_diff_sha256()})
 
 
 def known_code(run_code):

@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import torch
 
-from errors import UsageError, UserError, end_with
+from errors import UsageError, run_script
 from metrics import twin_alignment
 from tools import identity, runner
 from tools.grids import run_dir
@@ -51,17 +51,12 @@ ARMS = {"margin 0.6": ("untouched", "raised", "sham", "lowered"), "CE": ("untouc
 TARGETS = {"untouched": None, "raised": RAISED_COS, "sham": RAISED_COS, "lowered": LOWERED_COS}
 
 
-def _turned(phi, theta, arm):
-    """Each row's angle to its twin after turning by theta towards it
-    or away from it (stopping on it or opposite it)."""
-    return (phi - theta).clamp(min=0) if arm in ("raised", "sham") else (phi + theta).clamp(max=math.pi)
-
-
 def rotate_twins(E, shift, arm, target=None, generator=None):
     """(E, theta): E with its LR rows shift..2*shift-1 turned by the
     common angle theta relative to their HR twins 0..shift-1 (generator
     draws the sham's directions); theta is bisected on the mean twin
-    cosine, monotone in it; a mean already past the target is kept."""
+    cosine, monotone in it; a mean already past the target is kept.
+    The arms: results/preregistration_intervention.md."""
     if arm == "untouched":
         return E.clone(), 0.0
     X = E.double()
@@ -73,20 +68,22 @@ def rotate_twins(E, shift, arm, target=None, generator=None):
     b = rest.norm(dim=1, keepdim=True)  # orthogonal to it
     u = rest / b.clamp(min=1e-30)
     phi = torch.atan2(b, a)  # the angle to the twin, in [0, pi]
-    towards = arm in ("raised", "sham")
-    mean = torch.cos(phi).mean().item()
-    if (mean >= target) if towards else (mean <= target):
+    sign = 1 if arm in ("raised", "sham") else -1  # towards the twin, or away
+
+    def turn(theta):  # each row's new phi, stopping on the twin or opposite it
+        return (phi - sign * theta).clamp(0, math.pi)
+
+    if sign * torch.cos(phi).mean().item() >= sign * target:
         return E.clone(), 0.0
     low, high = 0.0, math.pi
     for _ in range(100):
         theta = (low + high) / 2
-        reached = torch.cos(_turned(phi, theta, arm)).mean().item()
-        if (reached < target) if towards else (reached > target):
+        if sign * torch.cos(turn(theta)).mean().item() < sign * target:
             low = theta
         else:
             high = theta
     theta = high
-    new_phi = _turned(phi, theta, arm)
+    new_phi = turn(theta)
     if arm == "sham":
         # a unit w orthogonal to the twin and to u: turning u towards w
         # by beta keeps the twin cosine; beta moves the row by the
@@ -94,15 +91,15 @@ def rotate_twins(E, shift, arm, target=None, generator=None):
         w = torch.randn(e.shape, generator=generator, dtype=torch.float64)
         w = w - (w * h).sum(dim=1, keepdim=True) * h
         w = torch.nn.functional.normalize(w - (w * u).sum(dim=1, keepdim=True) * u, dim=1)
-        moved = phi - new_phi
         sin2 = torch.sin(phi) ** 2
-        cos_beta = ((torch.cos(moved) - torch.cos(phi) ** 2) / sin2.clamp(min=1e-30)).clamp(-1, 1)
+        cos_beta = (torch.cos(phi - new_phi) - torch.cos(phi) ** 2) / sin2.clamp(min=1e-30)
+        cos_beta = cos_beta.clamp(-1, 1)
         beta = torch.where(sin2 > 1e-24, torch.acos(cos_beta), torch.zeros_like(cos_beta))
-        turned = a * h + b * (torch.cos(beta) * u + torch.sin(beta) * w)
+        moved = a * h + b * (torch.cos(beta) * u + torch.sin(beta) * w)
     else:
-        turned = norm * (torch.cos(new_phi) * h + torch.sin(new_phi) * u)
+        moved = norm * (torch.cos(new_phi) * h + torch.sin(new_phi) * u)
     out = E.clone()
-    out[shift:2 * shift] = turned.to(E.dtype)
+    out[shift:2 * shift] = moved.to(E.dtype)
     return out, theta
 
 
@@ -111,10 +108,12 @@ def make_branch(trunk_dir, out_dir, arm, seed):
     rotated by arm, its best validation loss reset; out_dir appears
     only complete. Returns the intervention record."""
     if os.path.exists(out_dir):
-        raise UsageError(f"{out_dir} already exists: a branch is made once (remove it to make it again)")
+        raise UsageError(f"{out_dir} already exists: a branch is made once "
+                         "(remove it to make it again)")
     path = os.path.join(trunk_dir, "ckpt.pt")
     if not os.path.exists(path):
-        raise UsageError(f"no trunk checkpoint at {path}: a branch starts from the trunk's ckpt.pt")
+        raise UsageError(f"no trunk checkpoint at {path}: a branch starts from "
+                         "the trunk's ckpt.pt")
     checkpoint = torch.load(path, map_location="cpu", weights_only=False)
     if "model" not in checkpoint or not checkpoint["config"].get("low_resource", True):
         raise UsageError(f"{path} is not a whole-weights checkpoint of a two-language run")
@@ -162,16 +161,14 @@ def job(loss, arm, seed, root, archive, trunk=None):
     if arm == "trunk":
         cmd.insert(4, f"--max_iters={TRUNK_STEP}")
     else:
-        trunk_out = run_dir(root, GRID, f"{loss} trunk", seed)
-        trunk_dest = run_dir(archive, GRID, f"{loss} trunk", seed)
+        trunk_out, trunk_dest = (run_dir(d, GRID, f"{loss} trunk", seed) for d in (root, archive))
         if arm == "lowered" and not step_reading(trunk_dest, TRUNK_STEP) > CUTOFF:
             return None
         if not os.path.exists(out):
             make_branch(trunk_out, out, arm, seed)
-        with open(os.path.join(out, "intervention.json")) as f:
-            extra["intervention"] = json.load(f)
-        extra["branch_command"] = [sys.executable, "-m", "tools.intervention", "branch", trunk_out,
-                                   out, f"--arm={arm}", f"--seed={seed}"]
+        extra["intervention"] = identity.read_json(os.path.join(out, "intervention.json"))
+        extra["branch_command"] = [sys.executable, "-m", "tools.intervention", "branch",
+                                   trunk_out, out, f"--arm={arm}", f"--seed={seed}"]
     if not runner.has_metrics(out):
         os.makedirs(out, exist_ok=True)
         identity.mark_start(out)
@@ -181,15 +178,17 @@ def job(loss, arm, seed, root, archive, trunk=None):
               os.path.join(out, "run.json"))
     runner.archive_run(out, dest)
     if extra:
-        shutil.copyfile(os.path.join(out, "intervention.json"), os.path.join(dest, "intervention.json"))
+        shutil.copyfile(os.path.join(out, "intervention.json"),
+                        os.path.join(dest, "intervention.json"))
     return dest
 
 
 def jobs():
     """(loss, arm, seed): every trunk first, then the branches seed by seed."""
-    trunks = [(loss, "trunk", s) for loss in CONFIGS for s in (SEEDS if loss == "margin 0.6" else CE_SEEDS)]
+    seeds = {"margin 0.6": SEEDS, "CE": CE_SEEDS}
+    trunks = [(loss, "trunk", s) for loss in CONFIGS for s in seeds[loss]]
     branches = [(loss, arm, s) for s in SEEDS for loss in CONFIGS for arm in ARMS[loss]
-                if loss == "margin 0.6" or s in CE_SEEDS]
+                if s in seeds[loss]]
     return trunks + branches
 
 
@@ -200,8 +199,9 @@ def run_study(root, archive, workers):
     wall.json names the runs it archived."""
     t0 = time.time()
     wall_path = os.path.join(archive, GRID, "wall.json")
-    record = {"call": f"pid {os.getpid()} on {socket.gethostname()}, started {identity.utc(t0)}",
-              "workers": workers, "threads_per_run": 1, "cpu": identity.cpu_name(), "cores": os.cpu_count(),
+    call = f"pid {os.getpid()} on {socket.gethostname()}, started {identity.utc(t0)}"
+    record = {"call": call, "workers": workers, "threads_per_run": 1,
+              "cpu": identity.cpu_name(), "cores": os.cpu_count(),
               "torch": torch.__version__, "wall_s": 0.0, "runs": []}
     pool = ThreadPoolExecutor(workers)
     futures = {}
@@ -217,8 +217,8 @@ def run_study(root, archive, workers):
                 runner.record_call(wall_path, record)
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
-        print(f"stopped: {runner.stop_runs()} running run(s) go on from their last checkpoint next time",
-              file=sys.stderr)
+        print(f"stopped: {runner.stop_runs()} running run(s) go on from their last "
+              "checkpoint next time", file=sys.stderr)
         raise
     finally:
         pool.shutdown(wait=True)
@@ -226,7 +226,7 @@ def run_study(root, archive, workers):
         runner.record_call(wall_path, record)
 
 
-def main(argv):
+def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m tools.intervention",
                                      description=__doc__.split("\n\n")[1])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -249,8 +249,6 @@ def main(argv):
 
 if __name__ == "__main__":
     try:
-        main(sys.argv[1:])
-    except UserError as e:
-        end_with(e)
+        run_script(main)
     except KeyboardInterrupt:  # Ctrl-C or SIGTERM: the runs stopped at a checkpoint
         sys.exit(130)

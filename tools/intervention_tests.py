@@ -18,29 +18,18 @@ THRESHOLDS = (0.43, 0.40, 0.38)  # primary, then the two secondary ones
 
 
 def accuracies(archive, loss, arm, seeds):
-    """{seed: LR accuracy at the best checkpoint} of the archived runs of one arm."""
-    out = {}
-    for seed in seeds:
-        path = os.path.join(run_dir(archive, GRID, f"{loss} {arm}", seed), "metrics.json")
-        if os.path.exists(path):
-            out[seed] = read_json(path)["low"]["accuracy"]
-    return out
+    """{seed: LR accuracy at the best checkpoint} of one arm's archived runs."""
+    paths = {s: os.path.join(run_dir(archive, GRID, f"{loss} {arm}", s), "metrics.json")
+             for s in seeds}
+    return {s: read_json(path)["low"]["accuracy"]
+            for s, path in paths.items() if os.path.exists(path)}
 
 
 def readings(archive, loss, seeds):
     """{seed: twin_cos at TRUNK_STEP} of the archived trunks."""
-    folders = {seed: run_dir(archive, GRID, f"{loss} trunk", seed) for seed in seeds}
-    return {seed: step_reading(folder, TRUNK_STEP) for seed, folder in folders.items()
+    folders = {s: run_dir(archive, GRID, f"{loss} trunk", s) for s in seeds}
+    return {s: step_reading(folder, TRUNK_STEP) for s, folder in folders.items()
             if os.path.exists(os.path.join(folder, "log.jsonl"))}
-
-
-def paired_test(first, second, registered, threshold):
-    """(b, c, p, seeds both arms hold, complete): b seeds where only `first` crosses, c where
-    only `second` does, the exact McNemar p; complete when every registered seed is in."""
-    shared = sorted(set(first) & set(second))
-    b = sum(first[s] >= threshold > second[s] for s in shared)
-    c = sum(second[s] >= threshold > first[s] for s in shared)
-    return b, c, stats.exact_paired_p(b, c), shared, set(shared) >= set(registered)
 
 
 # each test: (name, the two arms, the words when it decides for the first arm, and against it)
@@ -53,13 +42,14 @@ TESTS = [
     ("I3", ("margin 0.6", "untouched"), ("margin 0.6", "lowered"),
      "lowering the alignment stopped crossings", "lowering the alignment made runs cross"),
     ("I4", ("CE", "raised"), ("CE", "untouched"),
-     "the alignment alone makes a CE run cross", "raising the alignment stopped CE runs from crossing"),
+     "the alignment alone makes a CE run cross",
+     "raising the alignment stopped CE runs from crossing"),
 ]
 
 
 def registered_seeds(name, trunk_readings):
-    """The seeds a test is registered on: I3's are the trunks read above the cut-off (None
-    until all 16 trunks are in)."""
+    """The seeds a test is registered on: I3's are the trunks read above
+    the cut-off (None until all 16 trunks are in)."""
     if name == "I3":
         if set(trunk_readings) < set(SEEDS):
             return None
@@ -68,45 +58,48 @@ def registered_seeds(name, trunk_readings):
 
 
 def test_lines(archive, threshold):
-    """One line per registered test at one threshold, and {name: verdict or None}."""
+    """One line per registered test at one threshold, and {name: verdict
+    or None}: b counts the seeds both arms hold where only the first
+    crosses, c where only the second does."""
     trunk_readings = readings(archive, "margin 0.6", SEEDS)
     lines = []
     verdicts = {}
     for name, first, second, yes, no in TESTS:
+        label = f"{name}, {first[0]} {first[1]} against {second[1]}"
         registered = registered_seeds(name, trunk_readings)
-        arms = [accuracies(archive, loss, arm, registered or []) for loss, arm in (first, second)]
-        b, c, p, shared, complete = paired_test(*arms, registered or [], threshold)
-        label = f"{first[0]} {first[1]} against {second[1]}"
         verdicts[name] = None
         if registered == []:
-            lines.append(f"{name}, {label}: no trunk read above {CUTOFF} at step {TRUNK_STEP}, so "
+            lines.append(f"{label}: no trunk read above {CUTOFF} at step {TRUNK_STEP}, so "
                          "the test has no seeds.")
             continue
+        seeds = registered or []
+        one, two = (accuracies(archive, loss, arm, seeds) for loss, arm in (first, second))
+        shared = sorted(set(one) & set(two))
+        b = sum(one[s] >= threshold > two[s] for s in shared)
+        c = sum(two[s] >= threshold > one[s] for s in shared)
+        p = stats.exact_paired_p(b, c)
         counts = (f"{b} seed(s) where only {first[1]} crosses, {c} where only {second[1]} does, "
                   f"of {len(shared)}; exact paired p = {p:.3g}")
-        if complete:
+        if set(shared) >= set(seeds):
             verdicts[name] = (yes if b > c else no) if p < 0.05 else "not shown"
-            lines.append(f"{name}, {label}: {counts}: **{verdicts[name]}**.")
+            lines.append(f"{label}: {counts}: **{verdicts[name]}**.")
         else:
-            total = len(registered) if registered is not None else "?"
-            lines.append(f"{name}, {label}: {counts}: partial ({len(shared)} of {total} seeds); "
+            lines.append(f"{label}: {counts}: partial ({len(shared)} of {len(seeds)} seeds); "
                          "no verdict until all are in.")
     return lines, verdicts
 
 
 def causal_line(verdicts):
     """The registered words for the causal claim: I1 and I2 both for the raise."""
-    first = verdicts.get("I1")
-    second = verdicts.get("I2")
-    if first is None or second is None:
+    if verdicts["I1"] is None or verdicts["I2"] is None:
         return "The causal claim: none until I1 and I2 are complete."
     rule = "The causal claim, by the registered rule: "
-    if first == TESTS[0][3] and second == TESTS[1][3]:
+    if verdicts["I1"] != TESTS[0][3]:
+        return rule + "not made (I1 does not decide for the raise)."
+    if verdicts["I2"] == TESTS[1][3]:
         return rule + "**the alignment causes the crossing** in this experiment."
-    if first == TESTS[0][3]:
-        return (rule + "*moving the LR rows made runs cross; that the alignment, rather than the "
-                "move, does so is not shown*.")
-    return rule + "not made (I1 does not decide for the raise)."
+    return (rule + "*moving the LR rows made runs cross; that the alignment, rather than the "
+            "move, does so is not shown*.")
 
 
 def per_seed_lines(archive):
@@ -117,12 +110,8 @@ def per_seed_lines(archive):
     columns += [(accuracies(archive, *arm, SEEDS), 3) for arm in arms]
     header = ["seed", "margin trunk twin_cos", "CE trunk twin_cos",
               *(f"{loss} {arm}" for loss, arm in arms)]
-
-    def cell(table, digits, seed):
-        value = table.get(seed)
-        return "—" if value is None else f"{value:.{digits}f}"
-
-    rows = [[seed, *(cell(table, digits, seed) for table, digits in columns)]
+    rows = [[seed, *("—" if table.get(seed) is None else f"{table[seed]:.{digits}f}"
+                     for table, digits in columns)]
             for seed in SEEDS]
     return markdown_table(header, rows)
 
@@ -144,23 +133,24 @@ def provenance_line(archive):
 
 
 def report(archive):
-    """results/jostling_intervention.md."""
+    """results/jostling_intervention.md; the causal claim is made at the
+    primary threshold only."""
     lines = ["# The intervention on the step-1000 twin alignment (issue 61)", "",
-             "Registered in `results/preregistration_intervention.md` before the first run; computed by "
-             "`python -m tools.intervention_tests` from `results/runs/jostling_intervention/`. A run "
-             "crosses when its LR accuracy at the best checkpoint reaches the threshold; each test is the "
-             "exact paired (McNemar) test over the seeds both arms hold.", "",
+             "Registered in `results/preregistration_intervention.md` before the first run; "
+             "computed by `python -m tools.intervention_tests` from "
+             "`results/runs/jostling_intervention/`. A run crosses when its LR accuracy at the "
+             "best checkpoint reaches the threshold; each test is the exact paired (McNemar) "
+             "test over the seeds both arms hold.", "",
              provenance_line(archive), ""]
-    verdicts = {}
     for k, threshold in enumerate(THRESHOLDS):
         test, found = test_lines(archive, threshold)
         lines += [f"## LR accuracy ≥ {threshold} ({'secondary' if k else 'primary'})", ""]
         lines += [f"- {line}" for line in test] + [""]
-        if k == 0:  # the causal claim is made at the primary threshold only
+        if k == 0:
             verdicts = found
     lines += [causal_line(verdicts), "", "## Every seed", "",
-              f"twin_cos at step {TRUNK_STEP} of each trunk (the cut-off {CUTOFF}), and each arm's LR "
-              "accuracy at its best checkpoint.", ""] + per_seed_lines(archive)
+              f"twin_cos at step {TRUNK_STEP} of each trunk (the cut-off {CUTOFF}), and each "
+              "arm's LR accuracy at its best checkpoint.", ""] + per_seed_lines(archive)
     return "\n".join(lines) + "\n"
 
 

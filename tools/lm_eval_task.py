@@ -93,7 +93,6 @@ def write_task(data_dir, out, name="shakespeare_lastword", limit=500, context_ch
     if not items:
         raise DataError(f"the val split of {data_dir} has no line of >= {min_words} words "
                         "ending in a word")
-    os.makedirs(out, exist_ok=True)
     jsonl = os.path.join(out, f"{name}.jsonl")
     save_text("".join(json.dumps(item, ensure_ascii=False) + "\n" for item in items), jsonl)
     yaml = TASK_YAML.format(name=name, path=json.dumps(os.path.abspath(jsonl)))

@@ -3,8 +3,8 @@ How much GPU memory does each paper-scale config need? Prints a Markdown table:
 
     python -m tools.memory_table config/baseline_350m.py config/simreg_7b.py ... [--gpus 8]
 
-One row per config, for its own parallelism ('none' counts as DDP) on --gpus processes: plan.py's
-figures (`train.py --dry_run=True`).
+One row per config, for its own parallelism ('none' counts as DDP) on --gpus
+processes: plan.py's figures.
 """
 
 import argparse
@@ -32,10 +32,10 @@ def table_lines(paths, gpus, measure=True):
         if config["parallel"] == "none":  # a one-process config, counted as DDP on gpus
             config["parallel"] = "ddp"
         p = make_plan(config, gpus, measure=measure)
-        mode = "fsdp" if p["parallel"] == "fsdp" else "ddp"
+        mode = p["parallel"]
         parts = p["memory_parts"]
         total = p["memory"][mode]["checkpointed" if p["activation_checkpointing"] else "plain"]
-        rows.append((os.path.basename(path), f"{p['params'] / 1e9:.2f}B", p["parallel"],
+        rows.append((os.path.basename(path), f"{p['params'] / 1e9:.2f}B", mode,
                      f"{p['micro_batch']} x {p['seq_len']} x {p['micro_steps']}",
                      *(f"{x:.1f}" for x in (parts[mode], parts["act"], parts["act_ckpt"], total))))
     return [f"GiB per GPU on {gpus} GPU(s), the config's own parallelism; activations of one "

@@ -22,22 +22,24 @@ TWINS = ("twin_cos", "twin_top3")  # the embedding's measures, one panel
 def panels(records):
     """{panel title: [log key, ...]}: which keys are drawn together, in drawing order."""
     keys = list(dict.fromkeys(key for record in records for key in record))
+
+    def logged(*names):
+        return [key for key in keys if key in names]
     terms = [key for key in keys if key not in NOT_TERMS + TWINS and not key.startswith("val")]
     val = [key for key in keys if key.startswith("val") and key[4:] not in terms]
-    grouped = {"loss": [key for key in keys if key == "loss"] + val,
-               **{term: [term] + [k for k in keys if k == f"val_{term}"] for term in terms},
-               "LR rows and their HR twins": [key for key in keys if key in TWINS],
-               "learning rate": [key for key in keys if key == "lr"]}
+    grouped = {"loss": logged("loss") + val,
+               **{term: [term] + logged(f"val_{term}") for term in terms},
+               "LR rows and their HR twins": logged(*TWINS),
+               "learning rate": logged("lr")}
     return {title: names for title, names in grouped.items() if names}
 
 
 def draw(records, title=""):
     """The matplotlib Figure; None without matplotlib or panels."""
     grouped = panels(records)
-    drawn = _panels(len(grouped), 3.8, 2.6)
-    if drawn is None:
+    fig, axes = _panels(len(grouped), 3.8, 2.6)
+    if fig is None:
         return None
-    _, fig, axes = drawn
     for ax, (panel, keys) in zip(axes, grouped.items()):
         for key in keys:
             iters = [record["iter"] for record in records if key in record]
@@ -60,13 +62,12 @@ def main(argv=None):
     parser.add_argument("out_dir", help="a train.py out_dir (its log.jsonl is read)")
     parser.add_argument("--out", help="the PNG to write (default: OUT_DIR/log.png)")
     args = parser.parse_args(argv)
-    plt = _pyplot()
-    if plt is None:
+    if _pyplot() is None:
         raise UserError("tools.plot_run needs matplotlib (pip install matplotlib)")
     records = read_log(os.path.join(args.out_dir, "log.jsonl"))  # a LogError goes to the caller
     path = args.out or os.path.join(args.out_dir, "log.png")
     check_writable(path, "--out" if args.out else "the figure")
-    _save(draw(records, title=os.path.normpath(args.out_dir)), plt, path)
+    _save(draw(records, title=os.path.normpath(args.out_dir)), path)
     print(f"wrote {path}")
     return path
 

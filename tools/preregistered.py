@@ -1,12 +1,11 @@
 """
-Issue 40's pre-registered tests (results/preregistration.md, T1-T7: each follows its rule there)
-from the archived grids jostling, jostling_prereg (24 fresh seeds) and jostling_swap (the
-embedding swap); tools/report.py puts them into results/jostling.md. While a grid is incomplete
-its counts are labelled partial and no verdict is given. The tests: docs/statistics.md.
+Issue 40's pre-registered tests T1-T7 (results/preregistration.md: each
+follows its rule there) from the archived grids jostling, jostling_prereg
+and jostling_swap, for results/jostling.md. An incomplete grid's counts
+are labelled partial, without a verdict. The tests: docs/statistics.md.
 """
 
 import collections
-import os
 
 from tools import stats
 from tools.claims import val_curve
@@ -26,16 +25,16 @@ SWAPPED = ("margin 0.6, embeddings swapped",
            "margin 0.6, embeddings swapped, data order of the embeddings' seed")
 
 
-def joined(first, second, tags=("old", "new")):
-    """{(tag, seed): value} of two {seed: value}."""
-    return {**{(tags[0], s): v for s, v in first.items()}, **{(tags[1], s): v for s, v in second.items()}}
+def joined(first, second):
+    """{(0 or 1, seed): value} of two {seed: value}."""
+    return {(i, s): v for i, runs in enumerate((first, second)) for s, v in runs.items()}
 
 
-def partial_note(n, registered, unit="runs"):
+def partial_note(n, registered=len(FRESH_SEEDS), unit="runs"):
     return "" if n == registered else f" (partial: {n} of {registered} {unit}; no verdict until all are in)"
 
 
-def ending(n, registered, word):
+def ending(n, word, registered=len(FRESH_SEEDS)):
     """A line's end: the verdict word once all registered runs are in."""
     return f": **{word}**." if n == registered else "."
 
@@ -48,7 +47,7 @@ def rate_test(archive, fresh, threshold):
         return ["T1: no fresh margin-0.6 run yet."]
     low, high = stats.clopper_pearson(k_new, n_new)
     p = fisher_exact(k_old, n_old, k_new, n_new)
-    line = (f"T1, margin 0.6 on fresh seeds{partial_note(n_new, len(FRESH_SEEDS))}: "
+    line = (f"T1, margin 0.6 on fresh seeds{partial_note(n_new)}: "
             f"{rate_cell(k_new, n_new)}; pooled with the archive's {k_old} of {n_old}: "
             f"{rate_cell(k_old + k_new, n_old + n_new)}. Archive against fresh: Fisher's exact p = {p:.3g}")
     if n_new != len(FRESH_SEEDS):
@@ -75,7 +74,7 @@ def concordance_test(own, other, threshold):
     k_next = both + only_next
     expected = [n * p * q for p in (k_own / n, 1 - k_own / n)
                 for q in (k_next / n, 1 - k_next / n)]
-    line = (f"T2, the same initialisation under two data orders{partial_note(n, len(FRESH_SEEDS), 'pairs')}: "
+    line = (f"T2, the same initialisation under two data orders{partial_note(n, unit='pairs')}: "
             f"both cross {both}, only own order {only_own}, only the next seed's {only_next}, neither "
             f"{neither} (independence predicts {expected[0]:.2f}, {expected[1]:.2f}, {expected[2]:.2f}, "
             f"{expected[3]:.2f})")
@@ -84,7 +83,7 @@ def concordance_test(own, other, threshold):
     p = fisher_exact(both, k_own, k_next - both, n - k_own)
     word = ("crossing follows the initialisation" if p < 0.05 and both > expected[0] else
             "the two orders push apart" if p < 0.05 else "not shown")
-    return [line + f"; Fisher's exact p = {p:.3g}" + ending(n, len(FRESH_SEEDS), word)]
+    return [line + f"; Fisher's exact p = {p:.3g}" + ending(n, word)]
 
 
 def predictor_counts(runs, curves, threshold):
@@ -106,7 +105,7 @@ def predictor_test(own, next_order, ce, curves):
     n = n_yes + n_no
     cell = lambda k, m: rate_cell(k, m) if m else "none"  # noqa: E731
     line = (f"T3, twin_cos at step {PREDICTOR_STEP} > {PREDICTOR_CUTOFF} on the own-order "
-            f"runs{partial_note(n, len(FRESH_SEEDS))}: hits {cell(hits, n_yes)}, false alarms "
+            f"runs{partial_note(n)}: hits {cell(hits, n_yes)}, false alarms "
             f"{cell(alarms, n_no)}"
             + (f" ({unread} run(s) without a reading)" if unread else ""))
     if not n_yes or not n_no:
@@ -115,10 +114,9 @@ def predictor_test(own, next_order, ce, curves):
     else:
         p, word = fisher_verdict(hits, n_yes, alarms, n_no, (
             "the step-1000 reading predicts the transition on new seeds", "not shown", "not shown"))
-        line += f"; Fisher's exact p = {p:.3g}" + ending(n, len(FRESH_SEEDS), word)
-    tags = ("own", "next")
-    both = joined(own, next_order, tags)
-    both_curves = joined(curves.get(FRESH, {}), curves.get(NEXT, {}), tags)
+        line += f"; Fisher's exact p = {p:.3g}" + ending(n, word)
+    both = joined(own, next_order)
+    both_curves = joined(curves.get(FRESH, {}), curves.get(NEXT, {}))
     h2, y2, a2, n2, _ = predictor_counts(both, both_curves, threshold)
     _, _, a3, n3, _ = predictor_counts(ce, curves.get("baseline", {}), threshold)
     return [line, "", "Secondary: over all fresh margin-0.6 runs (pairs share an initialisation), hits "
@@ -137,7 +135,7 @@ def rates_test(ce, margin, threshold, label):
     line = (f"T4, CE against margin 0.6, {label}{partial_note(n1 + n2, registered)}: "
             f"margin {rate_cell(k1, n1)}, CE {rate_cell(k2, n2)}; difference {k1 / n1 - k2 / n2:+.2f}, "
             f"Fisher's exact p = {p:.3g}")
-    return [line + ending(n1 + n2, registered, word)]
+    return [line + ending(n1 + n2, word, registered)]
 
 
 def swap_test(swap, threshold):
@@ -150,12 +148,13 @@ def swap_test(swap, threshold):
                          crosses(metrics, threshold)))
     if not runs:
         return ["T5: no swapped run yet."]
-    emb_arm = [r for r in runs if r[1] in CROSSING_SEEDS]
-    block_arm = [r for r in runs if r[0] in CROSSING_SEEDS]
-    k1 = sum(r[4] for r in emb_arm)
-    k2 = sum(r[4] for r in block_arm)
+    emb_arm = [crossed for _, emb, *_, crossed in runs if emb in CROSSING_SEEDS]
+    block_arm = [crossed for blocks, *_, crossed in runs if blocks in CROSSING_SEEDS]
+    k1 = sum(emb_arm)
+    k2 = sum(block_arm)
     listing = ", ".join(f"blocks {b} / embeddings {e} / data {d}: {acc:.3f}" for b, e, d, acc, _ in runs)
-    line = (f"T5, embeddings or blocks{partial_note(len(runs), 2 * len(EMBEDDING_SWAPS))}: embeddings from a "
+    registered = 2 * len(EMBEDDING_SWAPS)
+    line = (f"T5, embeddings or blocks{partial_note(len(runs), registered)}: embeddings from a "
             f"crossing initialisation {k1} of {len(emb_arm)} cross, blocks from one {k2} of {len(block_arm)} "
             f"({listing})")
     if emb_arm and block_arm:
@@ -166,7 +165,7 @@ def swap_test(swap, threshold):
                "follows the blocks" if (k1, k2) == (0, n) else
                "needs both" if k1 + k2 == 0 else
                "either part suffices" if k1 + k2 == 2 * n else "neither cleanly")
-    return [line + ending(len(runs), 2 * len(EMBEDDING_SWAPS), outcome)]
+    return [line + ending(len(runs), outcome, registered)]
 
 
 def findings(archive, fresh, swap, curves):
@@ -196,8 +195,6 @@ def findings(archive, fresh, swap, curves):
 
 def section(root):
     """findings() from the archive under root, or [] while no issue-40 run is archived."""
-    if not any(os.path.isdir(os.path.join(root, g)) for g in ("jostling_prereg", "jostling_swap")):
-        return []
     fresh = Grid("jostling_prereg", root)
     swap = Grid("jostling_swap", root)
     if not fresh.results and not swap.results:
@@ -252,9 +249,6 @@ def convergence_lines(runs, registered_seeds=5):
 
 
 def twin_figure(g, results_dir):
-    """marked_figure of every twin_cos curve of jostling_prereg or jostling_swap, a panel per
-    method."""
-    panels = {method: {str(seed): (steps, values, crosses(g.results[method][seed], THRESHOLDS[0]))
-                       for seed, (steps, values) in per_seed.items()}
-              for method, per_seed in twin_curves(g).items()}
-    return marked_figure(panels, results_dir, g.name, f"reach LR accuracy {THRESHOLDS[0]}")
+    """marked_figure of jostling_prereg or jostling_swap, a panel per method."""
+    return marked_figure(g, results_dir, lambda method: method, lambda _, seed: str(seed),
+                         THRESHOLDS[0], f"reach LR accuracy {THRESHOLDS[0]}")

@@ -1,7 +1,6 @@
 """
-results/<grid>.md from a grid's archived runs (results/runs/<grid>/): the claims (claims.py),
-mean ± std over seeds, paired differences to the baseline, speed and efficiency. The pages:
-results/README.md; their figures: grid_figures.py; notes: docs/grids.md.
+results/<grid>.md, a grid's page, from its archived runs (results/runs/<grid>/).
+What the pages say: results/README.md; how they are made: docs/grids.md.
 """
 
 import collections
@@ -13,7 +12,7 @@ import torch
 import metrics
 import scoring
 from tools import claims, identity, preregistered, stats, transition
-from tools.grid_runs import Grid, paired_columns
+from tools.grid_runs import Grid
 from tools.grids import METRICS, PAPER, POOLABLE, RERUN_OF, runs_of
 from tools.identity import read_json
 from tools.runner import UnpooledRuns, grid_calls
@@ -46,7 +45,6 @@ def fmt(values, digits=3, style="f"):
 
 
 def column(runs, key, digits=3):
-    """fmt of one key over runs (dicts)."""
     return fmt([r[key] for r in runs], digits)
 
 
@@ -76,7 +74,7 @@ def build_table(grid, root):
         lines += transition.per_seed_table(g) + embedding_geometry_table(g)
     lines += hidden_geometry_table(g) + marginalization_table(g)
     speed_lines, seconds = speed_table(g)
-    devices = set(identity.run_devices(identities))
+    devices = identity.run_devices(identities)
     lines += speed_lines + speed_summary(grid, root, seconds, devices)
     return "\n".join(lines) + "\n", g.results
 
@@ -93,11 +91,10 @@ def claims_sections(g):
         if table:
             lines += [f"## {title}", "", *intro, *table, ""]
     if g.name in claims.NORM_CLAIMS and claims.NORM_METHOD in g.results:
-        family = claims.NORM_CLAIMS
-        outcome = preregistered.norm_term_outcome(
-            claims.evaluate_claims(g.name, g.runs, g.baseline, family))
+        norm = (g.name, g.runs, g.baseline, claims.NORM_CLAIMS)
+        outcome = preregistered.norm_term_outcome(claims.evaluate_claims(*norm))
         lines += ["## l2_repel's norm term alone (issue 40)", "", NORM_INTRO, "",
-                  *claims.claims_table(g.name, g.runs, g.baseline, family, with_rule=False), "",
+                  *claims.claims_table(*norm, with_rule=False), "",
                   f"Outcome: **{outcome}**." if outcome
                   else "Outcome: none until both rows have their 5 seeds.", ""]
     return lines
@@ -128,8 +125,8 @@ def machine_lines(g):
 
 
 def check_poolable(grid, pairs, identities):
-    """Raise UnpooledRuns for the first pair (method, baseline, seed, dir, dir) whose runs
-    differ in code or CPU model, or do not record one, unless grids.POOLABLE lists the grid."""
+    """Raise UnpooledRuns for the first pair (method, baseline, seed,
+    dir, dir) whose runs may not pool, unless grids.POOLABLE lists the grid."""
     if grid in POOLABLE:
         return
     for method, baseline, seed, *dirs in pairs:
@@ -168,11 +165,11 @@ def provenance_lines(g, identities):
 def metric_tables(g):
     """Mean ± std over seeds of every metric, per val split, with the paper's rows."""
     lines = []
-    with_authors = g.name in PAPER
     header = METRICS
+    with_authors = g.name in PAPER
     if with_authors:
         header = [*METRICS, "isotropy, authors' way", "authors' way over all signs"]
-        lines += [
+        lines = [
             "`isotropy` is our I(W), well defined (both signs of each eigenvector); `isotropy, "
             "authors' way` is I(W) computed as the paper computed its I(W) column (one sign per "
             "eigenvector, no negatives), so the paper's value sits in that column only. The paper "
@@ -195,15 +192,12 @@ def metric_tables(g):
                     cells += [fmt(list(map(claims.isotropy_authors_of(lang), runs))),
                               f"[{mean_std(low)[0]:.3f}, {mean_std(high)[0]:.3f}]"]
                 rows.append((method, len(runs), *cells))
-            paper = PAPER.get(g.name, {}).get(method)
-            if paper:
-                values = [f"*{v[0 if lang == 'high' else 1]}*" for v in paper]
-                if with_authors:
-                    values = values[:-1] + ["—", values[-1], "—"]
-                rows.append((f"*paper: {method}*", 1, *values))
+            paper = [f"*{v[0 if lang == 'high' else 1]}*"
+                     for v in PAPER.get(g.name, {}).get(method, ())]
+            if paper:  # only a PAPER grid's, so with the authors' columns
+                rows.append((f"*paper: {method}*", 1, *paper[:-1], "—", paper[-1], "—"))
         title = {"high": "HR validation", "low": "LR validation"}.get(lang, "Validation")
-        lines += [f"## {title}", ""]
-        lines += markdown_table(["method", "seeds", *header], rows) + [""]
+        lines += [f"## {title}", "", *markdown_table(["method", "seeds", *header], rows), ""]
     return lines
 
 
@@ -214,8 +208,8 @@ RARE_COLUMNS = [("fraction of val", "fraction", 3), ("PPL", "ppl", 0),
 
 
 def rare_target_table(g):
-    """The BPE grid: the metrics of the val positions whose target is rare in the training split."""
-    keys = [key for _, lang, key in paired_columns(g.results) if lang == "rare"]
+    """The rare-target section (BPE grids)."""
+    keys = [key for _, lang, key in g.paired_columns() if lang == "rare"]
     if not keys:
         return []
     # older runs lack ppl_at_t_best
@@ -235,7 +229,7 @@ def rare_target_table(g):
 def paired_table(g):
     """Each method minus the baseline on the same seeds: mean, 95 % t interval, k/n."""
     base = g.results.get(g.baseline, {})
-    columns = paired_columns(g.results)
+    columns = g.paired_columns()
     rows = []
     for method in list(g.methods)[1:]:
         shared = g.shared_with_baseline(method)
@@ -246,8 +240,7 @@ def paired_table(g):
             digits = 3  # rates; perplexities with as many decimals as their size needs
             if key.startswith("ppl"):
                 digits = 2 if mean_std([base[s][lang][key] for s in shared])[0] < 100 else 0
-            change = g.paired(method, lang, key)
-            cells.append(claims.paired_cell(stats.paired(change), digits))
+            cells.append(claims.paired_cell(stats.paired(g.paired(method, lang, key)), digits))
         rows.append((method, len(shared), *cells))
     return ([f"## Paired difference to {g.baseline} (same seeds, method − {g.baseline})", "",
              "Each cell: the mean of the per-seed differences, its 95 % t interval (n − 1 degrees "
@@ -257,8 +250,7 @@ def paired_table(g):
 
 
 def rerun_table(g):
-    """A grid that reruns another's (grids.RERUN_OF): how far each run's numbers moved, and
-    each method's paired difference to the baseline in both."""
+    """The rerun section of a grid in grids.RERUN_OF."""
     if g.name not in RERUN_OF:
         return []
     first = Grid(RERUN_OF[g.name], g.root)
@@ -267,7 +259,7 @@ def rerun_table(g):
              "run: the median and the largest |relative difference| of the rerun's number to the "
              "first run's, over the methods and seeds both hold. Per method: the paired mean "
              "difference to the baseline (%, method − baseline) in each grid.", ""]
-    columns = [c for c in paired_columns(g.results) if c in paired_columns(first.results)]
+    columns = [c for c in g.paired_columns() if c in first.paired_columns()]
     rows = []
     for title, lang, key in columns:
         moved = [abs(g.results[m][s][lang][key] / first.results[m][s][lang][key] - 1)
@@ -355,8 +347,7 @@ def hidden_geometry_table(g):
 
 
 def marginalization_table(g):
-    """Stop Jostling's gradient-norm ratios of the LR rows (runs with log_marginalization),
-    and the first two such methods compared on the same seeds."""
+    """Stop Jostling's gradient-norm ratios (runs with log_marginalization)."""
     per_seed = {}
     for method, seed, *_, out in runs_of(g.name, g.root):
         path = os.path.join(out, "marginalization.json")
@@ -414,11 +405,11 @@ def speed_table(g):
                 seconds["steps"] += (run_speeds[-1]["iter"] + 1) * ms / 1000
                 seconds["single_stage_runs"] += record["wall_s"]
         if speeds:
-            med = {k: torch.tensor([r[k] for r in speeds]).median().item()
-                   for k in ("tokens_per_s", "ms_per_iter", "mfu")}
-            rows.append((method, len(g.results.get(method, {})), f"{med['tokens_per_s']:.0f}",
-                         f"{med['ms_per_iter']:.1f}",
-                         f"{med['mfu']:.2f}" if med["mfu"] >= 0.01 else f"{med['mfu']:.1e}",
+            tokens_per_s, ms_per_iter, mfu = (
+                torch.tensor([r[k] for r in speeds]).median().item()
+                for k in ("tokens_per_s", "ms_per_iter", "mfu"))
+            rows.append((method, len(g.results.get(method, {})), f"{tokens_per_s:.0f}",
+                         f"{ms_per_iter:.1f}", f"{mfu:.2f}" if mfu >= 0.01 else f"{mfu:.1e}",
                          f"{sum(walls) / len(walls) / 60:.1f} min" if walls else "n/a"))
     header = ["method", "runs", "median tokens/s per run", "median ms/iter", "median MFU",
               "mean wall time per run"]
@@ -427,18 +418,16 @@ def speed_table(g):
 
 def peak_range(calls):
     """'measured peak of 176 GFLOP/s (float32, all cores)', or the calls' peaks per dtype."""
-    # a call stopped before any FLOPs used no peak
-    calls = [c for c in calls if c["flops"]] or calls
-    by_dtype = {}
-    for c in calls:
-        by_dtype.setdefault(c["peak_dtype"], set()).add(round(c["peak_flops"] / 1e9))
+    peaks = {}  # a call stopped before any FLOPs used no peak
+    for c in [c for c in calls if c["flops"]] or calls:
+        peaks.setdefault(c["peak_dtype"], set()).add(round(c["peak_flops"] / 1e9))
     spans = {dtype: f"{min(p)}–{max(p)}" if len(p) > 1 else str(min(p))
-             for dtype, p in by_dtype.items()}
+             for dtype, p in peaks.items()}
     if len(spans) > 1:
         return ("peaks measured at each call's start (all cores; "
                 + ", ".join(f"{dtype}: {span}" for dtype, span in spans.items()) + " GFLOP/s)")
     ((dtype, span),) = spans.items()
-    if len(by_dtype[dtype]) > 1:
+    if len(peaks[dtype]) > 1:
         return f"peaks measured at each call's start ({dtype}, all cores: {span} GFLOP/s)"
     return f"measured peak of {span} GFLOP/s ({dtype}, all cores)"
 
@@ -475,12 +464,11 @@ def speed_summary(grid, root, seconds, trained_on):
     breakdown = time_breakdown(seconds, wall if unrecorded <= 0 else None, last["workers"])
     counted = [c for c, d in zip(calls, devices)
                if c.get("flops") is not None and c.get("peak_flops") and d not in gpus]
-    if gpus and not counted:
-        return lines + ["", "Efficiency: not computed, as the runs trained on a GPU and the peak "
-                        "each call measures is its CPU's."] + breakdown
     if not counted:
-        return lines + ["", "Efficiency: not available (these runs were made before train.py "
-                        "counted the FLOPs it executes)."] + breakdown
+        why = ("not computed, as the runs trained on a GPU and the peak each call measures "
+               "is its CPU's." if gpus else "not available (these runs were made before "
+               "train.py counted the FLOPs it executes).")
+        return lines + ["", "Efficiency: " + why] + breakdown
     at_peak = sum(c["flops"] / c["peak_flops"] for c in counted)
     counted_wall = sum(c["wall_s"] for c in counted)
     scope = ""

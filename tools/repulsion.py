@@ -1,11 +1,7 @@
 """
 How much the released l2_repel's repulsion pushes on a checkpoint's states (issue 40, T6).
 
-Per block output, over the first val blocks: the median squared
-distance between two states of a sequence, the share of pairs closer
-than CLOSE, and |gradient of the repulsion| / |gradient of the norm
-term|. Why (far apart, only the norm term would act: docs/losses.md)
-and what it found: results/README.md, T6.
+What it measures per block, why, and what it found: results/README.md, T6.
 
     python -m tools.repulsion out/compare/lowres/<method>/seed1337/best.pt [more checkpoints]
 """
@@ -33,16 +29,16 @@ def repulsion_to_norm(z):
 
 
 def layer_rows(model, x):
-    """[(block, median squared distance, share closer than CLOSE,
-    repulsion / norm)] of every block's output on the tokens x (B,T)."""
+    """The table's row of every block's output on the tokens x (B,T)."""
     with torch.no_grad():
         _, hidden_states = model(x, return_hidden_states=True)
     off_diagonal = ~torch.eye(x.size(1), dtype=torch.bool)
     rows = []
     for block, z in enumerate(hidden_states[1:model.config.n_layer + 1], 1):
         squared = torch.cdist(z.double(), z.double()).square()[:, off_diagonal]
-        rows.append((block, squared.median().item(), (squared < CLOSE).double().mean().item(),
-                     repulsion_to_norm(z)))
+        close = (squared < CLOSE).double().mean().item()
+        rows.append((block, f"{squared.median().item():.0f}", f"{100 * close:.2f} %",
+                     f"{repulsion_to_norm(z):.3g}"))
     return rows
 
 
@@ -59,9 +55,7 @@ def main(argv=None):
         print(f"{path} (first {min(args.blocks, len(x))} val blocks)\n")
         header = ["block", "median squared distance", "pairs closer than 10",
                   "repulsion / norm term (gradient)"]
-        rows = [(block, f"{median:.0f}", f"{100 * close:.2f} %", f"{ratio:.3g}")
-                for block, median, close, ratio in layer_rows(model, x[:args.blocks])]
-        print("\n".join(markdown_table(header, rows)) + "\n")
+        print("\n".join(markdown_table(header, layer_rows(model, x[:args.blocks]))) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,6 @@
 """
-Runs a grid's training runs for tools/compare.py: train.py processes,
-`workers` at a time on cores/workers threads each, each run archived as
-it finishes; wall.json keeps one record per call. How a call runs,
+Runs a grid's training runs for tools/compare.py, `workers` train.py
+processes at a time, and archives each as it finishes. How a call runs,
 reuses, refuses and records its runs: docs/runs.md#a-grids-runs.
 """
 
@@ -22,7 +21,7 @@ from tqdm import tqdm
 from checkpoint import load_with_weights
 from errors import UsageError, UserError
 from tools import identity
-from tools.grids import GRID_ARGS, POOLABLE, UNRECORDED_RUNS, run_dir, runs_of, stages
+from tools.grids import GRID_ARGS, POOLABLE, UNRECORDED_RUNS, run_dir, runs_of
 from tools.identity import read_json
 from utils import (atomic_write, choose_device, measure_matmul_flops, read_log, save_json,
                    save_text)
@@ -41,16 +40,13 @@ def stage_dir(out_dir, stage, stages):
 
 
 def launch(config, seed, out_dir, threads, overrides):
-    """One run (a train.py process per stage); returns its wall time,
-    the time earlier calls spent on it (stopped_wall.json) included. A
-    run finished meanwhile is skipped; one an earlier call stopped goes on
-    from its last checkpoint, a chain from its first unfinished stage."""
+    """Train one run (a train.py process per unfinished stage); its wall
+    time counts earlier calls' (stopped_wall.json)."""
     if has_metrics(out_dir):
-        return 0.0
+        return
     t0 = time.time()
     stopped_path = os.path.join(out_dir, "stopped_wall.json")
     earlier = read_json(stopped_path)["wall_s"] if os.path.exists(stopped_path) else 0.0
-    os.makedirs(out_dir, exist_ok=True)
     identity.mark_start(out_dir)
     planned = planned_commands(config, seed, overrides)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
@@ -69,18 +65,16 @@ def launch(config, seed, out_dir, threads, overrides):
                 run_stage(cmd, directory, env)
             flops += run_flops(directory) or 0
     except BaseException:
-        os.makedirs(out_dir, exist_ok=True)
         save_json({"wall_s": earlier + time.time() - t0}, stopped_path)
         raise
-    wall = earlier + time.time() - t0
-    save_json({"wall_s": wall, "threads": threads, "commands": commands, "flops": flops,
+    save_json({"wall_s": earlier + time.time() - t0, "threads": threads,
+               "commands": commands, "flops": flops,
                "identity": identity.record(commands),
                "provenance": identity.provenance(commands, identity.started(out_dir))},
               os.path.join(out_dir, "run.json"))
-    return wall
 
 
-# The train.py processes of this call, which run_grid stops on Ctrl-C or SIGTERM
+# this call's train.py processes, which run_grid stops on Ctrl-C or SIGTERM
 _running = set()
 _running_lock = threading.Lock()
 _stopping = threading.Event()
@@ -91,7 +85,7 @@ class Stopped(Exception):
 
 
 class RunFailed(UserError):
-    """A train.py process of the grid ended with an error (its own line is in its train.out)."""
+    """A train.py process of the grid ended with an error."""
 
 
 def run_stage(cmd, directory, env):
@@ -100,14 +94,14 @@ def run_stage(cmd, directory, env):
     resume = os.path.exists(os.path.join(directory, "ckpt.pt"))
     if resume:
         cmd = [a for a in cmd if not a.startswith("--init_from=")] + ["--init_from=resume"]
-    else:  # without a checkpoint, whatever an earlier attempt left here (a log) is replaced
+    else:  # without a checkpoint, an earlier attempt's log is replaced
         cmd = cmd + ["--overwrite=True"]
     train_out = os.path.join(directory, "train.out")
     with open(train_out, "a" if resume else "w") as out:
         with _running_lock:  # so a process is either never started or stopped
             if _stopping.is_set():
                 raise Stopped()
-            # its own session: a terminal's Ctrl-C reaches compare.py only, which stops the runs
+            # its own session: a terminal's Ctrl-C reaches compare.py only
             process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
                                        start_new_session=True)
             _running.add(process)
@@ -116,9 +110,9 @@ def run_stage(cmd, directory, env):
         finally:
             with _running_lock:
                 _running.discard(process)
-    if code != 0 and _stopping.is_set():  # it saved a checkpoint to go on from
+    if code and _stopping.is_set():  # it saved a checkpoint to go on from
         raise Stopped()
-    if code != 0:
+    if code:
         raise RunFailed(
             f"run {directory} failed (train.py exit status {code}): {last_line(train_out)}; "
             f"its whole output: {train_out}. The grid's other runs were stopped at a "
@@ -136,8 +130,8 @@ def last_line(path):
 
 
 def stop_runs():
-    """Start no new run and stop the running ones (SIGTERM: each saves its
-    step); returns how many were running."""
+    """Start no new run and stop the running ones (SIGTERM: each saves
+    its step); returns how many were running."""
     with _running_lock:
         _stopping.set()
         running = list(_running)
@@ -149,22 +143,24 @@ def stop_runs():
 
 
 def run_identity(commands):
-    """Two runs are the same run when their commands are, less where they
-    write, their threads and a chain's link to its previous stage."""
+    """What two runs share when they are the same run: their commands,
+    less where they write, their threads and a chain's link."""
     skip = ("--out_dir=", "--num_threads=", "--init_from=")
     return json.dumps([[a for a in cmd[1:] if not a.startswith(skip)] for cmd in commands])
 
 
 def planned_commands(config, seed, overrides):
-    return [[sys.executable, "train.py", c, f"--seed={seed}", *overrides] for c in stages(config)]
+    """Each stage's train.py command (config: a file, or a chain's tuple)."""
+    chain = config if isinstance(config, tuple) else (config,)
+    return [[sys.executable, "train.py", c, f"--seed={seed}", *overrides] for c in chain]
 
 
 def finished_runs(root, needed):
-    """{run identity: directory} of the finished runs under root that hold the files `needed`."""
+    """{run_identity: directory} of root's finished runs with `needed`."""
     finished = {}
     for dirpath, dirnames, files in os.walk(root):
         dirnames[:] = [d for d in dirnames if not d.endswith(".tmp")]
-        if "run.json" in files and all(name in files for name in needed):
+        if {"run.json", *needed} <= set(files):
             record = read_json(os.path.join(dirpath, "run.json"))
             finished.setdefault(run_identity(record["commands"]), dirpath)
     return finished
@@ -173,7 +169,7 @@ def finished_runs(root, needed):
 def copy_run(source, dest, reevaluate=False):
     """Copy a finished run's folder to dest (through dest.tmp), run.json
     recording where it came from; reevaluate: score its best.pt with
-    today's evaluate.py, so that its metrics.json has every metric."""
+    today's evaluate.py."""
     tmp = dest + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(source, tmp)
@@ -193,14 +189,12 @@ def copy_run(source, dest, reevaluate=False):
 def evaluated_today(directory):
     """Whether a run's metrics.json has what today's evaluate.py writes."""
     metrics = read_json(os.path.join(directory, "metrics.json"))
-    return all(key in metrics for key in ("geometry", "flops"))
+    return {"geometry", "flops"} <= metrics.keys()
 
 
 def reuse_identical(grid, todo, root, archive, overrides):
-    """Copy rather than train a run another grid already made (the same
-    commands): from root, re-evaluated, or, in a fresh checkout, its
-    archived files if evaluated_today (an older one, its checkpoint gone,
-    is trained again). Returns the pairs reused."""
+    """Copy rather than train the runs of todo another grid already made
+    (docs/runs.md#running-them); returns the (method, seed) pairs reused."""
     with_checkpoints = finished_runs(root, ("best.pt", "metrics.json"))
     archived = finished_runs(archive, ("metrics.json",))
     reused = []
@@ -272,7 +266,6 @@ def machine_peak():
 def archive_run(out_dir, dest):
     """Copy what the tables need into the archive: the metric files, the
     log thinned to every evaluation and every 50th step."""
-    os.makedirs(dest, exist_ok=True)
     for name in ("metrics.json", "marginalization.json", "run.json"):
         source = os.path.join(out_dir, name)
         if os.path.exists(source):
@@ -325,24 +318,22 @@ class UnlikeRuns(UsageError):
 
 
 def check_like(grid, folder, overrides, only=None):
-    """Raise UnlikeRuns when a finished run of the grid in folder was
-    trained with other keys than its config with these overrides gives,
-    or has no run.json and is not in grids.UNRECORDED_RUNS."""
+    """Raise UnlikeRuns for a run of the grid in folder trained with
+    other keys than this call's (docs/runs.md#which-runs-a-table-may-pair)."""
     cpu_of_grid = identity.grid_cpu(folder, grid)
     for method, seed, config, args, directory in chosen_runs(grid, folder, only):
         planned = identity.training_keys(planned_commands(config, seed, [*args, *overrides]))
         if not has_metrics(directory):  # a stopped run goes on from its checkpoint's config
             difference = stopped_difference(directory, planned)
         else:
-            found = identity.of_run(directory, cpu_of_grid)
-            if found is None and (method, seed) not in UNRECORDED_RUNS.get(grid, ()):
+            found = identity.of_run(directory, cpu_of_grid) or {}
+            if not found and (method, seed) not in UNRECORDED_RUNS.get(grid, ()):
                 raise UnlikeRuns(
                     f"{directory} ({method}, seed {seed}) has a metrics.json but no run.json: "
                     "what trained it is not recorded, so it cannot be paired; train it again "
                     "(move the folder aside) or compare without it (--seeds)")
-            difference = None
-            if found is not None and found["training"] is not None:
-                difference = identity.first_difference(found["training"], planned)
+            trained = found.get("training")
+            difference = trained and identity.first_difference(trained, planned)
         if difference:
             raise UnlikeRuns(
                 f"{directory} ({method}, seed {seed}) was trained with {difference}: the table "
@@ -351,7 +342,7 @@ def check_like(grid, folder, overrides, only=None):
 
 
 def stopped_difference(out_dir, planned):
-    """first_difference of the stage a stopped run would go on from (its ckpt.json), or None."""
+    """first_difference of the stage a stopped run goes on from, or None."""
     for stage, keys in enumerate(planned):
         directory = stage_dir(out_dir, stage, len(planned))
         path = os.path.join(directory, "ckpt.json")
@@ -362,20 +353,19 @@ def stopped_difference(out_dir, planned):
 
 
 class UnpooledRuns(UserError):
-    """A pair of runs from other code or another machine, in a grid that
-    does not declare them poolable (grids.POOLABLE)."""
+    """Runs a table would pair across code or machines: refused, one line."""
 
 
 def check_pooled_call(grid, archive, only=None):
-    """Raise UnpooledRuns when a run this call would train shares its seed
-    with an archived run of other code or another CPU model, unless the
-    grid is in grids.POOLABLE."""
+    """Raise UnpooledRuns when a run this call would train shares its
+    seed with an archived run of other code or another CPU model, unless
+    the grid is in grids.POOLABLE."""
     if grid in POOLABLE:
         return
     here = (identity.current_code(), identity.cpu_name())
     cpu_of_grid = identity.grid_cpu(archive, grid)
     machines = {(m, s): identity.machine(identity.of_run(d, cpu_of_grid))
-                for m, s, *_, d in runs_of(grid, archive) if has_metrics(d)}  # the archived runs'
+                for m, s, *_, d in runs_of(grid, archive) if has_metrics(d)}
     for method, seed, *_ in chosen_runs(grid, archive, only):
         if (method, seed) in machines:
             continue
@@ -390,7 +380,7 @@ def check_pooled_call(grid, archive, only=None):
                     "why its runs pool")
 
 
-def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
+def run_grid(grid, root, workers, overrides, archive, only=None):
     """Train the grid's unfinished runs (only: the (method, seed) pairs
     to train), archiving each as it finishes; returns the wall time."""
     chosen = chosen_runs(grid, root, only)
@@ -457,8 +447,8 @@ def run_grid(grid, root, workers, overrides, archive="results/runs", only=None):
 
 
 def record_call(path, record):
-    """Write a call's record into wall.json, in place of the one with its
-    `call` id (a grid's wall time sums its calls')."""
+    """Write a call's record into wall.json, in place of the one with
+    its `call` id."""
     calls = grid_calls(path)
     ids = [c.get("call") for c in calls]
     if "call" in record and record["call"] in ids:

@@ -1,8 +1,7 @@
 """
-The grids' tests: the paired t-test with Holm's correction for the papers'
-claims, exact tests for rates and paired yes/no outcomes. No scipy: the t
-distribution comes from the regularized incomplete beta function.
-The tests, their rules and why exact: docs/statistics.md.
+The grids' tests, without scipy: the paired t-test with Holm's correction
+for the papers' claims, exact tests for rates and paired yes/no outcomes.
+Their rules and why exact: docs/statistics.md.
 """
 
 import math
@@ -181,8 +180,8 @@ def fisher_exact(k1, n1, k2, n2):
 
 
 def fisher_verdict(k1, n1, k2, n2, words):
-    """(fisher_exact's p, words[0] if p < 0.05 and k1 / n1 is the higher
-    rate, words[1] if it is the lower, words[2] if p >= 0.05)."""
+    """(fisher_exact's p, words[0], [1] or [2]: p < 0.05 and k1 / n1 the
+    higher rate, the lower, or p >= 0.05)."""
     p = fisher_exact(k1, n1, k2, n2)
     if p >= 0.05:
         return p, words[2]

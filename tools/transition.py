@@ -1,8 +1,9 @@
 """
-The Stop Jostling transition, from the jostling grid's archived runs: how often CE and margin 0.6
-make it, whether the initialisation or the data order decides it (the grid's factorial), and what
-the LR rows do meanwhile (twin_cos). tools/report.py puts these sections into results/jostling.md
-and writes transition.json (every run's values) beside the runs. The analysis: docs/statistics.md.
+The Stop Jostling transition from the jostling grid's archived runs:
+how often CE and margin 0.6 make it, whether the initialisation or the
+data order decides it, and what twin_cos does meanwhile. tools/report.py
+puts these sections into results/jostling.md and writes transition.json
+beside the runs. The analysis: docs/statistics.md.
 """
 
 import math
@@ -23,6 +24,7 @@ THRESHOLDS = (0.38, 0.39, 0.40, 0.41, 0.42, 0.43, 0.44, 0.45)  # the sweep besid
 DEPARTURE_NATS = 0.1
 OTHER_ORDER = ", data order of "  # the factorial's methods: f"{FACTORIAL_METHOD}{OTHER_ORDER}{seed}"
 RAISES = ("thresholding raises the rate", "thresholding lowers the rate", "no difference shown")
+DECIDES = ("the initialisation decides", "the data order decides")
 
 
 def crosses(metrics, threshold=TRANSITION_LR_ACCURACY):
@@ -51,8 +53,7 @@ def factorial_verdict(cells):
     (k1, n1), (k2, n2) = cells[("C", "N")], cells[("N", "C")]
     if not n1 or not n2:
         return None, "not enough runs yet"
-    return fisher_verdict(k1, n1, k2, n2, ("the initialisation decides",
-                                           "the data order decides", "neither shown to decide"))
+    return fisher_verdict(k1, n1, k2, n2, (*DECIDES, "neither shown to decide"))
 
 
 def twin_curves(g):
@@ -103,19 +104,18 @@ def findings(g):
              f"{TRANSITION_LR_ACCURACY}. Rates: k of n seeds, with the exact (Clopper-Pearson) 95 % "
              "interval; two rates are compared with Fisher's exact test (two-sided). Produced by "
              "`python -m tools.compare jostling` (tools/transition.py).", ""]
-    record = {"threshold": TRANSITION_LR_ACCURACY, "runs": []}
-    rates = {}
-    rows = []
-    for method in RATE_METHODS:
-        per_seed = g.results.get(method, {})
-        made = sorted(seed for seed, m in per_seed.items() if crosses(m))
-        if per_seed:
-            rates[method] = (len(made), len(per_seed))
-            rows.append((method, len(per_seed), rate_cell(*rates[method]),
-                         ", ".join(map(str, made)) or "—"))
-        record["runs"] += [{"method": method, "seed": seed, "data_seed": seed,
-                            "lr_accuracy": m["low"]["accuracy"], "crossed": crosses(m)}
-                           for seed, m in sorted(per_seed.items())]
+    runs = factorial_runs(g)
+    record = [(method, seed, seed, m["low"]["accuracy"], crosses(m))
+              for method in RATE_METHODS
+              for seed, m in sorted(g.results.get(method, {}).items())]
+    record += [("factorial", *run) for run in runs if run[0] != run[1]]
+    keys = ("method", "seed", "data_seed", "lr_accuracy", "crossed")
+    rates = {m: count(g.results[m], TRANSITION_LR_ACCURACY)
+             for m in RATE_METHODS if g.results.get(m)}
+    made = {m: [seed for method, seed, _, _, crossed in record if method == m and crossed]
+            for m in rates}
+    rows = [(m, n, rate_cell(k, n), ", ".join(map(str, made[m])) or "—")
+            for m, (k, n) in rates.items()]
     lines += markdown_table(("method", "seeds", "makes it: k of n, rate [95 % CI]",
                              "seeds that make it"), rows)
     if len(rates) == 2:
@@ -125,13 +125,12 @@ def findings(g):
                       f"{p:.3g} ({n1} and {n2} seeds): **{word}** (rule: p < 0.05 decides, the sign "
                       f"says which way). Were the rates {POWER_RATE} and 0, {seeds_for_power()} "
                       "seeds per method would give Fisher's p < 0.05 with 80 % probability (exact, "
-                      "over the binomial outcomes)."]
-        lines += threshold_lines(g)
-    runs = factorial_runs(g)
-    lines += factorial_lines(runs)
-    record["runs"] += [{"method": "factorial", "seed": i, "data_seed": d, "lr_accuracy": acc,
-                        "crossed": c} for i, d, acc, c in runs if i != d]
-    return lines + curve_lines(g) + [""], record
+                      "over the binomial outcomes).", "",
+                  f"The threshold {TRANSITION_LR_ACCURACY} is a choice; the same counts at others:",
+                  "", *threshold_table(g)]
+    lines += factorial_lines(runs) + curve_lines(g) + [""]
+    return lines, {"threshold": TRANSITION_LR_ACCURACY,
+                   "runs": [dict(zip(keys, run)) for run in record]}
 
 
 def factorial_lines(runs):
@@ -208,29 +207,28 @@ def run_label(method, seed):
     return f"{seed}/{method.rsplit(' ', 1)[1]}" if OTHER_ORDER in method else str(seed)
 
 
-def seeds_for_power(rate=POWER_RATE, power=0.8):
-    """The fewest seeds per method at which rates of `rate` and 0 give Fisher's p < 0.05 with
-    probability `power` (exact over the first method's outcomes, the second at 0 of n)."""
+def seeds_for_power():
+    """The fewest seeds per method at which rates of POWER_RATE and 0 give Fisher's p < 0.05
+    with probability 0.8 (exact over the first method's outcomes, the second at 0 of n)."""
     n = 1
-    while sum(math.comb(n, k) * rate ** k * (1 - rate) ** (n - k) for k in range(n + 1)
-              if fisher_exact(k, n, 0, n) < 0.05) < power:
+    while sum(math.comb(n, k) * POWER_RATE ** k * (1 - POWER_RATE) ** (n - k)
+              for k in range(n + 1) if fisher_exact(k, n, 0, n) < 0.05) < 0.8:
         n += 1
     return n
 
 
-def threshold_lines(g):
-    """How the rates and Fisher's p move with the threshold (the one stated is a choice)."""
+def threshold_table(g):
+    """How the rates and Fisher's p move with the threshold."""
     rows = []
     for threshold in THRESHOLDS:
         (k2, n2), (k1, n1) = (count(g.results[method], threshold) for method in RATE_METHODS)
         rows.append((f"{threshold:.2f}", f"{k2} of {n2}", f"{k1} of {n1}",
                      f"{fisher_exact(k1, n1, k2, n2):.3g}"))
-    return ["", f"The threshold {TRANSITION_LR_ACCURACY} is a choice; the same counts at others:",
-            "", *markdown_table(("LR accuracy threshold", *RATE_METHODS, "Fisher's exact p"), rows)]
+    return markdown_table(("LR accuracy threshold", *RATE_METHODS, "Fisher's exact p"), rows)
 
 
 def per_initialisation_lines(runs):
-    """The factorial counted per initialisation (runs sharing one are not independent)."""
+    """The factorial counted per initialisation (docs/statistics.md: why)."""
     by_init = {}
     for init, data, _, is_crossing in runs:
         if init != data:
@@ -242,8 +240,7 @@ def per_initialisation_lines(runs):
     k1, k2 = (sum(all(by_init[i]) for i in group) for group in groups)
     n1, n2 = map(len, groups)
     cells = ", ".join(f"{i}: {sum(by_init[i])} of {len(by_init[i])}" for i in sorted(by_init))
-    p, word = fisher_verdict(k1, n1, k2, n2, ("the initialisation decides",
-                                              "the data order decides", "not shown at this size"))
+    p, word = fisher_verdict(k1, n1, k2, n2, (*DECIDES, "not shown at this size"))
     return ["", f"Per initialisation (runs with another seed's data order that make it: {cells}): {k1} of "
                 f"{n1} crossing initialisations make it in every run, against {k2} of {n2} non-crossing "
                 f"ones, Fisher's exact p = {p:.3g}: **{word}**. The {n1} crossing initialisations were "
@@ -252,22 +249,26 @@ def per_initialisation_lines(runs):
 
 
 def twin_figure(g, results_dir):
-    """marked_figure of every run's twin_cos (CE, margin 0.6, the factorial: a panel each)."""
+    """marked_figure of CE, margin 0.6 and the factorial (a panel each)."""
+    def panel(method):
+        if method in RATE_METHODS:
+            return method
+        return "factorial (init/data)" if OTHER_ORDER in method else None
+    return marked_figure(g, results_dir, panel, run_label, TRANSITION_LR_ACCURACY,
+                         "make the transition")
+
+
+def marked_figure(g, results_dir, panel, label, threshold, marked):
+    """[(title, path)] of the twin_cos curves of g's runs, a panel per
+    panel(method) (None: left out), those that reach threshold in red;
+    [] without curves or matplotlib."""
     panels = {}
     for method, per_seed in twin_curves(g).items():
-        title = (method if method in RATE_METHODS else
-                 "factorial (init/data)" if OTHER_ORDER in method else None)
-        if title is not None:
+        if panel(method) is not None:
             for seed, curve in per_seed.items():
-                marked = crosses(g.results[method][seed])
-                panels.setdefault(title, {})[run_label(method, seed)] = (*curve, marked)
-    return marked_figure(panels, results_dir, "jostling", "make the transition")
-
-
-def marked_figure(panels, results_dir, name, marked):
-    """[(title, path)] of the twin_cos curves in panels, the runs that `marked` in red; [] without
-    curves or matplotlib."""
-    path = os.path.join(results_dir, "figures", f"{name}_twin_cosine.png")
+                crossed = crosses(g.results[method][seed], threshold)
+                panels.setdefault(panel(method), {})[label(method, seed)] = (*curve, crossed)
+    path = os.path.join(results_dir, "figures", f"{g.name}_twin_cosine.png")
     path = figures.marked_curves(panels, path, "twin_cos")
     return [("Mean cosine of each LR row with its HR twin at every evaluation (runs that "
              f"{marked} in red)", path)] if path else []
@@ -308,16 +309,12 @@ def per_seed_table(g):
 
 
 def departures(g, method, made):
-    """{seed in made: the first step at which its LR val loss is DEPARTURE_NATS below that of
-    every seed of the method not in made (None if never, or if every seed is in made)}."""
-    curves = {}
-    for seed, run in g.runs[method].items():
-        curves[seed] = dict(val_curve(run["dir"], "val_low"))
-    others = [curves[s] for s in curves if s not in made]
-    when = {}
-    for seed in made:
-        steps = [step for step in sorted(curves[seed])
-                 if others and all(step in c for c in others)
-                 and curves[seed][step] <= min(c[step] for c in others) - DEPARTURE_NATS]
-        when[seed] = steps[0] if steps else None
-    return when
+    """{seed in made: the first step its LR val loss is DEPARTURE_NATS
+    below that of every seed of the method not in made, or None}."""
+    curves = {seed: dict(val_curve(run["dir"], "val_low")) for seed, run in g.runs[method].items()}
+    others = [c for seed, c in curves.items() if seed not in made]
+    return {seed: next((step for step in sorted(curves[seed])
+                        if others and all(step in c for c in others)
+                        and curves[seed][step] <= min(c[step] for c in others) - DEPARTURE_NATS),
+                       None)
+            for seed in made}
