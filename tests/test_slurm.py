@@ -198,7 +198,7 @@ def test_a_hung_rank_ends_the_job_in_seconds_and_it_is_requeued_until_the_budget
     env = standins(tmp_path)
     out = tmp_path / "run"
     args = ["config/lowres_baseline.py", f"--data_dir={data_dir}", f"--out_dir={out}", *TINY, *LONG,
-            "--collective_timeout=20", "--checkpoint_interval=10"]
+            "--collective_timeout=30", "--checkpoint_interval=10"]
     result, seconds = hang_rank_1(submit("train_nodes.sbatch", env, *args), out, 40)
     assert result.returncode != 0, result.stderr[-3000:]  # torchrun's 1, or a killed task's
     # torchrun puts "[rank0]:" before its workers' lines
@@ -208,8 +208,8 @@ def test_a_hung_rank_ends_the_job_in_seconds_and_it_is_requeued_until_the_budget
     assert "behind: rank 1" in line or "no rank is behind" in line
     hangs = tmp_path / "slurm-4242.hangs"
     assert line in hangs.read_text().splitlines()
-    # within collective_timeout (a step: 20 median steps, at least 2 s), then 2 s of the stand-in
-    assert seconds < 35, (seconds, line)
+    # within collective_timeout (a step: 20 median steps, at least a tenth of it), then the stand-in's 2 s
+    assert seconds < 45, (seconds, line)
     assert (tmp_path / "standin.log").read_text().count("requeue 4242") == 1
     # the requeued job: the same command, from the last checkpoint; it hangs again, and with a budget
     # of two hangs in a row it is not requeued
