@@ -364,7 +364,9 @@ def mean_over_processes(values):
     return sum_over_processes(values) / world_size()
 
 
-_host_group = None  # a gloo group beside NCCL's, for votes on host values
+# NCCL runs: a gloo group beside it for votes on host values; gloo runs
+# vote in the default group (None)
+_host_group = None
 
 
 def max_over_processes(number):
