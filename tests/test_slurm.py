@@ -114,7 +114,9 @@ def test_the_node_script_binds_cpus_passes_the_warning_on_and_requeues(tmp_path,
     result = finish(job, check=False)
     seconds = time.time() - signalled
     finish(*reference)
-    assert result.returncode == 1, result.stderr[-3000:]  # torchrun's exit after a clean stop
+    # torchrun's exit after a clean stop; or SIGTERM's, where srun --kill-on-bad-exit ended the other
+    # node's torchrun first (its worker had saved: every rank leaves the barrier after the save)
+    assert result.returncode in (1, 143), result.stderr[-3000:]
     step = json.loads((stopped / "ckpt.json").read_text())["iter_num"]
     assert 40 <= step < 200 and f"stopped by SIGUSR1 at step {step};" in result.stdout
     assert max(train_losses(stopped)) == step - 1  # every step trained before the stop is in ckpt.pt
